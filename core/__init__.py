@@ -1,0 +1,33 @@
+"""specdec: speculative decoding for Llama-family models on PaddlePaddle.
+
+The public API: :class:`LLM` and :class:`SamplingParams` to generate; :class:`Proposer`,
+:class:`ProposalBatch`, :class:`Drafts`, :class:`VerifyStrategy`, :class:`AcceptPolicy`,
+:class:`AttentionBackend` and the ``hookimpl`` marker to write plugins.
+"""
+
+from .attention import AttentionBackend, AttentionMetadata
+from .errors import ConfigError, PluginError, SpecdecError
+from .hookspecs import hookimpl
+from .proposer import Drafts, ProposalBatch, ProposalRequest, Proposer
+from .sampling import SamplingParams
+from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM", "SamplingParams", "SpeculativeConfig", "Proposer", "ProposalBatch", "ProposalRequest",
+    "Drafts", "VerifyStrategy", "AcceptPolicy", "VerifyInputs", "VerifyResult", "BatchSampling",
+    "AttentionBackend", "AttentionMetadata", "hookimpl", "SpecdecError", "ConfigError", "PluginError",
+]
+
+
+def __getattr__(name):
+    # LLM pulls in paddle; load it only when asked so that `specdec plugins` and config
+    # validation work (and fail with a clear message) without paddle.
+    if name == "LLM":
+        from .api import LLM
+        return LLM
+    if name == "SpeculativeConfig":
+        from .config import SpeculativeConfig
+        return SpeculativeConfig
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")

@@ -1,0 +1,35 @@
+"""Errors that reach users as one line (exit code 2 on the CLI, HTTP 400 on the server)."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class SpecdecError(Exception):
+    """A user-facing error: its message is one line, printed without a traceback."""
+
+
+class ConfigError(SpecdecError):
+    """Bad configuration: the message names the key path and the problem."""
+
+
+class PluginError(SpecdecError):
+    """A plugin problem: unknown name, duplicate name, or a plugin that failed to load."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """Return ``" (did you mean 'x'?)"`` for the closest choice, or an empty string."""
+    matches = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{matches[0]}'?)" if matches else ""
+
+
+def require_paddle():
+    """Import paddle, or raise a one-line error naming the extra that installs it."""
+    try:
+        import paddle  # noqa: F401
+    except ImportError as exc:
+        raise SpecdecError(
+            "paddle is not installed: pip install 'specdec[cpu]' (or 'specdec[gpu]' on a CUDA machine)"
+        ) from exc
+    return paddle

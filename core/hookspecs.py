@@ -1,0 +1,81 @@
+"""The four extension points of specdec: the contract third-party plugins are written against.
+
+A plugin is a module (or package) that an installed distribution declares in the entry-point
+group ``specdec``::
+
+    [project.entry-points.specdec]
+    mine = "specdec_plugin_mine"
+
+and that implements one or more of the hooks below with the ``specdec.hookimpl`` marker.
+Every built-in method, verify strategy, accept policy and attention backend travels the very
+same path: it is an entry point of the ``specdec`` distribution.
+
+Each hook receives ``register``, a callable that takes a class. The class carries a unique
+``NAME`` (the string users write in their configuration) and, optionally, an attrs class
+``Config`` whose fields become flat keys of the speculative config. Registering a name that
+another plugin already registered is an error naming both providers.
+
+Registration hooks run once, when an engine (or ``specdec plugins``) builds its registry; the
+step loop then calls plain objects, never pluggy.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("specdec")
+hookimpl = pluggy.HookimplMarker("specdec")
+
+
+@hookspec
+def specdec_register_proposers(register):
+    """Register proposer classes (speculative methods such as ``ngram`` or ``suffix``).
+
+    :param register: call ``register(ProposerClass)`` once per class. The class subclasses
+        :class:`specdec.Proposer`, sets ``NAME`` (the ``method`` users select) and implements
+        ``propose(batch: specdec.ProposalBatch) -> specdec.Drafts``. It may declare an attrs
+        class ``Config``; its fields become flat keys of ``--speculative-config`` next to the
+        core keys, and the engine builds the proposer as ``ProposerClass(config, spec_config)``
+        where ``config`` is the structured ``Config`` (or ``None``) and ``spec_config`` the
+        whole :class:`specdec.SpeculativeConfig`.
+
+    Optional lifecycle methods, called by the engine on the same object:
+    ``on_request_start(request: ProposalRequest)`` when a request is admitted,
+    ``on_step(batch: ProposalBatch, accepted: list[numpy.ndarray])`` after every step with the
+    tokens each request appended, and ``on_request_finish(request_id: str)`` when a request ends.
+    """
+
+
+@hookspec
+def specdec_register_verify_strategies(register):
+    """Register verify strategies (``verify_strategy`` in the config).
+
+    :param register: call ``register(StrategyClass)`` once per class. The class subclasses
+        :class:`specdec.VerifyStrategy`, sets ``NAME`` and implements
+        ``verify(inputs: specdec.VerifyInputs) -> specdec.VerifyResult``, deciding for the whole
+        batch how many drafts each request keeps and which target token follows them. A
+        strategy that declares an attrs ``Config`` gets its fields as flat config keys.
+    """
+
+
+@hookspec
+def specdec_register_accept_policies(register):
+    """Register accept policies (``accept_policy`` in the config).
+
+    :param register: call ``register(PolicyClass)`` once per class. The class subclasses
+        :class:`specdec.AcceptPolicy`, sets ``NAME`` and implements
+        ``apply(result: specdec.VerifyResult, drafts: specdec.Drafts) -> specdec.VerifyResult``,
+        which may override the verify strategy's decision (``accept_all`` keeps every draft,
+        ``reject_all`` keeps none) for testing and measurement.
+    """
+
+
+@hookspec
+def specdec_register_attention_backends(register):
+    """Register attention backends (``attention_backend`` in the engine config).
+
+    :param register: call ``register(BackendClass)`` once per class. The class subclasses
+        :class:`specdec.AttentionBackend`, sets ``NAME`` and implements ``forward`` over the
+        packed query rows of a step and the request's KV cache. ``paddle`` is the reference
+        backend every faster backend is tested against.
+    """

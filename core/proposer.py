@@ -1,0 +1,143 @@
+"""The proposer contract: what a speculative method receives each step and what it returns.
+
+A proposer drafts up to ``max_draft_len`` tokens per request; the target model then verifies
+all of them in one forward pass. Third-party methods subclass :class:`Proposer` and register
+it through the ``specdec_register_proposers`` hook (see :mod:`specdec.hookspecs`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional, Sequence
+
+import attrs
+import numpy as np
+
+#: Value written into the padding of ``Drafts.token_ids``; never a real token id.
+DRAFT_PAD = -1
+
+
+@attrs.define(slots=True)
+class ProposalRequest:
+    """One request as a proposer sees it.
+
+    :ivar request_id: unique id of the request for the lifetime of the engine.
+    :ivar token_ids: int64 numpy array, the prompt tokens followed by every generated token.
+        It is a read-only view into the engine's buffer: do not keep it across steps.
+    :ivar num_prompt_tokens: how many of ``token_ids`` are the prompt.
+    :ivar max_draft_len: the most drafts the engine will verify for this request this step
+        (0 means: propose nothing).
+    """
+
+    request_id: str
+    token_ids: np.ndarray
+    num_prompt_tokens: int
+    max_draft_len: int
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@attrs.define(slots=True)
+class ProposalBatch:
+    """The requests of one step, in the order of the batch dimension of the returned drafts."""
+
+    requests: list[ProposalRequest]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def max_draft_len(self) -> int:
+        return max((r.max_draft_len for r in self.requests), default=0)
+
+
+@attrs.define(slots=True)
+class Drafts:
+    """Draft tokens for a batch: a padded ``[B, k]`` int64 array plus per-request lengths.
+
+    :ivar token_ids: ``[B, k]`` int64, row ``b`` holds ``lengths[b]`` drafts then ``DRAFT_PAD``.
+    :ivar lengths: ``[B]`` int64, the number of drafts of each request.
+    :ivar probs: optional ``[B, k, V]`` float32, the proposer's distribution each draft was
+        sampled from. The ``rejection`` verify strategy uses it; without it, drafts count as
+        deterministic (one-hot), which is right for lookup methods such as ngram.
+    """
+
+    token_ids: np.ndarray
+    lengths: np.ndarray
+    probs: Optional[np.ndarray] = None
+
+    @classmethod
+    def from_lists(cls, drafts: Sequence[Sequence[int]], probs: Optional[np.ndarray] = None) -> "Drafts":
+        """Build drafts from one list of token ids per request (lists may differ in length)."""
+        lengths = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+        width = int(lengths.max()) if len(drafts) else 0
+        token_ids = np.full((len(drafts), width), DRAFT_PAD, dtype=np.int64)
+        for row, draft in enumerate(drafts):
+            if len(draft):
+                token_ids[row, : len(draft)] = draft
+        return cls(token_ids=token_ids, lengths=lengths, probs=probs)
+
+    @classmethod
+    def empty(cls, batch_size: int) -> "Drafts":
+        """No drafts for any of ``batch_size`` requests."""
+        return cls(
+            token_ids=np.full((batch_size, 0), DRAFT_PAD, dtype=np.int64),
+            lengths=np.zeros(batch_size, dtype=np.int64),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        """``k``, the padded draft width (the longest draft of the batch)."""
+        return self.token_ids.shape[1]
+
+    def to_lists(self) -> list[list[int]]:
+        return [self.token_ids[b, : self.lengths[b]].tolist() for b in range(self.batch_size)]
+
+    def clipped(self, max_lengths: np.ndarray) -> "Drafts":
+        """Return drafts with each request's length cut to ``max_lengths[b]``, pads rewritten."""
+        lengths = np.minimum(self.lengths, max_lengths).astype(np.int64)
+        width = int(lengths.max()) if len(lengths) else 0
+        token_ids = self.token_ids[:, :width].copy()
+        token_ids[np.arange(width)[None, :] >= lengths[:, None]] = DRAFT_PAD
+        probs = self.probs[:, :width] if self.probs is not None else None
+        return Drafts(token_ids=token_ids, lengths=lengths, probs=probs)
+
+
+class Proposer:
+    """Base class of speculative methods.
+
+    Subclasses set ``NAME`` and implement :meth:`propose`. They may declare an attrs class
+    ``Config``: its fields become flat keys of the speculative config, and the engine passes
+    the structured instance as ``config``. ``spec_config`` is the whole
+    :class:`specdec.config.SpeculativeConfig` (``num_speculative_tokens`` and friends).
+
+    The lifecycle methods are optional no-ops here; stateful methods (suffix trees, MTP)
+    override them to keep their state in step with the engine.
+    """
+
+    NAME: ClassVar[str] = ""
+    #: Set to True when the proposer never drafts (``naive``): the engine then forces
+    #: ``num_speculative_tokens`` to 0.
+    DRAFTS_NOTHING: ClassVar[bool] = False
+
+    def __init__(self, config=None, spec_config=None):
+        self.config = config
+        self.spec_config = spec_config
+
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        """Return drafts for every request of ``batch``, at most ``max_draft_len`` each."""
+        raise NotImplementedError
+
+    def on_request_start(self, request: ProposalRequest) -> None:
+        """Called once when a request is admitted, with its prompt as ``token_ids``."""
+
+    def on_step(self, batch: ProposalBatch, accepted: list[np.ndarray]) -> None:
+        """Called after every step; ``accepted[b]`` holds the tokens request ``b`` appended."""
+
+    def on_request_finish(self, request_id: str) -> None:
+        """Called once when a request ends (finished, stopped or cancelled)."""

@@ -1,0 +1,103 @@
+"""Verify strategies and accept policies: the contract between the target forward pass and the
+tokens a step emits.
+
+Every strategy works on the whole batch at once with numpy arrays shaped ``[B, k+1, ...]``;
+there is no per-request Python loop inside a strategy.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import numpy as np
+
+from .proposer import Drafts
+
+
+@attrs.define(slots=True)
+class BatchSampling:
+    """Per-request sampling settings of a batch, as arrays.
+
+    :ivar temperature: ``[B]`` float32; 0 means greedy (argmax).
+    :ivar top_p: ``[B]`` float32 in (0, 1]; 1 keeps everything.
+    :ivar top_k: ``[B]`` int64; 0 keeps everything.
+    :ivar uniforms: ``[B, k+1, 2]`` float64 uniforms in [0, 1) drawn from each request's own
+        seeded generator: ``[..., 0]`` for accept tests, ``[..., 1]`` for sampling a token.
+        Drawing them outside the strategy keeps every strategy reproducible under a seed.
+    """
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    uniforms: np.ndarray
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(np.all(self.temperature <= 0.0))
+
+
+@attrs.define(slots=True)
+class VerifyInputs:
+    """What a verify strategy sees.
+
+    :ivar logits: ``[B, k+1, V]`` float32 target logits. Row ``j`` of request ``b`` is the
+        target's prediction after the context plus the first ``j`` drafts; rows beyond
+        ``drafts.lengths[b]`` are padding and must be ignored.
+    :ivar drafts: the drafts being verified (``k = drafts.width``).
+    :ivar sampling: per-request sampling settings and pre-drawn uniforms.
+    """
+
+    logits: np.ndarray
+    drafts: Drafts
+    sampling: BatchSampling
+
+
+@attrs.define(slots=True)
+class VerifyResult:
+    """What a step emits for each request.
+
+    :ivar accepted_lengths: ``[B]`` int64, how many drafts each request keeps.
+    :ivar output_tokens: ``[B, k+1]`` int64; the first ``accepted_lengths[b] + 1`` entries of row
+        ``b`` are emitted: the accepted drafts, then one token chosen by the target.
+    :ivar target_tokens: ``[B, k+1]`` int64, the target's own choice at every position (argmax,
+        or a sample from its processed distribution), independent of the drafts. Accept
+        policies use it to build the token that follows the drafts they keep.
+    """
+
+    accepted_lengths: np.ndarray
+    output_tokens: np.ndarray
+    target_tokens: np.ndarray
+
+    def emitted(self, b: int) -> np.ndarray:
+        """The tokens request ``b`` appends this step."""
+        return self.output_tokens[b, : self.accepted_lengths[b] + 1]
+
+
+class VerifyStrategy:
+    """Base class of verify strategies: turn target logits + drafts into emitted tokens."""
+
+    NAME: ClassVar[str] = ""
+    #: True when the strategy's output equals plain sampling from the target (for
+    #: deterministic drafts at least). Documentation and tests rely on it.
+    LOSSLESS: ClassVar[bool] = False
+
+    def __init__(self, config=None, spec_config=None):
+        self.config = config
+        self.spec_config = spec_config
+
+    def verify(self, inputs: VerifyInputs) -> VerifyResult:
+        raise NotImplementedError
+
+
+class AcceptPolicy:
+    """Base class of accept policies: may override how many drafts a verify result keeps."""
+
+    NAME: ClassVar[str] = ""
+
+    def __init__(self, config=None, spec_config=None):
+        self.config = config
+        self.spec_config = spec_config
+
+    def apply(self, result: VerifyResult, drafts: Drafts) -> VerifyResult:
+        raise NotImplementedError
