@@ -9,27 +9,39 @@ import attrs
 
 @attrs.define(slots=True)
 class AttentionMetadata:
-    """Where the packed query rows of one step sit.
+    """Where the packed query rows of one step sit; built once per step by the engine.
 
     :ivar query_lens: per request, how many new rows it has in the packed batch.
     :ivar context_lens: per request, how many tokens its KV cache holds before this step; its
         new rows take positions ``context_lens[b] .. context_lens[b] + query_lens[b] - 1``.
-    :ivar cache_slots: per request, the index of its KV cache in the backend's cache pool.
+    :ivar cache_slots: per request, the handle :meth:`AttentionBackend.allocate` returned.
+    :ivar cu_seqlens_q: ``[B + 1]`` offsets of each request's rows in the packed array.
     """
 
     query_lens: list[int]
     context_lens: list[int]
     cache_slots: list[int]
+    cu_seqlens_q: list[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        offsets = [0]
+        for n in self.query_lens:
+            offsets.append(offsets[-1] + n)
+        self.cu_seqlens_q = offsets
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens_q[-1]
 
 
 class AttentionBackend:
-    """Base class of attention backends.
+    """Base class of attention backends: owns the KV cache and computes causal attention.
 
-    A backend owns the KV cache layout. ``allocate`` is called once per engine;
-    ``forward`` once per layer per step with the packed rows of every request in the batch:
-    it writes their keys and values into the cache at their positions, then returns causal
-    attention of each request's new rows over its cached keys (its own earlier rows included).
-    Rows a step later rejects are simply overwritten by the next step.
+    Lifecycle: ``setup`` once per engine with the model's shape; ``allocate`` when a request
+    starts (``capacity`` = the most positions it can reach) and ``free`` when it ends;
+    ``prepare`` once per step with that step's metadata; ``forward`` once per layer per step.
+    Rows a step later rejects are not removed: the next step simply overwrites them, because
+    every request's visible length is its ``context_lens`` entry.
     """
 
     NAME: ClassVar[str] = ""
@@ -38,13 +50,28 @@ class AttentionBackend:
         self.config = config
         self.engine_config = engine_config
 
-    def allocate(self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_model_len: int,
-                 num_slots: int, dtype: str) -> None:
+    def setup(self, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+              dtype: str) -> None:
         raise NotImplementedError
 
-    def forward(self, layer: int, q, k, v, meta: AttentionMetadata):
-        """``q`` is ``[T, H, D]``, ``k``/``v`` are ``[T, KVH, D]`` over all packed rows; returns ``[T, H*D]``."""
+    def allocate(self, capacity: int) -> int:
+        """Reserve a cache able to hold ``capacity`` positions; return its slot handle."""
         raise NotImplementedError
 
     def free(self, slot: int) -> None:
-        """Release the cache of a finished request (its slot may be reused)."""
+        """Release a slot (the request finished or was cancelled)."""
+        raise NotImplementedError
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build per-step state shared by all layers (masks, index arrays)."""
+
+    def forward(self, layer: int, qkv, meta: AttentionMetadata):
+        """Attention of one layer over the packed rows of a step.
+
+        :param qkv: ``[T, H + 2*KVH, D]`` paddle tensor: the query heads, then the key heads,
+            then the value heads of every packed row; RoPE is already applied to queries and
+            keys, and queries are pre-scaled by ``1/sqrt(D)``.
+        :returns: ``[T, H*D]``, each row's attention output (heads concatenated).
+        The backend first stores the rows' keys and values at their positions in the cache.
+        """
+        raise NotImplementedError

@@ -26,8 +26,16 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 
 def require_paddle():
     """Import paddle, or raise a one-line error naming the extra that installs it."""
+    import os
+    import warnings
+
+    # MKL takes a slow code path on AMD processors unless told otherwise; it reads this once,
+    # when paddle loads it.
+    os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
     try:
-        import paddle  # noqa: F401
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # paddle warns about ccache and such on import
+            import paddle  # noqa: F401
     except ImportError as exc:
         raise SpecdecError(
             "paddle is not installed: pip install 'specdec[cpu]' (or 'specdec[gpu]' on a CUDA machine)"

@@ -1,0 +1,95 @@
+"""The Python API: ``specdec.LLM``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from .config import EngineConfig, SpeculativeConfig, build_engine_config, parse_json_text
+from .engine import Engine, RequestOutput
+from .model.resolve import DEFAULT_MODEL
+from .sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LLM:
+    """Load a model once, then generate with speculative decoding.
+
+    ``speculative_config`` takes what ``--speculative-config`` takes: a dict, a JSON string
+    (or ``@file.json``), or a :class:`SpeculativeConfig`; ``None`` means plain decoding
+    (``naive``)::
+
+        llm = specdec.LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+        out = llm.generate(["def add(a, b):"], specdec.SamplingParams(max_tokens=64))
+        print(out[0].text, out[0].metrics.mean_acceptance_length)
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, speculative_config=None, *,
+                 max_model_len: Optional[int] = None, attention_backend: Optional[str] = None,
+                 seed: Optional[int] = None, max_num_seqs: Optional[int] = None,
+                 config: Optional[EngineConfig] = None, plugins=None, progress: bool = True):
+        from .plugin_manager import get_plugins
+
+        plugins = plugins if plugins is not None else get_plugins()
+        if config is None:
+            overrides = {"model": model, "max_model_len": max_model_len, "attention_backend": attention_backend,
+                         "seed": seed, "max_num_seqs": max_num_seqs}
+            config = build_engine_config(None, overrides, _spec_data(speculative_config), plugins)
+        self.engine = Engine(config, plugins=plugins, progress=progress)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig:
+        return self.engine.spec
+
+    def set_speculative_config(self, speculative_config) -> None:
+        """Switch the speculative method (dict, JSON or SpeculativeConfig) keeping the model."""
+        from .config import build_speculative_config
+
+        data = _spec_data(speculative_config) or {}
+        self.engine.set_speculative_config(build_speculative_config(data, self.engine.plugins))
+
+    def encode_prompt(self, prompt: Prompt, use_chat_template: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if use_chat_template:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+                 use_chat_template: bool = False, progress: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text, or token ids); outputs come back in prompt order.
+
+        With ``use_chat_template`` each text prompt is sent as one user message through the
+        model's chat template.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        requests = [
+            self.engine.add_request(self.encode_prompt(p, use_chat_template), sp,
+                                    prompt=p if isinstance(p, str) else None)
+            for p, sp in zip(prompts, sampling_params)
+        ]
+        return self.engine.run(requests, progress=progress)
+
+    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None) -> RequestOutput:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages)."""
+        ids = self.tokenizer.encode_chat(messages)
+        request = self.engine.add_request(ids, sampling_params or SamplingParams())
+        return self.engine.run([request])[0]
+
+
+def _spec_data(speculative_config) -> Optional[dict]:
+    if speculative_config is None:
+        return None
+    if isinstance(speculative_config, SpeculativeConfig):
+        return speculative_config.to_dict()
+    if isinstance(speculative_config, str):
+        return parse_json_text(speculative_config, "speculative_config")
+    return dict(speculative_config)

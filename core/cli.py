@@ -1,0 +1,217 @@
+"""The ``specdec`` command line: ``generate``, ``demo`` and ``plugins``.
+
+Bad input of any kind ends with one line on stderr (``error: ...``) and exit code 2; ``--debug``
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .errors import SpecdecError
+
+EXIT_USAGE = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message}\n")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file, a Hugging Face checkpoint directory, or an alias "
+                             "(default: smollm2-135m-instruct)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative settings as JSON, or @file.json, e.g. \'{"method": "ngram"}\'')
+    parser.add_argument("--config", default=None, metavar="FILE.yaml", help="engine and speculative settings")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (batch size)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .plugins_cli import add_plugins_subcommand
+
+    parser = ArgumentParser(prog="specdec", description="Speculative decoding for Llama-family models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+
+    gen = sub.add_parser("generate", help="generate text for prompts")
+    _add_engine_flags(gen)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt")
+    source.add_argument("--prompts-file", help='a JSON list of strings, or JSONL with a "prompt" key')
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="send prompts through the chat template (default: when the model has one)")
+    _add_sampling_flags(gen, max_tokens=128)
+    gen.add_argument("--output", choices=("text", "json"), default="text")
+    gen.set_defaults(func=run_generate)
+
+    demo = sub.add_parser("demo", help="the main job: ngram vs plain decoding on a code-edit prompt")
+    _add_engine_flags(demo)
+    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.set_defaults(func=run_demo)
+
+    add_plugins_subcommand(sub)
+    return parser
+
+
+# -- shared helpers --------------------------------------------------------------------------
+
+
+def build_engine_config_from_args(args, plugins):
+    from .config import ENGINE_KEYS, build_engine_config, load_yaml_file, parse_json_text
+
+    yaml_data = load_yaml_file(args.config) if args.config else None
+    overrides = {key: getattr(args, key, None) for key in ENGINE_KEYS}
+    overrides["seed"] = None  # --seed is the sampling seed of the requests
+    spec_data = parse_json_text(args.speculative_config) if args.speculative_config else None
+    config = build_engine_config(yaml_data, overrides, spec_data, plugins)
+    for notice in config.speculative.notices:
+        print(f"notice: {notice}", file=sys.stderr)
+    return config
+
+
+def _warn_plugin_errors(plugins) -> None:
+    for message in plugins.errors:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                   "top_k": "--top-k", "seed": "--seed"}
+
+
+def sampling_from_args(args):
+    from .sampling import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                              ignore_eos=args.ignore_eos)
+    except ValueError as exc:
+        message = str(exc)
+        for field, flag in _SAMPLING_FLAGS.items():
+            if message.startswith(field + " "):
+                raise SpecdecError(f"{flag}: {message[len(field) + 1:]}") from None
+        raise SpecdecError(message) from None
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecdecError(f"--prompts-file: cannot read {path}: {exc.strerror}") from None
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecdecError(f"--prompts-file: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    else:
+        prompts = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SpecdecError(f"--prompts-file: line {number}: invalid JSON at column {exc.colno}: {exc.msg}") from None
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise SpecdecError(f'--prompts-file: line {number}: expected an object with a "prompt" key')
+            prompts.append(record["prompt"])
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise SpecdecError("--prompts-file: expected a non-empty list of strings")
+    return prompts
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def run_generate(args) -> int:
+    from .api import LLM
+    from .metrics import SpecMetrics
+    from .plugin_manager import get_plugins
+
+    plugins = get_plugins()
+    _warn_plugin_errors(plugins)
+    config = build_engine_config_from_args(args, plugins)
+    sampling = sampling_from_args(args)
+    prompts = read_prompts(args)
+    llm = LLM(config=config, plugins=plugins, progress=args.progress)
+    use_chat = llm.tokenizer.has_chat_template if args.chat is None else args.chat
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling, use_chat_template=use_chat, progress=args.progress)
+    elapsed = time.perf_counter() - start
+    total_tokens = sum(o.num_generated_tokens for o in outputs)
+    metrics = SpecMetrics.total(o.metrics for o in outputs)
+    summary = {
+        "num_generated_tokens": total_tokens,
+        "elapsed_s": round(elapsed, 4),
+        "tokens_per_s": round(total_tokens / elapsed, 3) if elapsed > 0 else 0.0,
+        "metrics": metrics.to_dict(),
+    }
+    if args.output == "json":
+        json.dump({"results": [o.to_dict() for o in outputs], "summary": summary}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for output in outputs:
+            print(output.text)
+            if len(outputs) > 1:
+                print("-" * 40)
+        print(_summary_line(summary), file=sys.stderr)
+    return 0
+
+
+def _summary_line(summary: dict) -> str:
+    m = summary["metrics"]
+    return (f"{summary['num_generated_tokens']} tokens in {summary['elapsed_s']:.2f} s "
+            f"({summary['tokens_per_s']:.1f} tokens/s), mean acceptance length "
+            f"{m['mean_acceptance_length']:.2f}, acceptance rate {m['acceptance_rate']:.2f}")
+
+
+def run_demo(args) -> int:
+    from .demo import run_demo as demo
+
+    return demo(args)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = getattr(args, "debug", False) or os.environ.get("SPECDEC_DEBUG") == "1"
+    try:
+        return args.func(args)
+    except SpecdecError as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,661 @@
+"""Configuration: the engine and speculative configs, parsed strictly, with one-line errors.
+
+Users write the speculative config as the seed system (FastDeploy) does, one flat JSON object::
+
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 5, "max_ngram_size": 4}'
+
+The core keys (``method``, ``num_speculative_tokens``, ...) are the fields of
+:class:`SpeculativeConfig`; every other key belongs to the attrs ``Config`` class of the chosen
+proposer, verify strategy or accept policy, and is structured into that class. A YAML file
+(``--config``) holds the engine keys at its top level plus a ``speculative_config`` mapping.
+
+One cattrs converter structures everything. It forbids unknown keys, and its scalar hooks are
+strict: an ``int`` field takes only an int (not ``2.0``, not ``true``), a ``float`` field takes
+an int or a float, a ``str`` field only a string, a ``bool`` field only ``true``/``false``.
+Every problem becomes a :class:`~specdec.errors.ConfigError` whose message is one line:
+``<key path>: <problem>``, e.g.
+``--speculative-config.num_speculative_tokens: expected int, got float 2.9``.
+docs/config.md lists every key and every message form.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, TypeVar
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.cols import (
+    homogenous_tuple_structure_factory,
+    is_mapping,
+    is_mutable_sequence,
+    is_sequence,
+    list_structure_factory,
+    mapping_structure_factory,
+)
+from cattrs.gen import make_dict_structure_fn
+
+from .errors import ConfigError, PluginError, did_you_mean
+
+T = TypeVar("T")
+
+#: Where a speculative config written on the command line comes from (the error path root).
+SPECULATIVE_SOURCE = "--speculative-config"
+#: Where the YAML config file comes from (the error path root of its keys).
+CONFIG_SOURCE = "--config"
+
+MAX_SPECULATIVE_TOKENS = 32
+#: ``num_speculative_tokens`` of a drafting method when the config leaves it out.
+DEFAULT_SPECULATIVE_TOKENS = 5
+MAX_MODEL_STEPS = 8
+MAX_NUM_SEQS = 256
+DTYPES = ("float32", "bfloat16", "float16")
+MTP_STRATEGIES = ("default", "with_ngram")
+
+
+# --- values described the way users wrote them ------------------------------------------------
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def describe(value: Any) -> str:
+    """``float 2.9``, ``str 'abc'``, ``bool True``, ``null``, ``list``: a value in an error."""
+    if value is None or isinstance(value, (list, tuple, dict, set)):
+        return _type_name(value)
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _join(items) -> str:
+    return ", ".join(str(item) for item in items)
+
+
+# --- validators (plugin Config classes may use them too) --------------------------------------
+
+
+class InvalidValue(ValueError):
+    """Raised by the validators below; ``problem`` is the message after the key path."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__(f"{name}: {problem}")
+        self.name = name
+        self.problem = problem
+
+
+def _range_problem(low: int | float, high: int | float | None, value: Any) -> str:
+    if high is None:
+        return f"must be >= {low}, got {value}"
+    return f"must be between {low} and {high}, got {value}"
+
+
+def in_range(low: int | float, high: int | float | None = None) -> Callable:
+    """attrs validator: ``low <= value`` (``<= high`` when given); ``None`` passes."""
+
+    def check(_instance, attribute, value):
+        if value is not None and (value < low or (high is not None and value > high)):
+            raise InvalidValue(attribute.name, _range_problem(low, high, value))
+
+    return check
+
+
+def one_of(*choices: str) -> Callable:
+    """attrs validator: the value is one of ``choices``; ``None`` passes."""
+
+    def check(_instance, attribute, value):
+        if value is not None and value not in choices:
+            raise InvalidValue(attribute.name, f"must be one of {_join(choices)}, got {value!r}")
+
+    return check
+
+
+# --- the converter ----------------------------------------------------------------------------
+
+
+def _structure_int(value: Any, _type: type) -> int:
+    if type(value) is int:  # not bool, not float: 2.0 is a float
+        return value
+    raise TypeError(f"expected int, got {describe(value)}")
+
+
+def _structure_float(value: Any, _type: type) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"expected float, got {describe(value)}")
+
+
+def _structure_str(value: Any, _type: type) -> str:
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"expected str, got {describe(value)}")
+
+
+def _structure_bool(value: Any, _type: type) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"expected bool, got {describe(value)}")
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(int, _structure_int)
+    conv.register_structure_hook(float, _structure_float)
+    conv.register_structure_hook(str, _structure_str)
+    conv.register_structure_hook(bool, _structure_bool)
+
+    def attrs_class_hook(cls: type) -> Callable:
+        # cattrs' generated function, behind a check that the value is a mapping at all.
+        structure_fields = make_dict_structure_fn(cls, conv)
+
+        def structure_class(value: Any, type_: type) -> Any:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"expected a mapping, got {_type_name(value)}")
+            return structure_fields(value, type_)
+
+        return structure_class
+
+    def sequence_hook(type_: Any) -> Callable:
+        # A string is iterable, but "12" is no list of ints.
+        if is_mutable_sequence(type_):
+            structure_items = list_structure_factory(type_, conv)
+        else:
+            structure_items = homogenous_tuple_structure_factory(type_, conv)
+
+        def structure_sequence(value: Any, type_: Any) -> Any:
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"expected list, got {describe(value)}")
+            return structure_items(value, type_)
+
+        return structure_sequence
+
+    def mapping_hook(type_: Any) -> Callable:
+        structure_items = mapping_structure_factory(type_, conv)
+
+        def structure_mapping(value: Any, type_: Any) -> Any:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"expected a mapping, got {_type_name(value)}")
+            return structure_items(value, type_)
+
+        return structure_mapping
+
+    conv.register_structure_hook_factory(is_sequence, sequence_hook)
+    conv.register_structure_hook_factory(is_mapping, mapping_hook)
+    conv.register_structure_hook_factory(attrs.has, attrs_class_hook)
+    return conv
+
+
+#: The one converter of specdec: strict scalars, unknown keys forbidden.
+converter = _make_converter()
+
+
+def _leaf_errors(exc: BaseException, parts: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], BaseException]]:
+    """Yield ``(path parts, exception)`` for each leaf of a cattrs error tree, in field order.
+
+    A part is ``name`` for an attribute or mapping key and ``[i]`` for a list index.
+    """
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
+        for sub in exc.exceptions:
+            part = None
+            for note in getattr(sub, "__notes__", ()):
+                if isinstance(note, AttributeValidationNote):
+                    part = note.name
+                    break
+                if isinstance(note, IterableValidationNote):
+                    part = f"[{note.index}]" if isinstance(note.index, int) else str(note.index)
+                    break
+            yield from _leaf_errors(sub, parts if part is None else parts + (part,))
+    else:
+        yield parts, exc
+
+
+# attrs' own validators word their errors "'name' must be >= 1: 0"; the comparison ones are
+# reworded to match ours ("must be >= 1, got 0").
+_ATTRS_MESSAGE = re.compile(r"'([A-Za-z_][A-Za-z0-9_]*)' (.+)", re.DOTALL)
+_ATTRS_COMPARISON = re.compile(r"(must be [<>]=? \S+): (.+)", re.DOTALL)
+
+
+def _leaf_message(parts: tuple[str, ...], exc: BaseException) -> tuple[tuple[str, ...], str]:
+    """Turn one leaf exception into ``(path parts, problem)``."""
+    if isinstance(exc, InvalidValue):
+        return parts + (exc.name,), exc.problem
+    if isinstance(exc, ForbiddenExtraKeysError):
+        key = sorted(map(str, exc.extra_fields))[0]
+        names = [a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        return parts, _unknown_key_problem(key, names)
+    if isinstance(exc, KeyError) and exc.args:
+        # A required field (no default) that the mapping lacks: cattrs notes the field name.
+        return parts, "required key is missing"
+    message = str(exc.args[0]) if exc.args else type(exc).__name__
+    match = _ATTRS_MESSAGE.fullmatch(message) if isinstance(exc, (ValueError, TypeError)) else None
+    if match:  # move the field name into the path
+        problem = _ATTRS_COMPARISON.sub(r"\1, got \2", match.group(2))
+        return parts + (match.group(1),), problem
+    return parts, message
+
+
+def _child(path: str, part: str) -> str:
+    return path + part if part.startswith("[") else f"{path}.{part}"
+
+
+def _unknown_key_problem(key: Any, valid: list[str], hint: str = "") -> str:
+    """``unknown key 'x'`` + the hint (who owns it), else did-you-mean, else the valid keys."""
+    if hint:
+        return f"unknown key '{key}' ({hint})"
+    suggestion = did_you_mean(str(key), valid)
+    if suggestion:
+        return f"unknown key '{key}'{suggestion}"
+    return f"unknown key '{key}'; valid keys: {_join(sorted(valid))}"
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.splitlines())
+
+
+def _conversion_error(exc: BaseException, root: str, label: Callable[[str], str]) -> ConfigError:
+    """The first problem of a cattrs / validator error as ``<path>: <problem>``."""
+    parts, leaf = next(_leaf_errors(exc, ()))
+    parts, problem = _leaf_message(parts, leaf)
+    path = root
+    if parts:
+        path = label(parts[0])
+        for part in parts[1:]:
+            path = _child(path, part)
+    return ConfigError(_one_line(f"{path}: {problem}"))
+
+
+_CONVERSION_ERRORS = (ClassValidationError, IterableValidationError, ForbiddenExtraKeysError,
+                      ValueError, TypeError, KeyError)
+
+
+def structure(data: Any, cls: type[T], source: str, label: Callable[[str], str] | None = None) -> T:
+    """Structure the mapping ``data`` into the attrs class ``cls`` with the strict converter.
+
+    Errors are one-line ConfigErrors naming the first problem in field order.
+    ``source`` is the path of ``data`` itself (``--speculative-config``); ``label(key)`` gives the
+    path of a top-level key (default ``f"{source}.{key}"``).
+    """
+    _mapping(data, source)
+    try:
+        return converter.structure(data, cls)
+    except _CONVERSION_ERRORS as exc:
+        raise _conversion_error(exc, source, label or (lambda key: _child(source, key))) from None
+
+
+def _structure_value(value: Any, type_: Any, path: str) -> Any:
+    """Structure one value; ``path`` names it in the error."""
+    try:
+        return converter.structure(value, type_)
+    except _CONVERSION_ERRORS as exc:
+        raise _conversion_error(exc, path, lambda part: _child(path, part)) from None
+
+
+# --- the config classes -----------------------------------------------------------------------
+
+
+@attrs.define(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """How the engine speculates: the method, how many drafts, how they are verified.
+
+    Build it with :func:`build_speculative_config`, which resolves the names through the
+    plugin registries, fills ``num_speculative_tokens`` from the method and structures each
+    plugin's own ``Config``. A config constructed by hand has ``num_speculative_tokens=None``
+    and no plugin configs until :meth:`resolved` is called.
+
+    :ivar method: the proposer's ``NAME`` (``naive`` drafts nothing: plain decoding).
+    :ivar num_speculative_tokens: the most drafts per request and step; ``None`` means the
+        method default (5, or 0 for a method that drafts nothing).
+    :ivar num_model_steps: forward steps of an MTP / draft model per step.
+    :ivar model: path of a draft or MTP model (methods that have none ignore it).
+    :ivar quantization: quantization of the draft model.
+    :ivar verify_strategy: the verify strategy's ``NAME``.
+    :ivar accept_policy: the accept policy's ``NAME``.
+    :ivar mtp_strategy: ``default``, or ``with_ngram`` (MTP drafts, ngram fills up).
+    :ivar method_config: the proposer's structured ``Config`` (``None`` if it declares none).
+    :ivar verify_config: the verify strategy's structured ``Config``.
+    :ivar accept_config: the accept policy's structured ``Config``.
+    :ivar notices: lines for the user (the CLI prints each as ``notice: ...``), such as a
+        ``num_speculative_tokens`` forced to 0. Not part of equality.
+    """
+
+    method: str = "naive"
+    num_speculative_tokens: int | None = attrs.field(default=None, validator=in_range(0, MAX_SPECULATIVE_TOKENS))
+    num_model_steps: int = attrs.field(default=1, validator=in_range(1, MAX_MODEL_STEPS))
+    model: str | None = None
+    quantization: str | None = None
+    verify_strategy: str = "topp"
+    accept_policy: str = "normal"
+    mtp_strategy: str = attrs.field(default="default", validator=one_of(*MTP_STRATEGIES))
+    method_config: Any = None
+    verify_config: Any = None
+    accept_config: Any = None
+    notices: tuple[str, ...] = attrs.field(default=(), eq=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat form users write: core keys, then each plugin Config's fields."""
+        data = {name: getattr(self, name) for name in SPECULATIVE_KEYS}
+        for plugin_config in (self.method_config, self.verify_config, self.accept_config):
+            if plugin_config is not None:
+                data.update(converter.unstructure(plugin_config))
+        return data
+
+    def resolved(self, plugins, source: str = "speculative_config") -> "SpeculativeConfig":
+        """Validate a hand-built config against ``plugins`` and fill in what it left open."""
+        return build_speculative_config(self.to_dict(), plugins, source)
+
+
+#: The core keys of ``--speculative-config``, in documentation order.
+SPECULATIVE_KEYS = (
+    "method", "num_speculative_tokens", "num_model_steps", "model", "quantization",
+    "verify_strategy", "accept_policy", "mtp_strategy",
+)
+
+# (config key, registry attribute of Plugins, SpeculativeConfig field of the structured Config)
+_PLUGIN_SLOTS = (
+    ("method", "proposers", "method_config"),
+    ("verify_strategy", "verify_strategies", "verify_config"),
+    ("accept_policy", "accept_policies", "accept_config"),
+)
+
+
+@attrs.define(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything an engine is built from.
+
+    :ivar model: the target model: a name the model loader knows, or a path.
+    :ivar max_model_len: the longest sequence (prompt + output); ``None`` = the model's own
+        context length.
+    :ivar attention_backend: the attention backend's ``NAME``.
+    :ivar dtype: the compute dtype of weights and activations.
+    :ivar seed: the engine seed (each request's generator derives from it).
+    :ivar max_num_seqs: the most requests running at once.
+    :ivar speculative: the speculative config.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    max_model_len: int | None = attrs.field(default=None, validator=in_range(1))
+    attention_backend: str = "paddle"
+    dtype: str = attrs.field(default="float32", validator=one_of(*DTYPES))
+    seed: int = attrs.field(default=0, validator=in_range(0))
+    max_num_seqs: int = attrs.field(default=1, validator=in_range(1, MAX_NUM_SEQS))
+    speculative: SpeculativeConfig = attrs.field(factory=SpeculativeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML layout: engine keys, then ``speculative_config`` in its flat form."""
+        data = {name: getattr(self, name) for name in ENGINE_KEYS}
+        data["speculative_config"] = self.speculative.to_dict()
+        return data
+
+
+#: The engine keys of the YAML file (and of the matching CLI flags), in documentation order.
+ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "dtype", "seed", "max_num_seqs")
+
+
+# --- reading JSON and YAML --------------------------------------------------------------------
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _NotJSON(Exception):
+    pass
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    data: dict = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKey(key)
+        data[key] = value
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NotJSON(name)  # NaN and Infinity are Python's extension, not JSON
+
+
+def _read_text(path: str, source: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: cannot read {path}: not UTF-8 text ({exc.reason})") from None
+
+
+def parse_json_text(text: str, source: str = SPECULATIVE_SOURCE) -> dict:
+    """Parse a JSON object given on the command line; ``@path.json`` reads it from a file."""
+    where = ""
+    if text.lstrip().startswith("@"):
+        path = text.lstrip()[1:]
+        text = _read_text(path, source)
+        where = f" in {path}"
+    try:
+        data = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{source}: invalid JSON{where} at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from None
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{source}: invalid JSON{where}: duplicate key '{exc.args[0]}'") from None
+    except _NotJSON as exc:
+        raise ConfigError(f"{source}: invalid JSON{where}: {exc.args[0]} is not allowed") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {_type_name(data)}")
+    return data
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key written twice in one mapping."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '{key}'", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_file(path: str | Path, source: str = CONFIG_SOURCE) -> dict:
+    """Read a ``--config`` YAML file: a mapping (an empty file is an empty mapping)."""
+    text = _read_text(str(path), source)
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or exc.context or "syntax error"
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(_one_line(f"{source}: invalid YAML in {path}{at}: {problem}")) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(_one_line(f"{source}: invalid YAML in {path}: {exc}")) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping in {path}, got {_type_name(data)}")
+    return data
+
+
+# --- building the configs ---------------------------------------------------------------------
+
+
+def _lookup(registry, name: str, path: str) -> type:
+    try:
+        return registry.get(name, key=path)
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _config_class(cls: type, slot: str, name: str) -> type | None:
+    """The plugin's attrs ``Config`` class, or None; a malformed one is the plugin's error."""
+    config_cls = getattr(cls, "Config", None)
+    if config_cls is None:
+        return None
+    if not attrs.has(config_cls):
+        raise PluginError(f"{slot} '{name}': {cls.__qualname__}.Config is not an attrs class")
+    for field in attrs.fields(config_cls):
+        if field.name in SPECULATIVE_KEYS:
+            raise PluginError(
+                f"{slot} '{name}': {cls.__qualname__}.Config field '{field.name}' "
+                "shadows a core speculative config key"
+            )
+    return config_cls
+
+
+def _config_fields(cls: type) -> list[str]:
+    config_cls = getattr(cls, "Config", None)
+    return [a.name for a in attrs.fields(config_cls)] if attrs.has(config_cls) else []
+
+
+def _mapping(data: Any, source: str) -> Mapping:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping, got {_type_name(data)}")
+    return data
+
+
+def _unknown_key(source: str, key: Any, valid: list[str], hint: str = "") -> ConfigError:
+    return ConfigError(f"{source}: {_unknown_key_problem(key, valid, hint)}")
+
+
+def _owner_hint(key: str, plugins, chosen: dict[str, str]) -> str:
+    """Name the unselected plugins whose Config declares ``key``: ``it belongs to method 'ngram'...``."""
+    owners, slots = [], []
+    for slot, registry_attr, _ in _PLUGIN_SLOTS:
+        registry = getattr(plugins, registry_attr)
+        for name in registry.names():
+            if name == chosen[slot]:
+                continue
+            try:
+                cls = registry.get(name)
+            except PluginError:  # e.g. a name two plugins registered: no owner to name
+                continue
+            if key in _config_fields(cls):
+                owners.append(f"{slot} '{name}'")
+                if slot not in slots:
+                    slots.append(slot)
+    if not owners:
+        return ""
+    selected = _join(f"{slot} is '{chosen[slot]}'" for slot in slots)
+    return f"it belongs to {_join(owners)}; {selected}"
+
+
+def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_SOURCE) -> SpeculativeConfig:
+    """Validate the flat speculative config ``data`` against ``plugins``; return it structured.
+
+    ``plugins`` has the registries ``proposers``, ``verify_strategies`` and ``accept_policies``.
+    Keys that are not core keys go to the ``Config`` of the chosen method, verify strategy or
+    accept policy that declares them (to each of them, should two declare the same key).
+    """
+    data = _mapping(data, source)
+    defaults = attrs.fields_dict(SpeculativeConfig)
+
+    # 1. Which plugins: their names must be strings the registries know.
+    chosen: dict[str, str] = {}
+    classes: dict[str, type] = {}
+    config_classes: dict[str, type | None] = {}
+    for slot, registry_attr, _ in _PLUGIN_SLOTS:
+        path = f"{source}.{slot}"
+        name = _structure_value(data.get(slot, defaults[slot].default), str, path)
+        chosen[slot] = name
+        classes[slot] = _lookup(getattr(plugins, registry_attr), name, path)
+        config_classes[slot] = _config_class(classes[slot], slot, name)
+
+    # 2. Every key is a core key or a field of a chosen plugin's Config.
+    owners: dict[str, list[str]] = {}
+    for slot, config_cls in config_classes.items():
+        for field in attrs.fields(config_cls) if config_cls is not None else ():
+            owners.setdefault(field.name, []).append(slot)
+    valid = list(SPECULATIVE_KEYS) + list(owners)
+    for key in data:
+        if key not in SPECULATIVE_KEYS and key not in owners:
+            raise _unknown_key(source, key, valid, _owner_hint(str(key), plugins, chosen))
+
+    # 3. num_speculative_tokens depends on the method: forced to 0 for one that drafts nothing.
+    path = f"{source}.num_speculative_tokens"
+    num_tokens = _structure_value(data.get("num_speculative_tokens"), int | None, path)
+    notices = []
+    if getattr(classes["method"], "DRAFTS_NOTHING", False):
+        if num_tokens not in (None, 0):
+            notices.append(f"{path}: method '{chosen['method']}' drafts nothing; {num_tokens} forced to 0")
+        num_tokens = 0
+    elif num_tokens is None:
+        num_tokens = DEFAULT_SPECULATIVE_TOKENS
+    elif not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"{path}: {_range_problem(1, MAX_SPECULATIVE_TOKENS, num_tokens)}")
+
+    # 4. The core keys, then each plugin's Config from its own keys.
+    core = {key: data[key] for key in SPECULATIVE_KEYS if key in data}
+    core["num_speculative_tokens"] = num_tokens
+    config = structure(core, SpeculativeConfig, source)
+    plugin_configs = {}
+    for slot, _, field_name in _PLUGIN_SLOTS:
+        config_cls = config_classes[slot]
+        if config_cls is not None:
+            own = {key: value for key, value in data.items() if slot in owners.get(key, ())}
+            plugin_configs[field_name] = structure(own, config_cls, source)
+    return attrs.evolve(config, notices=tuple(notices), **plugin_configs)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def build_engine_config(
+    yaml_data: Mapping | None,
+    overrides: Mapping[str, Any],
+    spec_data: Mapping | None,
+    plugins,
+    *,
+    yaml_source: str = CONFIG_SOURCE,
+    spec_source: str = SPECULATIVE_SOURCE,
+) -> EngineConfig:
+    """Merge the YAML file < CLI overrides, and build the whole engine config.
+
+    :param yaml_data: the ``--config`` file (:func:`load_yaml_file`), or None.
+    :param overrides: engine keys from CLI flags the user gave explicitly (``None`` values are
+        skipped, as not given); an error names the flag, ``--max-num-seqs``.
+    :param spec_data: the ``--speculative-config`` object (:func:`parse_json_text`), or None. When
+        given it replaces the YAML's ``speculative_config`` as a whole.
+    :param plugins: the registries (``attention_backends`` besides the three speculative ones).
+    """
+    yaml_data = dict(_mapping(yaml_data or {}, yaml_source))
+    yaml_spec = yaml_data.pop("speculative_config", None)
+    for key in yaml_data:
+        if key not in ENGINE_KEYS:
+            hint = "it belongs under speculative_config" if key in SPECULATIVE_KEYS else ""
+            raise _unknown_key(yaml_source, key, [*ENGINE_KEYS, "speculative_config"], hint)
+    given = {key: value for key, value in overrides.items() if value is not None}
+    for key in given:
+        if key not in ENGINE_KEYS:
+            raise ConfigError(f"{_flag(key)}: not an engine option; engine options: {_join(ENGINE_KEYS)}")
+
+    def label(key: str) -> str:
+        return _flag(key) if key in given else f"{yaml_source}.{key}"
+
+    engine = structure({**yaml_data, **given}, EngineConfig, yaml_source, label)
+    _lookup(plugins.attention_backends, engine.attention_backend, label("attention_backend"))
+
+    if spec_data is not None:
+        speculative = build_speculative_config(spec_data, plugins, spec_source)
+    elif yaml_spec is not None:
+        speculative = build_speculative_config(yaml_spec, plugins, f"{yaml_source}.speculative_config")
+    else:
+        speculative = build_speculative_config({}, plugins, spec_source)
+    return attrs.evolve(engine, speculative=speculative)

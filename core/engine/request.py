@@ -1,0 +1,98 @@
+"""A request's state inside the engine, and the output handed back to users."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import attrs
+import numpy as np
+
+from ..metrics import SpecMetrics
+from ..sampling import SamplingParams
+
+
+@attrs.define(slots=True)
+class RequestOutput:
+    """The result of one request (``specdec generate --output json`` prints these fields)."""
+
+    request_id: str
+    prompt: Optional[str]
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    elapsed_s: float
+    finish_reason: str
+    metrics: SpecMetrics
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt": self.prompt,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "elapsed_s": round(self.elapsed_s, 4),
+            "finish_reason": self.finish_reason,
+            "metrics": self.metrics.to_dict(),
+        }
+
+
+@attrs.define(slots=True, eq=False)
+class Request:
+    """One request being served.
+
+    The token buffer holds the prompt, then every generated token; ``num_tokens`` says how much
+    of it is filled. The KV cache holds positions ``0 .. context_len - 1``; the last token is
+    never in it yet: each step feeds it (plus the drafts) as the step's first row.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    sampling: SamplingParams
+    tokens: np.ndarray
+    num_prompt_tokens: int
+    num_tokens: int
+    rng: np.random.Generator
+    detokenizer: object
+    arrival_time: float = attrs.field(factory=time.perf_counter)
+    slot: int = -1
+    context_len: int = 0
+    finish_reason: Optional[str] = None
+    text: str = ""
+    metrics: SpecMetrics = attrs.field(factory=SpecMetrics)
+    finish_time: float = 0.0
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self.tokens[: self.num_tokens]
+
+    @property
+    def generated_ids(self) -> np.ndarray:
+        return self.tokens[self.num_prompt_tokens: self.num_tokens]
+
+    @property
+    def num_generated(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_tokens - self.num_generated
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            text=self.text,
+            token_ids=self.generated_ids.tolist(),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated,
+            elapsed_s=(self.finish_time or time.perf_counter()) - self.arrival_time,
+            finish_reason=self.finish_reason or "",
+            metrics=self.metrics,
+        )

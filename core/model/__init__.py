@@ -1,0 +1,1 @@
+"""The target model: a Llama-family decoder in paddle, its loaders and its tokenizer."""

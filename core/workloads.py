@@ -1,0 +1,46 @@
+"""Input-grounded prompts built from the Python standard library, for demos and benchmarks.
+
+A code-edit prompt asks the model to return a function with type hints added: most of the
+answer copies the input, which is exactly where lookup-based speculation shines.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+CODE_EDIT_INSTRUCTION = "Add type hints to this function and return the full code."
+
+# Modules whose source ships with every CPython; functions are picked deterministically.
+_SOURCE_MODULES = ("textwrap", "shlex", "fnmatch", "glob", "posixpath", "colorsys", "calendar",
+                   "bisect", "heapq", "base64", "string", "html", "statistics", "difflib")
+
+
+def stdlib_functions(min_lines: int = 8, max_lines: int = 30) -> list[str]:
+    """Top-level function sources of the modules above with ``min_lines..max_lines`` lines."""
+    import importlib
+
+    functions = []
+    for name in _SOURCE_MODULES:
+        module = importlib.import_module(name)
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError):
+            continue
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                code = ast.get_source_segment(source, node)
+                if code and min_lines <= code.count("\n") + 1 <= max_lines:
+                    functions.append(textwrap.dedent(code))
+    return functions
+
+
+def code_edit_prompts(count: int, min_lines: int = 8, max_lines: int = 30) -> list[str]:
+    """``count`` code-edit prompts (user messages), spread over the candidate functions."""
+    functions = stdlib_functions(min_lines, max_lines)
+    if not functions:
+        raise RuntimeError("no standard-library source found to build prompts from")
+    stride = max(1, len(functions) // count)
+    chosen = [functions[(i * stride) % len(functions)] for i in range(count)]
+    return [f"{CODE_EDIT_INSTRUCTION}\n\n```python\n{code}\n```" for code in chosen]

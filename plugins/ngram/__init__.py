@@ -1,0 +1,19 @@
+"""``ngram``: prompt/output lookup drafting (the seed system's ``method: ngram``).
+
+Find the longest suffix of the context (``max_ngram_size`` tokens down to ``min_ngram_size``)
+that occurred earlier in the prompt or the generated tokens, and draft the tokens that followed
+its most recent earlier occurrence.
+"""
+
+from __future__ import annotations
+
+import specdec
+
+from .proposer import NgramConfig, NgramProposer, find_ngram_draft
+
+__all__ = ["NgramConfig", "NgramProposer", "find_ngram_draft"]
+
+
+@specdec.hookimpl
+def specdec_register_proposers(register):
+    register(NgramProposer)

@@ -1,0 +1,123 @@
+"""The ``rejection`` verify strategy: speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
+
+Lossless at any temperature, top-k and top-p: every emitted token is distributed exactly as
+the target's processed distribution after the tokens before it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+import specdec
+from specdec.probs import sample_tokens, target_distribution
+from specdec.proposer import Drafts
+from specdec.verify import VerifyInputs, VerifyResult
+
+from .common import accepted_prefix, assemble_output, at_positions, check_inputs, pad_beyond_drafts
+
+
+class RejectionVerify(specdec.VerifyStrategy):
+    """Accept draft ``d`` at position ``j`` with probability ``min(1, p(d) / q(d))``.
+
+    ``p`` is the target's processed distribution (temperature, top-k, top-p) and ``q`` the
+    distribution the draft was sampled from: ``drafts.probs`` when the proposer gives it, else
+    one-hot on the draft (a deterministic proposer). At the first rejection the emitted token
+    is sampled from ``norm(max(0, p - q))``; when every draft is accepted it is sampled from
+    ``p`` after the last one. ``uniforms[..., 0]`` decide acceptance, ``uniforms[..., 1]``
+    sample tokens.
+
+    Greedy requests (temperature 0, ``p`` one-hot) reduce exactly to ``greedy``; they take an
+    argmax-only path that never computes a softmax.
+    """
+
+    NAME = "rejection"
+    LOSSLESS = True
+
+    def verify(self, inputs: VerifyInputs) -> VerifyResult:
+        check_inputs(inputs)
+        drafts, sampling = inputs.drafts, inputs.sampling
+        target_tokens, sampled, probs = target_distribution(
+            inputs.logits, sampling, sampling.uniforms[..., 1]
+        )
+        # Greedy requests: p is one-hot on the argmax, so the draft passes iff it is the argmax
+        # and the residual is the argmax itself.
+        accepted = accepted_prefix(drafts.token_ids == target_tokens[:, :-1], drafts.lengths)
+        next_tokens = at_positions(target_tokens, accepted)
+        if probs is not None:
+            sampled_drafts = _select(drafts, sampled)
+            accepted[sampled], next_tokens[sampled] = self._sample_requests(
+                probs, sampled_drafts, sampling.uniforms[sampled], target_tokens[sampled]
+            )
+        return VerifyResult(
+            accepted_lengths=accepted,
+            output_tokens=assemble_output(drafts.token_ids, accepted, next_tokens),
+            target_tokens=pad_beyond_drafts(target_tokens, drafts.lengths),
+        )
+
+    def _sample_requests(
+        self, p: np.ndarray, drafts: Drafts, uniforms: np.ndarray, target_tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rejection sampling for requests with temperature > 0.
+
+        :param p: ``[S, k+1, V]`` processed target distributions.
+        :param drafts: those requests' drafts.
+        :param uniforms: ``[S, k+1, 2]``.
+        :param target_tokens: ``[S, k+1]`` samples from ``p`` with ``uniforms[..., 1]``: the bonus
+            token where every draft is accepted.
+        :returns: ``(accepted [S], next_tokens [S])``.
+        """
+        width = drafts.width
+        draft_ids = np.maximum(drafts.token_ids, 0)[..., None]  # padding -> any valid index
+        p_draft = np.take_along_axis(p[:, :width], draft_ids, axis=-1)[..., 0]
+        q = drafts.probs
+        q_draft = np.ones_like(p_draft) if q is None else np.take_along_axis(q, draft_ids, axis=-1)[..., 0]
+        accepted = accepted_prefix(self.accept(p_draft, q_draft, uniforms[:, :width, 0]), drafts.lengths)
+
+        next_tokens = at_positions(target_tokens, accepted)
+        rejected = np.flatnonzero(accepted < drafts.lengths)
+        if len(rejected):
+            stop = accepted[rejected]
+            residual = self.residual(
+                p[rejected, stop],
+                None if q is None else q[rejected, stop],
+                drafts.token_ids[rejected, stop],
+            )
+            next_tokens[rejected] = sample_tokens(residual[:, None], uniforms[rejected, stop, 1][:, None])[:, 0]
+        return accepted, next_tokens
+
+    @staticmethod
+    def accept(p_draft: np.ndarray, q_draft: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """``[S, k]`` bool: ``u < p(d) / q(d)``, written without dividing by ``q``."""
+        return u * q_draft < p_draft
+
+    @staticmethod
+    def residual(p: np.ndarray, q: Optional[np.ndarray], draft_ids: np.ndarray) -> np.ndarray:
+        """``[N, V]`` unnormalised ``max(0, p - q)`` at the rejected positions.
+
+        ``q`` is ``None`` for deterministic drafts: then ``p - q`` is ``p`` without the draft.
+        Falls back to ``p`` where the residual has no mass (``p == q`` up to rounding, where a
+        rejection is practically impossible).
+        """
+        if q is None:
+            residual = p.copy()
+            residual[np.arange(len(draft_ids)), draft_ids] = 0.0
+        else:
+            residual = np.maximum(p - q, 0.0)
+        empty = residual.sum(axis=-1) <= 0.0
+        residual[empty] = p[empty]
+        return residual
+
+
+def _select(drafts: Drafts, rows: np.ndarray) -> Drafts:
+    """The drafts of the requests where ``rows`` is True."""
+    if rows.all():
+        return drafts
+    probs = drafts.probs[rows] if drafts.probs is not None else None
+    return Drafts(token_ids=drafts.token_ids[rows], lengths=drafts.lengths[rows], probs=probs)
+
+
+@specdec.hookimpl
+def specdec_register_verify_strategies(register):
+    register(RejectionVerify)

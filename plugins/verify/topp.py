@@ -1,0 +1,124 @@
+"""The ``topp`` verify strategy (the seed system's default, after FastDeploy's speculate_verify).
+
+Not lossless: it keeps drafts the target merely finds plausible, so the output can differ from
+what the target would have sampled on its own.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+import specdec
+from specdec.probs import target_distribution, top_tokens
+from specdec.verify import VerifyInputs, VerifyResult
+
+from .common import assemble_output, at_positions, check_inputs, draft_mask, pad_beyond_drafts
+
+_positive_int = [attrs.validators.instance_of(int), attrs.validators.ge(1)]
+
+
+class ToppVerify(specdec.VerifyStrategy):
+    """Accept drafts that lie in the target's top-p candidate set.
+
+    At each draft position the candidates are the tokens of the target's nucleus (the request's
+    temperature, top-k and top-p applied), at most ``max_candidate_len`` of them, best first.
+    Walking the drafts in order:
+
+    1. a draft among its position's candidates is accepted;
+    2. otherwise, a draft that is the target's second most likely token is accepted together
+       with the next ``verify_window`` drafts when each of those is its position's most likely
+       token (needs ``max_candidate_len >= 2``); the walk then goes on after them;
+    3. otherwise the walk stops.
+
+    The emitted token at the stop position is the target's own choice there: a sample from the
+    processed distribution (argmax at temperature 0, where the candidate set is the argmax
+    alone and only rule 2 can accept anything else).
+    """
+
+    NAME = "topp"
+    LOSSLESS = False
+
+    @attrs.frozen(kw_only=True)
+    class Config:
+        """Options of ``topp``; flat keys of the speculative config."""
+
+        #: The most candidates a position offers (the nucleus is cut to this many tokens).
+        max_candidate_len: int = attrs.field(default=5, validator=_positive_int)
+        #: How many following drafts must equal the target's top-1 for a top-2 draft to pass.
+        verify_window: int = attrs.field(default=2, validator=_positive_int)
+
+    def __init__(self, config=None, spec_config=None):
+        super().__init__(config if config is not None else self.Config(), spec_config)
+
+    def verify(self, inputs: VerifyInputs) -> VerifyResult:
+        check_inputs(inputs)
+        drafts, sampling = inputs.drafts, inputs.sampling
+        target_tokens, sampled, probs = target_distribution(
+            inputs.logits, sampling, sampling.uniforms[..., 1]
+        )
+        accepted = np.zeros(drafts.batch_size, dtype=np.int64)
+        if drafts.width > 0:
+            steps = self._steps(inputs, sampled, probs)
+            accepted = walk(steps, drafts.lengths)
+        return VerifyResult(
+            accepted_lengths=accepted,
+            output_tokens=assemble_output(drafts.token_ids, accepted, at_positions(target_tokens, accepted)),
+            target_tokens=pad_beyond_drafts(target_tokens, drafts.lengths),
+        )
+
+    def _steps(self, inputs: VerifyInputs, sampled: np.ndarray, probs) -> np.ndarray:
+        """``[B, k]`` int64: how many drafts the walk accepts when it reaches each position (0 stops it)."""
+        max_candidates, window = self.config.max_candidate_len, self.config.verify_window
+        drafts = inputs.drafts
+        width = drafts.width
+        ranked = top_tokens(inputs.logits[:, :width], max(max_candidates, 2))
+        valid = draft_mask(drafts)
+        draft_ids = drafts.token_ids[..., None]
+
+        candidate_count = np.ones((drafts.batch_size, width), dtype=np.int64)
+        if probs is not None:
+            # A ranked token is in the nucleus exactly when top-k/top-p left it some probability.
+            ranked_probs = np.take_along_axis(probs[:, :width], ranked[sampled][..., :max_candidates], axis=-1)
+            candidate_count[sampled] = np.count_nonzero(ranked_probs > 0.0, axis=-1)
+        in_candidates = np.arange(min(max_candidates, ranked.shape[-1])) < candidate_count[..., None]
+        in_set = np.any((draft_ids == ranked[..., :max_candidates]) & in_candidates, axis=-1) & valid
+
+        steps = np.where(in_set, 1, 0)
+        if max_candidates >= 2 and ranked.shape[-1] >= 2:
+            top1 = (drafts.token_ids == ranked[..., 0]) & valid
+            second = (drafts.token_ids == ranked[..., 1]) & valid
+            steps = np.where(~in_set & second & top1_window(top1, window), window + 1, steps)
+        return steps
+
+
+def top1_window(top1: np.ndarray, window: int) -> np.ndarray:
+    """``[B, k]`` bool: the ``window`` positions after ``i`` all exist and are all top-1 matches."""
+    batch, width = top1.shape
+    ok = np.zeros((batch, width), dtype=bool)
+    if width > window:
+        counts = np.concatenate([np.zeros((batch, 1), dtype=np.int64), np.cumsum(top1, axis=1)], axis=1)
+        # counts[:, j] = matches among positions < j; the window of i is i+1 .. i+window.
+        ok[:, : width - window] = counts[:, window + 1 :] - counts[:, 1 : width - window + 1] == window
+    return ok
+
+
+def walk(steps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Accepted lengths from a step table: start at 0, move ``steps[b, pos]`` until it is 0.
+
+    One iteration per draft position, each vectorised over the batch.
+    """
+    batch, width = steps.shape
+    rows = np.arange(batch)
+    position = np.zeros(batch, dtype=np.int64)
+    for _ in range(width):
+        step = np.where(position < lengths, steps[rows, np.minimum(position, width - 1)], 0)
+        if not step.any():
+            break
+        position += step
+    return position
+
+
+@specdec.hookimpl
+def specdec_register_verify_strategies(register):
+    register(ToppVerify)

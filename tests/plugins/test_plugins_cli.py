@@ -1,0 +1,91 @@
+"""``specdec plugins``: run as users run it, in a subprocess that sees a fake site."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+
+from specdec.plugin_manager import KINDS, load_plugins
+from specdec.plugins_cli import add_plugins_subcommand, format_plugins
+
+BROKEN = "import specdec_missing_dependency_xyz\n"
+
+
+def plugins_command(*args: str) -> list[str]:
+    """``specdec plugins ARGS`` through the real CLI when it exists, else the subcommand alone."""
+    if importlib.util.find_spec("specdec.cli") is not None:
+        return [sys.executable, "-m", "specdec.cli", "plugins", *args]
+    return [sys.executable, "-m", "specdec.plugins_cli", *args]
+
+
+def run_plugins(site, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(plugins_command(*args), env=site.env(**env), capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def install_good_and_broken(site):
+    site.install_proposer("specdec-plugin-good", "good", "sdt_cli_good", name="cligood", version="1.2.3")
+    site.install("specdec-plugin-broken", "0.1.0", {"broken": "sdt_cli_broken"}, {"sdt_cli_broken": BROKEN})
+
+
+def test_json_listing_shape_and_warnings(site):
+    install_good_and_broken(site)
+    result = run_plugins(site, "--json", SPECDEC_LOAD_PLUGINS=None)
+
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    assert isinstance(listing, list) and listing
+    for entry in listing:
+        assert set(entry) == {"name", "distribution", "version", "module", "builtin", "registered", "error"}
+        assert set(entry["registered"]) == {kind.attr for kind in KINDS}
+    by_name = {entry["name"]: entry for entry in listing}
+    assert by_name["good"] == {
+        "name": "good", "distribution": "specdec-plugin-good", "version": "1.2.3",
+        "module": "sdt_cli_good", "builtin": False,
+        "registered": {"proposers": ["cligood"], "verify_strategies": [], "accept_policies": [],
+                       "attention_backends": []},
+        "error": None,
+    }
+    assert by_name["broken"]["error"].startswith(
+        "plugin 'broken' (specdec-plugin-broken 0.1.0) failed to load: ModuleNotFoundError")
+    assert by_name["ngram"]["builtin"] is True and by_name["ngram"]["distribution"] == "specdec"
+    assert ("warning: plugin 'broken' (specdec-plugin-broken 0.1.0) failed to load: "
+            "ModuleNotFoundError: No module named 'specdec_missing_dependency_xyz'") in result.stderr.splitlines()
+
+
+def test_text_listing_one_line_per_plugin(site):
+    install_good_and_broken(site)
+    result = run_plugins(site, SPECDEC_LOAD_PLUGINS=None)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "REGISTERED"]
+    [good] = [line for line in lines if line.startswith("good ")]
+    assert good.split() == ["good", "specdec-plugin-good", "1.2.3", "proposer:", "cligood"]
+    assert any(line.startswith("broken ") and line.endswith("[error]") for line in lines)
+
+
+def test_empty_load_list_lists_builtins_only(site):
+    install_good_and_broken(site)
+    result = run_plugins(site, "--json", SPECDEC_LOAD_PLUGINS="")
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    assert listing and all(entry["builtin"] for entry in listing)
+    assert "specdec-plugin-broken" not in result.stderr
+
+
+def test_format_plugins_in_process(site):
+    site.install_proposer("specdec-plugin-good", "good", "sdt_cli_fmt", name="fmtgood")
+    plugins = load_plugins(load="good")
+    table = format_plugins(plugins, as_json=False)
+    assert len(table.splitlines()) == len(plugins.infos) + 1
+    assert json.loads(format_plugins(plugins, as_json=True))[-1]["registered"]["proposers"] == ["fmtgood"]
+
+
+def test_add_plugins_subcommand_wires_func():
+    parser = argparse.ArgumentParser(prog="specdec")
+    add_plugins_subcommand(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plugins", "--json"])
+    assert args.json is True and args.func.__name__ == "run_plugins"
