@@ -37,9 +37,11 @@ class AttentionMetadata:
 class AttentionBackend:
     """Base class of attention backends: owns the KV cache and computes causal attention.
 
-    Lifecycle: ``setup`` once per engine with the model's shape; ``allocate`` when a request
-    starts (``capacity`` = the most positions it can reach) and ``free`` when it ends;
-    ``prepare`` once per step with that step's metadata; ``forward`` once per layer per step.
+    Lifecycle: ``setup`` once per engine with the model's shape and RoPE tables; ``allocate``
+    when a request starts (``capacity`` = the most positions it can reach) and ``free`` when it
+    ends; ``prepare`` once per step with that step's metadata; ``forward`` once per layer per
+    step. The backend applies RoPE, so that a fused kernel can do RoPE, the cache write and
+    attention in one pass.
     Rows a step later rejects are not removed: the next step simply overwrites them, because
     every request's visible length is its ``context_lens`` entry.
     """
@@ -51,7 +53,10 @@ class AttentionBackend:
         self.engine_config = engine_config
 
     def setup(self, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
-              dtype: str) -> None:
+              dtype: str, rope_cos, rope_sin) -> None:
+        """Remember the model's shape. ``rope_cos``/``rope_sin`` are ``[max_positions, D]``
+        float32 numpy tables: ``rope(x) = x * cos + roll(x, D/2) * sin`` (rotate-half RoPE,
+        the sign folded into ``sin``)."""
         raise NotImplementedError
 
     def allocate(self, capacity: int) -> int:
@@ -62,16 +67,18 @@ class AttentionBackend:
         """Release a slot (the request finished or was cancelled)."""
         raise NotImplementedError
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Build per-step state shared by all layers (masks, index arrays)."""
+    def prepare(self, meta: AttentionMetadata, positions) -> None:
+        """Build per-step state shared by all layers (masks, RoPE rows); ``positions`` is the
+        ``[T]`` int64 numpy position of every packed row."""
 
     def forward(self, layer: int, qkv, meta: AttentionMetadata):
         """Attention of one layer over the packed rows of a step.
 
-        :param qkv: ``[T, H + 2*KVH, D]`` paddle tensor: the query heads, then the key heads,
-            then the value heads of every packed row; RoPE is already applied to queries and
-            keys, and queries are pre-scaled by ``1/sqrt(D)``.
+        :param qkv: ``[T, (H + 2*KVH) * D]`` float32 paddle tensor: the query heads, then the key
+            heads, then the value heads of every packed row, before RoPE; queries are
+            pre-scaled by ``1/sqrt(D)``.
         :returns: ``[T, H*D]``, each row's attention output (heads concatenated).
-        The backend first stores the rows' keys and values at their positions in the cache.
+        The backend applies RoPE to queries and keys, stores the rows' keys and values at their
+        positions in the cache, then attends causally.
         """
         raise NotImplementedError

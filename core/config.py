@@ -61,6 +61,7 @@ MAX_MODEL_STEPS = 8
 MAX_NUM_SEQS = 256
 DTYPES = ("float32", "bfloat16", "float16")
 MTP_STRATEGIES = ("default", "with_ngram")
+KERNELS = ("auto", "cpu", "paddle")
 
 
 # --- values described the way users wrote them ------------------------------------------------
@@ -377,7 +378,10 @@ class EngineConfig:
     :ivar model: the target model: a name the model loader knows, or a path.
     :ivar max_model_len: the longest sequence (prompt + output); ``None`` = the model's own
         context length.
-    :ivar attention_backend: the attention backend's ``NAME``.
+    :ivar attention_backend: the attention backend's ``NAME``; ``auto`` picks ``cpu`` when the
+        CPU kernels are in use, else ``paddle``.
+    :ivar kernels: ``auto`` (the CPU kernels when they build here, else plain paddle), ``cpu``
+        or ``paddle`` (the reference path: plain paddle ops only).
     :ivar dtype: the compute dtype of weights and activations.
     :ivar seed: the engine seed (each request's generator derives from it).
     :ivar max_num_seqs: the most requests running at once.
@@ -386,7 +390,8 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     max_model_len: int | None = attrs.field(default=None, validator=in_range(1))
-    attention_backend: str = "paddle"
+    attention_backend: str = "auto"
+    kernels: str = attrs.field(default="auto", validator=one_of(*KERNELS))
     dtype: str = attrs.field(default="float32", validator=one_of(*DTYPES))
     seed: int = attrs.field(default=0, validator=in_range(0))
     max_num_seqs: int = attrs.field(default=1, validator=in_range(1, MAX_NUM_SEQS))
@@ -400,7 +405,7 @@ class EngineConfig:
 
 
 #: The engine keys of the YAML file (and of the matching CLI flags), in documentation order.
-ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "dtype", "seed", "max_num_seqs")
+ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "kernels", "dtype", "seed", "max_num_seqs")
 
 
 # --- reading JSON and YAML --------------------------------------------------------------------
@@ -650,7 +655,8 @@ def build_engine_config(
         return _flag(key) if key in given else f"{yaml_source}.{key}"
 
     engine = structure({**yaml_data, **given}, EngineConfig, yaml_source, label)
-    _lookup(plugins.attention_backends, engine.attention_backend, label("attention_backend"))
+    if engine.attention_backend != "auto":
+        _lookup(plugins.attention_backends, engine.attention_backend, label("attention_backend"))
 
     if spec_data is not None:
         speculative = build_speculative_config(spec_data, plugins, spec_source)

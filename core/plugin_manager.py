@@ -52,6 +52,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("accept_all", "specdec.plugins.accept.accept_all"),
     ("reject_all", "specdec.plugins.accept.reject_all"),
     ("attention_paddle", "specdec.plugins.attention.paddle_backend"),
+    ("attention_cpu", "specdec.plugins.attention.cpu_backend"),
 )
 
 

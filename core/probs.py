@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 #: Tokens per block in the two-level inverse CDF of :func:`sample_tokens`.
 _SAMPLE_BLOCK = 256
 #: Candidate counts tried, in order, when looking for the nucleus before sorting a whole row.
-_NUCLEUS_WINDOWS = (64, 1024)
+_NUCLEUS_WINDOWS = (64, 1024, 8192)
 #: Up to this many top tokens, :func:`top_tokens` uses repeated argmax instead of a partition.
 _ARGMAX_TOP_TOKENS = 8
 
@@ -86,7 +86,7 @@ def sample_tokens(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
     # from per-block sums, then take the cumulative sum inside that block only.
     block = min(_SAMPLE_BLOCK, vocab)
     starts = np.arange(0, vocab, block)
-    block_cdf = np.cumsum(np.add.reduceat(flat, starts, axis=-1, dtype=np.float64), axis=-1)
+    block_cdf = np.cumsum(_block_sums(flat, block), axis=-1)
     total = block_cdf[:, -1]
     # u < 1, but u * total can round up to total; stay strictly below it.
     target = np.minimum(np.asarray(u, dtype=np.float64).reshape(-1) * total, np.nextafter(total, 0.0))
@@ -100,6 +100,16 @@ def sample_tokens(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
     offset = np.minimum(target - before, np.nextafter(cdf[:, -1], 0.0))
     within = np.minimum(np.count_nonzero(cdf <= offset[:, None], axis=-1), block - 1)
     return (starts[chosen] + within).astype(np.int64).reshape(lead)
+
+
+def _block_sums(flat: np.ndarray, block: int) -> np.ndarray:
+    """``[N, V]`` -> ``[N, ceil(V / block)]`` float64 sums of consecutive blocks of each row."""
+    rows, vocab = flat.shape
+    whole = vocab // block * block
+    sums = flat[:, :whole].reshape(rows, -1, block).sum(axis=-1, dtype=np.float64)
+    if whole < vocab:
+        sums = np.concatenate([sums, flat[:, whole:].sum(axis=-1, dtype=np.float64, keepdims=True)], axis=1)
+    return sums
 
 
 def target_choice(logits: np.ndarray, sampling: "BatchSampling", uniforms: np.ndarray) -> np.ndarray:
@@ -152,6 +162,7 @@ def top_tokens(logits: np.ndarray, count: int) -> np.ndarray:
             np.put_along_axis(remaining, ids[..., rank : rank + 1], -np.inf, axis=-1)
         return ids
     candidates = np.argpartition(logits, vocab - count, axis=-1)[..., vocab - count :]
+    candidates.sort(axis=-1)  # so that the stable sort below puts tied logits in id order
     order = np.argsort(-np.take_along_axis(logits, candidates, axis=-1), axis=-1, kind="stable")
     return np.take_along_axis(candidates, order, axis=-1).astype(np.int64, copy=False)
 
@@ -216,9 +227,11 @@ def _nucleus_size(cumulative: np.ndarray, top_p: np.ndarray) -> np.ndarray:
     """How many of the best-first tokens top-p keeps, from their cumulative mass ``[N, m]``.
 
     A token is kept while the mass before it is still below ``top_p``, so the token that
-    reaches ``top_p`` is kept and the first one always is.
+    reaches ``top_p`` is kept and the first one always is. ``top_p`` 1 keeps every token, even
+    where rounding lifts the cumulative mass to 1 early.
     """
-    return 1 + np.count_nonzero(cumulative[:, :-1] < top_p[:, None], axis=-1)
+    cut = np.where(top_p >= 1.0, np.inf, top_p)
+    return 1 + np.count_nonzero(cumulative[:, :-1] < cut[:, None], axis=-1)
 
 
 def _scatter_kept(ids: np.ndarray, probs: np.ndarray, kept: np.ndarray, vocab: int) -> np.ndarray:

@@ -25,6 +25,25 @@ from ..verify import BatchSampling, VerifyInputs
 from .request import Request, RequestOutput
 
 
+def resolve_kernels(config: EngineConfig) -> str:
+    """``cpu`` or ``paddle``: what ``config.kernels`` (and ``dtype``) come to on this machine."""
+    from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
+
+    if config.dtype == "bfloat16":
+        raise SpecdecError("dtype: bfloat16 is not supported on this build; use float32 or float16")
+    if config.kernels == "paddle":
+        if config.dtype != "float32":
+            raise SpecdecError(f"dtype: {config.dtype} weights need the CPU kernels (kernels: cpu or auto)")
+        return "paddle"
+    try:
+        load_cpu_ops()
+    except KernelUnavailable as exc:
+        if config.kernels == "cpu" or config.dtype != "float32":
+            raise SpecdecError(f"kernels: {exc}; use kernels: paddle with dtype: float32") from None
+        return "paddle"
+    return "cpu"
+
+
 class Engine:
     """Owns the model, the plugins chosen by the config, and the running requests."""
 
@@ -43,9 +62,11 @@ class Engine:
 
         # Resolve every plugin before loading weights, so a bad name fails fast.
         self._spec_plugin_classes(spec)
-        attention_cls = self.plugins.attention_backends.get(config.attention_backend, "attention_backend")
-        if config.dtype != "float32":
-            raise SpecdecError(f"dtype: only float32 runs on this build so far, got {config.dtype}")
+        kernels = resolve_kernels(config)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "cpu" if kernels == "cpu" else "paddle"
+        attention_cls = self.plugins.attention_backends.get(backend, "attention_backend")
 
         model_config, weights, self.tokenizer = load_checkpoint(config.model, progress=progress)
         self.model_config = model_config
@@ -53,7 +74,8 @@ class Engine:
                                  model_config.max_position_embeddings)
         self.attention = attention_cls(None, config)
         self.model = LlamaModel(model_config, weights, self.attention,
-                                max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1)
+                                max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1,
+                                kernels=kernels, weight_dtype=config.dtype)
         del weights
         self._build_spec_plugins(spec)
 

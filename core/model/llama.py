@@ -2,10 +2,10 @@
 
 The forward pass runs over one packed array of token rows (every request's new rows back to
 back) and returns logits only for the rows the caller asks for. Speed on CPU is dominated by
-eager-op overhead and by reading the weights, so the weights are stored pre-transposed and
-fused (one QKV matmul, one gate/up matmul), RMSNorm gains are folded into the matmul that
-follows them, the attention scale is folded into the query weights, and RoPE is applied to the
-whole QKV block at once with per-step cos/sin tables (value heads get cos 1, sin 0).
+reading the weights and by eager-op overhead, so the weights are fused (one QKV matmul, one
+gate/up matmul) and stored in the layout the matmul streams (see ``linear.py``), RMSNorm gains
+are folded into the matmul that follows them, and the attention scale into the query weights.
+RoPE and the KV cache belong to the attention backend.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 from ..attention import AttentionBackend, AttentionMetadata
 from ..errors import require_paddle
 from .config import ModelConfig
+from .linear import CpuKernelLinear, PaddleLinear
 
 
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -26,37 +27,51 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2 / config.head_dim))
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
-    cos = np.cos(angles)
-    sin = np.sin(angles)
+    cos, sin = np.cos(angles), np.sin(angles)
     cos_full = np.concatenate([cos, cos], axis=-1).astype(np.float32)
     sin_signed = np.concatenate([-sin, sin], axis=-1).astype(np.float32)
     return cos_full, sin_signed
+
+
+def make_linear(paddle, config: ModelConfig, kernels: str, weight_dtype: str):
+    """``kernels``: ``paddle`` (reference), ``cpu`` (the CPU kernels), or ``auto``."""
+    if kernels == "paddle":
+        if weight_dtype != "float32":
+            raise ValueError(f"dtype {weight_dtype} needs the CPU kernels")
+        return PaddleLinear(paddle, config.rms_norm_eps)
+    from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
+
+    try:
+        ops = load_cpu_ops()
+    except KernelUnavailable:
+        if kernels == "cpu" or weight_dtype != "float32":
+            raise
+        return PaddleLinear(paddle, config.rms_norm_eps)
+    return CpuKernelLinear(paddle, config.rms_norm_eps, ops, weight_dtype)
 
 
 class LlamaModel:
     """The decoder. Build it from HF-named float32 numpy weights and an attention backend."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], attention: AttentionBackend,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, kernels: str = "paddle", weight_dtype: str = "float32"):
         paddle = require_paddle()
         self.paddle = paddle
         self.config = config
         self.attention = attention
         self.max_positions = max_positions or config.max_position_embeddings
+        self.linear = make_linear(paddle, config, kernels, weight_dtype)
+        cos, sin = rope_tables(config, self.max_positions)
         attention.setup(num_layers=config.num_layers, num_heads=config.num_heads,
-                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype="float32")
-        self._num_rope_heads = config.num_heads + config.num_kv_heads
-        self._num_qkv_heads = config.num_heads + 2 * config.num_kv_heads
-        self._cos_table, self._sin_table = rope_tables(config, self.max_positions)
+                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype="float32",
+                        rope_cos=cos, rope_sin=sin)
         self._load(weights)
-
-    # -- weights -----------------------------------------------------------------------------
 
     def _load(self, w: dict[str, np.ndarray]) -> None:
         c = self.config
-        t = self.paddle.to_tensor
+        pack = self.linear.pack
         scale = 1.0 / np.sqrt(c.head_dim)
-        self.embed = t(w["model.embed_tokens.weight"])
+        self.embed = self.paddle.to_tensor(w["model.embed_tokens.weight"])
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -69,10 +84,10 @@ class LlamaModel:
             ]).T * attn_gain
             gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).T * mlp_gain
             layer = {
-                "qkv": t(np.ascontiguousarray(qkv, dtype=np.float32)),
-                "o": t(np.ascontiguousarray(w[p + "self_attn.o_proj.weight"].T)),
-                "gate_up": t(np.ascontiguousarray(gate_up, dtype=np.float32)),
-                "down": t(np.ascontiguousarray(w[p + "mlp.down_proj.weight"].T)),
+                "qkv": pack(qkv),
+                "o": pack(w[p + "self_attn.o_proj.weight"].T),
+                "gate_up": pack(gate_up),
+                "down": pack(w[p + "mlp.down_proj.weight"].T),
                 "qkv_bias": None,
             }
             if c.attention_bias:
@@ -81,26 +96,10 @@ class LlamaModel:
                     w[p + "self_attn.k_proj.bias"],
                     w[p + "self_attn.v_proj.bias"],
                 ]).astype(np.float32)
-                layer["qkv_bias"] = t(bias)
+                layer["qkv_bias"] = self.paddle.to_tensor(bias)
             self.layers.append(layer)
         head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head = t(np.ascontiguousarray(head.T * w["model.norm.weight"][:, None], dtype=np.float32))
-
-    # -- forward -----------------------------------------------------------------------------
-
-    def _rms(self, x):
-        # The gain is folded into the next matmul's weights (see _load).
-        p = self.paddle
-        return x * p.rsqrt(p.mean(x * x, axis=-1, keepdim=True) + self.config.rms_norm_eps)
-
-    def _rope_inputs(self, positions: np.ndarray):
-        """Per-step cos/sin ``[T, H + 2*KVH, D]``: RoPE for q and k heads, identity for v."""
-        n = len(positions)
-        cos = np.ones((n, self._num_qkv_heads, self.config.head_dim), dtype=np.float32)
-        sin = np.zeros_like(cos)
-        cos[:, : self._num_rope_heads] = self._cos_table[positions][:, None, :]
-        sin[:, : self._num_rope_heads] = self._sin_table[positions][:, None, :]
-        return self.paddle.to_tensor(cos), self.paddle.to_tensor(sin)
+        self.lm_head = pack(head.T * w["model.norm.weight"][:, None])
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
                 logit_rows: np.ndarray, return_hidden: bool = False):
@@ -109,32 +108,31 @@ class LlamaModel:
         :param token_ids: ``[T]`` int64, every request's new tokens back to back.
         :param positions: ``[T]`` int64, each row's position in its own sequence.
         :param meta: where each request's rows sit (see :class:`AttentionMetadata`).
-        :param logit_rows: ``[M]`` int64 indices of the rows whose logits are wanted.
-        :returns: ``[M, V]`` float32 numpy logits (and the final hidden states of those rows
-            when ``return_hidden``).
+        :param logit_rows: ``[M]`` int64 indices of the rows whose logits are wanted (may be
+            empty: a prefill chunk needs none).
+        :returns: ``[M, V]`` float32 numpy logits (and the final normalized hidden states of
+            those rows when ``return_hidden``).
         """
         p = self.paddle
-        c = self.config
-        head_dim = c.head_dim
+        linear = self.linear
         with p.no_grad():
             x = p.gather(self.embed, p.to_tensor(token_ids))
-            cos, sin = self._rope_inputs(positions)
-            self.attention.prepare(meta)
-            n = len(token_ids)
+            self.attention.prepare(meta, positions)
             for index, layer in enumerate(self.layers):
-                qkv = p.matmul(self._rms(x), layer["qkv"])
+                qkv = linear.matmul(linear.rms_norm(x), layer["qkv"])
                 if layer["qkv_bias"] is not None:
                     qkv = qkv + layer["qkv_bias"]
-                qkv = qkv.reshape([n, self._num_qkv_heads, head_dim])
-                qkv = qkv * cos + p.roll(qkv, head_dim // 2, axis=-1) * sin
                 attn = self.attention.forward(index, qkv, meta)
-                x = x + p.matmul(attn, layer["o"])
-                gate_up = p.matmul(self._rms(x), layer["gate_up"])
-                x = x + p.matmul(p.nn.functional.swiglu(gate_up), layer["down"])
-            if len(logit_rows) != n or not np.array_equal(logit_rows, np.arange(n)):
+                x = x + linear.matmul(attn, layer["o"])
+                gate_up = linear.matmul(linear.rms_norm(x), layer["gate_up"])
+                x = x + linear.matmul(p.nn.functional.swiglu(gate_up), layer["down"])
+            if len(logit_rows) == 0:
+                return (np.zeros((0, self.config.vocab_size), np.float32), None) if return_hidden else \
+                    np.zeros((0, self.config.vocab_size), np.float32)
+            if len(logit_rows) != len(token_ids) or not np.array_equal(logit_rows, np.arange(len(token_ids))):
                 x = p.gather(x, p.to_tensor(logit_rows))
-            hidden = self._rms(x)
-            logits = p.matmul(hidden, self.lm_head).numpy()
+            hidden = linear.rms_norm(x)
+            logits = linear.matmul(hidden, self.lm_head).numpy()
         if return_hidden:
             return logits, hidden.numpy()
         return logits

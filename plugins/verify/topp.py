@@ -72,20 +72,21 @@ class ToppVerify(specdec.VerifyStrategy):
         max_candidates, window = self.config.max_candidate_len, self.config.verify_window
         drafts = inputs.drafts
         width = drafts.width
-        ranked = top_tokens(inputs.logits[:, :width], max(max_candidates, 2))
         valid = draft_mask(drafts)
-        draft_ids = drafts.token_ids[..., None]
 
+        # The candidates are the best tokens of the nucleus: as many as top-k/top-p left with
+        # some probability (one, the argmax, at temperature 0), at most max_candidates.
         candidate_count = np.ones((drafts.batch_size, width), dtype=np.int64)
         if probs is not None:
-            # A ranked token is in the nucleus exactly when top-k/top-p left it some probability.
-            ranked_probs = np.take_along_axis(probs[:, :width], ranked[sampled][..., :max_candidates], axis=-1)
-            candidate_count[sampled] = np.count_nonzero(ranked_probs > 0.0, axis=-1)
-        in_candidates = np.arange(min(max_candidates, ranked.shape[-1])) < candidate_count[..., None]
-        in_set = np.any((draft_ids == ranked[..., :max_candidates]) & in_candidates, axis=-1) & valid
+            candidate_count[sampled] = np.minimum(np.count_nonzero(probs[:, :width], axis=-1), max_candidates)
+        use_window = max_candidates >= 2
+        ranked = top_tokens(inputs.logits[:, :width], max(int(candidate_count.max()), 2 if use_window else 1))
 
+        count = min(max_candidates, ranked.shape[-1])
+        is_candidate = np.arange(count) < candidate_count[..., None]
+        in_set = np.any((drafts.token_ids[..., None] == ranked[..., :count]) & is_candidate, axis=-1) & valid
         steps = np.where(in_set, 1, 0)
-        if max_candidates >= 2 and ranked.shape[-1] >= 2:
+        if use_window and ranked.shape[-1] >= 2:
             top1 = (drafts.token_ids == ranked[..., 0]) & valid
             second = (drafts.token_ids == ranked[..., 1]) & valid
             steps = np.where(~in_set & second & top1_window(top1, window), window + 1, steps)

@@ -161,7 +161,7 @@ def test_float_field_accepts_int(plugins):
 def test_engine_defaults(plugins):
     config = build_engine_config(None, {}, None, plugins)
     assert config == EngineConfig(speculative=build_speculative_config({}, plugins))
-    assert (config.model, config.max_model_len, config.attention_backend) == ("smollm2-135m-instruct", None, "paddle")
+    assert (config.model, config.max_model_len, config.attention_backend) == ("smollm2-135m-instruct", None, "auto")
     assert (config.dtype, config.seed, config.max_num_seqs) == ("float32", 0, 1)
 
 
@@ -461,7 +461,7 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ({"modle": "m"}, {}, "--config: unknown key 'modle' (did you mean 'model'?)"),
         ({"method": "ngram"}, {}, "--config: unknown key 'method' (it belongs under speculative_config)"),
         ({"zzz": 1}, {},
-         "--config: unknown key 'zzz'; valid keys: attention_backend, dtype, max_model_len, max_num_seqs, model, "
+         "--config: unknown key 'zzz'; valid keys: attention_backend, dtype, kernels, max_model_len, max_num_seqs, model, "
          "seed, speculative_config"),
         ({"attention_backend": "triton"}, {},
          "--config.attention_backend: unknown attention backend 'triton'; installed: paddle"),
@@ -476,7 +476,7 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ({"speculative_config": ["ngram"]}, {}, "--config.speculative_config: expected a mapping, got list"),
         ([1], {}, "--config: expected a mapping, got list"),
         ({}, {"max_num_seq": 2}, "--max-num-seq: not an engine option; engine options: model, max_model_len, "
-         "attention_backend, dtype, seed, max_num_seqs"),
+         "attention_backend, kernels, dtype, seed, max_num_seqs"),
     ],
 )
 def test_engine_errors(plugins, yaml_data, overrides, expected):

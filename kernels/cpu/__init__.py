@@ -1,0 +1,81 @@
+"""CPU kernels for small-batch decoding, compiled on first use as paddle custom operators.
+
+``load_cpu_ops()`` builds ``specdec_cpu_ops.cc`` with the system C++ compiler through
+``paddle.utils.cpp_extension`` (cached across runs) and returns the module, or raises
+:class:`KernelUnavailable` with the reason (no AVX2/FMA/F16C, no compiler, not on CPU).
+Each operator has a numpy twin in :mod:`specdec.kernels.cpu.reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("specdec_cpu_ops.cc")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernels cannot be used here; the message says why."""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_ops():
+    """Compile (once per source version) and load the CPU operators."""
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"the CPU lacks {', '.join(missing)}")
+    from specdec.errors import require_paddle
+
+    require_paddle()
+    import contextlib
+    import io
+    import logging
+    import warnings
+
+    build_dir = Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    saved_warnings = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            from paddle.utils.cpp_extension import load
+
+            logging.getLogger("utils.cpp_extension").setLevel(logging.WARNING)
+            return load(
+                name="specdec_cpu_ops",
+                sources=[str(SOURCE)],
+                extra_cxx_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+    except Exception as exc:  # a compiler error, a missing compiler, ...
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise KernelUnavailable(f"building the CPU kernels failed: {type(exc).__name__}: {first_line}") from exc
+    finally:
+        if saved_warnings is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = saved_warnings
+
+
+def cpu_ops_or_none():
+    """The kernels module, or ``None`` when they cannot be used (see :func:`load_cpu_ops`)."""
+    try:
+        return load_cpu_ops()
+    except KernelUnavailable:
+        return None

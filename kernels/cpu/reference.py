@@ -1,0 +1,61 @@
+"""Numpy reference twins of the CPU kernels (same inputs, same outputs, no speed)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+PANEL = 16
+
+
+def pack_panels(weight_in_out: np.ndarray, dtype=np.float16) -> np.ndarray:
+    """``[K, N]`` weight -> ``[N/16, K, 16]`` panels (N is padded up to a multiple of 16)."""
+    k, n = weight_in_out.shape
+    padded = -(-n // PANEL) * PANEL
+    if padded != n:
+        weight_in_out = np.concatenate([weight_in_out, np.zeros((k, padded - n), weight_in_out.dtype)], axis=1)
+    return np.ascontiguousarray(weight_in_out.reshape(k, padded // PANEL, PANEL).transpose(1, 0, 2), dtype=dtype)
+
+
+def unpack_panels(panels: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`pack_panels` (float32, padded width)."""
+    count, k, width = panels.shape
+    return panels.astype(np.float32).transpose(1, 0, 2).reshape(k, count * width)
+
+
+def skinny_matmul(x: np.ndarray, panels: np.ndarray) -> np.ndarray:
+    return (x.astype(np.float64) @ unpack_panels(panels).astype(np.float64)).astype(np.float32)
+
+
+def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps)).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin_signed: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return x * cos + np.roll(x, half, axis=-1) * sin_signed
+
+
+def rope_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, ctx: int,
+                   heads: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """Returns ``(out [T, heads*D], updated cache)``; the input cache is not modified."""
+    cache = cache.copy()
+    t_len = qkv.shape[0]
+    dim = cache.shape[2]
+    rows = qkv.reshape(t_len, heads + 2 * kv_heads, dim).astype(np.float64)
+    positions = ctx + np.arange(t_len)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    q = rope(rows[:, :heads], c, s)
+    cache[:kv_heads, ctx:ctx + t_len] = rope(rows[:, heads:heads + kv_heads], c, s).transpose(1, 0, 2)
+    cache[kv_heads:, ctx:ctx + t_len] = rows[:, heads + kv_heads:].transpose(1, 0, 2)
+    group = heads // kv_heads
+    out = np.zeros((t_len, heads, dim))
+    for h in range(heads):
+        keys = cache[h // group, : ctx + t_len].astype(np.float64)
+        values = cache[kv_heads + h // group, : ctx + t_len].astype(np.float64)
+        scores = q[:, h] @ keys.T
+        scores[np.arange(ctx + t_len)[None, :] > positions[:, None]] = -np.inf
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out[:, h] = probs @ values
+    return out.reshape(t_len, heads * dim).astype(np.float32), cache

@@ -1,0 +1,100 @@
+"""The CPU kernels against their numpy reference twins, on the same inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec.kernels.cpu import reference
+
+paddle = pytest.importorskip("paddle")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from specdec.kernels.cpu import load_cpu_ops
+
+    return load_cpu_ops()  # fails the tests (it does not skip) when the kernels cannot build
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_skinny_matmul_matches_reference(ops, rows, dtype):
+    rng = np.random.default_rng(rows)
+    weight = rng.standard_normal((96, 80)).astype(np.float32)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    panels = reference.pack_panels(weight, dtype)
+    got = ops.specdec_skinny_matmul(paddle.to_tensor(x), paddle.to_tensor(panels)).numpy()
+    want = reference.skinny_matmul(x, panels)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    if dtype == np.float32:
+        np.testing.assert_allclose(got, x @ weight, rtol=1e-5, atol=1e-4)
+
+
+def test_pack_panels_round_trips():
+    weight = np.arange(12 * 40, dtype=np.float32).reshape(12, 40)
+    panels = reference.pack_panels(weight, np.float32)
+    assert panels.shape == (3, 12, 16)
+    np.testing.assert_array_equal(reference.unpack_panels(panels)[:, :40], weight)
+    np.testing.assert_array_equal(reference.unpack_panels(panels)[:, 40:], 0)
+
+
+def test_rms_norm_matches_reference(ops):
+    x = np.random.default_rng(0).standard_normal((5, 576)).astype(np.float32) * 3
+    got = ops.specdec_rms_norm(paddle.to_tensor(x), 1e-5).numpy()
+    np.testing.assert_allclose(got, reference.rms_norm(x, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def _rope_tables(positions: int, dim: int):
+    from specdec.model.config import ModelConfig
+    from specdec.model.llama import rope_tables
+
+    config = ModelConfig(vocab_size=16, hidden_size=dim * 4, intermediate_size=32, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=dim, rope_theta=10000.0)
+    return rope_tables(config, positions)
+
+
+@pytest.mark.parametrize("ctx,rows", [(0, 1), (0, 7), (9, 1), (9, 6), (20, 3)])
+def test_rope_attention_matches_reference(ops, ctx, rows):
+    heads, kv_heads, dim, capacity = 6, 2, 32, 40
+    rng = np.random.default_rng(ctx * 100 + rows)
+    cos, sin = _rope_tables(64, dim)
+    cache = rng.standard_normal((2 * kv_heads, capacity, dim)).astype(np.float32)
+    qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    want_out, want_cache = reference.rope_attention(qkv, cache, cos, sin, ctx, heads, kv_heads)
+
+    cache_tensor = paddle.to_tensor(cache)
+    got = ops.specdec_rope_attention(paddle.to_tensor(qkv), cache_tensor, paddle.to_tensor(cos),
+                                     paddle.to_tensor(sin), ctx, heads, kv_heads).numpy()
+    np.testing.assert_allclose(got, want_out, rtol=1e-4, atol=1e-5)
+    # The new rows' keys (after RoPE) and values land in the cache; nothing else changes.
+    np.testing.assert_allclose(cache_tensor.numpy(), want_cache, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_attention_backend_equals_paddle_backend(ops):
+    """The two registered backends give the same outputs and caches over a prefill + verify chunk."""
+    from specdec.attention import AttentionMetadata
+    from specdec.plugins.attention.cpu_backend import CpuAttention
+    from specdec.plugins.attention.paddle_backend import PaddleAttention
+
+    heads, kv_heads, dim = 6, 2, 32
+    cos, sin = _rope_tables(64, dim)
+    rng = np.random.default_rng(7)
+    backends = [PaddleAttention(), CpuAttention()]
+    slots = []
+    for backend in backends:
+        backend.setup(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype="float32",
+                      rope_cos=cos, rope_sin=sin)
+        slots.append([backend.allocate(30), backend.allocate(30)])
+    # Two requests: one prefilling 5 rows, one verifying 3 rows after 11 cached positions.
+    first = rng.standard_normal((11, (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    step = rng.standard_normal((8, (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    outputs = []
+    for backend, (a, b) in zip(backends, slots):
+        warm = AttentionMetadata([11], [0], [b])
+        backend.prepare(warm, np.arange(11))
+        backend.forward(0, paddle.to_tensor(first), warm)
+        meta = AttentionMetadata([5, 3], [0, 11], [a, b])
+        backend.prepare(meta, np.concatenate([np.arange(5), 11 + np.arange(3)]))
+        outputs.append(backend.forward(0, paddle.to_tensor(step), meta).numpy())
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
