@@ -1,7 +1,12 @@
-"""How the decoder multiplies by its weights and normalizes: plain paddle, or the CPU kernels.
+"""How the decoder multiplies by its weights: plain paddle, or the fused CPU kernels.
 
-Both take weights as ``[in, out]`` float32 numpy arrays once, at load time, and keep them in
-the layout their matmul streams fastest.
+Both expose the four fused steps a layer is made of, take weights as ``[in, out]`` float32
+numpy arrays once at load time, and keep them in the layout their matmul streams fastest:
+
+- ``rms_matmul(x, w)``: ``rms_norm(x) @ w`` (the norm's gain is folded into ``w``)
+- ``matmul_add(x, w, residual)``: ``residual + x @ w``
+- ``rms_matmul_swiglu(x, w)``: ``silu(h @ gate) * (h @ up)`` with ``h = rms_norm(x)``
+- ``matmul(x, w)``
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import numpy as np
 
 
 class PaddleLinear:
-    """Reference path: paddle matmul over pre-transposed float32 weights."""
+    """Reference path: paddle ops over pre-transposed float32 weights."""
 
     name = "paddle"
 
@@ -21,17 +26,30 @@ class PaddleLinear:
     def pack(self, weight_in_out: np.ndarray):
         return self.paddle.to_tensor(np.ascontiguousarray(weight_in_out, dtype=np.float32))
 
-    def matmul(self, x, weight):
-        return self.paddle.matmul(x, weight)
+    def pack_gate_up(self, gate_in_out: np.ndarray, up_in_out: np.ndarray):
+        return self.pack(np.concatenate([gate_in_out, up_in_out], axis=1))
 
     def rms_norm(self, x):
         p = self.paddle
         return x * p.rsqrt(p.mean(x * x, axis=-1, keepdim=True) + self.eps)
 
+    def matmul(self, x, weight):
+        return self.paddle.matmul(x, weight)
+
+    def rms_matmul(self, x, weight):
+        return self.paddle.matmul(self.rms_norm(x), weight)
+
+    def matmul_add(self, x, weight, residual):
+        return residual + self.paddle.matmul(x, weight)
+
+    def rms_matmul_swiglu(self, x, weight):
+        return self.paddle.nn.functional.swiglu(self.rms_matmul(x, weight))
+
 
 class CpuKernelLinear:
-    """Small-batch path: weights in 16-column panels streamed once per matmul by a CPU kernel,
-    stored as float16 (half the memory traffic) or float32."""
+    """Small-batch path: weights in 16-column panels streamed once per call by the CPU kernels,
+    stored as float16 (half the memory traffic) or float32, with norm, residual add and SwiGLU
+    fused into the matmul."""
 
     name = "cpu"
 
@@ -48,8 +66,22 @@ class CpuKernelLinear:
             raise ValueError("the CPU kernels need output widths that are multiples of 16")
         return self.paddle.to_tensor(pack_panels(weight_in_out, self.weight_dtype))
 
-    def matmul(self, x, weight):
-        return self.ops.specdec_skinny_matmul(x, weight)
+    def pack_gate_up(self, gate_in_out: np.ndarray, up_in_out: np.ndarray):
+        from specdec.kernels.cpu.reference import pack_gate_up_panels
+
+        return self.paddle.to_tensor(pack_gate_up_panels(gate_in_out, up_in_out, self.weight_dtype))
 
     def rms_norm(self, x):
         return self.ops.specdec_rms_norm(x, self.eps)
+
+    def matmul(self, x, weight):
+        return self.ops.specdec_skinny_matmul(x, weight)
+
+    def rms_matmul(self, x, weight):
+        return self.ops.specdec_rms_matmul(x, weight, self.eps)
+
+    def matmul_add(self, x, weight, residual):
+        return self.ops.specdec_matmul_add(x, weight, residual)
+
+    def rms_matmul_swiglu(self, x, weight):
+        return self.ops.specdec_rms_matmul_swiglu(x, weight, self.eps)

@@ -82,11 +82,11 @@ class LlamaModel:
                 w[p + "self_attn.k_proj.weight"],
                 w[p + "self_attn.v_proj.weight"],
             ]).T * attn_gain
-            gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).T * mlp_gain
             layer = {
                 "qkv": pack(qkv),
                 "o": pack(w[p + "self_attn.o_proj.weight"].T),
-                "gate_up": pack(gate_up),
+                "gate_up": self.linear.pack_gate_up(w[p + "mlp.gate_proj.weight"].T * mlp_gain,
+                                                    w[p + "mlp.up_proj.weight"].T * mlp_gain),
                 "down": pack(w[p + "mlp.down_proj.weight"].T),
                 "qkv_bias": None,
             }
@@ -100,6 +100,7 @@ class LlamaModel:
             self.layers.append(layer)
         head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head = pack(head.T * w["model.norm.weight"][:, None])
+        self.final_norm = self.paddle.to_tensor(w["model.norm.weight"])
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
                 logit_rows: np.ndarray, return_hidden: bool = False):
@@ -110,8 +111,8 @@ class LlamaModel:
         :param meta: where each request's rows sit (see :class:`AttentionMetadata`).
         :param logit_rows: ``[M]`` int64 indices of the rows whose logits are wanted (may be
             empty: a prefill chunk needs none).
-        :returns: ``[M, V]`` float32 numpy logits (and the final normalized hidden states of
-            those rows when ``return_hidden``).
+        :returns: ``[M, V]`` float32 numpy logits (and, when ``return_hidden``, the hidden
+            states of those rows after the final norm, ``[M, hidden]``).
         """
         p = self.paddle
         linear = self.linear
@@ -119,20 +120,18 @@ class LlamaModel:
             x = p.gather(self.embed, p.to_tensor(token_ids))
             self.attention.prepare(meta, positions)
             for index, layer in enumerate(self.layers):
-                qkv = linear.matmul(linear.rms_norm(x), layer["qkv"])
+                qkv = linear.rms_matmul(x, layer["qkv"])
                 if layer["qkv_bias"] is not None:
                     qkv = qkv + layer["qkv_bias"]
                 attn = self.attention.forward(index, qkv, meta)
-                x = x + linear.matmul(attn, layer["o"])
-                gate_up = linear.matmul(linear.rms_norm(x), layer["gate_up"])
-                x = x + linear.matmul(p.nn.functional.swiglu(gate_up), layer["down"])
+                x = linear.matmul_add(attn, layer["o"], x)
+                x = linear.matmul_add(linear.rms_matmul_swiglu(x, layer["gate_up"]), layer["down"], x)
             if len(logit_rows) == 0:
                 return (np.zeros((0, self.config.vocab_size), np.float32), None) if return_hidden else \
                     np.zeros((0, self.config.vocab_size), np.float32)
             if len(logit_rows) != len(token_ids) or not np.array_equal(logit_rows, np.arange(len(token_ids))):
                 x = p.gather(x, p.to_tensor(logit_rows))
-            hidden = linear.rms_norm(x)
-            logits = linear.matmul(hidden, self.lm_head).numpy()
-        if return_hidden:
-            return logits, hidden.numpy()
+            logits = linear.rms_matmul(x, self.lm_head).numpy()
+            if return_hidden:
+                return logits, (linear.rms_norm(x) * self.final_norm).numpy()
         return logits

@@ -58,8 +58,8 @@ def load_cpu_ops():
             return load(
                 name="specdec_cpu_ops",
                 sources=[str(SOURCE)],
-                extra_cxx_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
+                extra_cxx_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread"],
+                extra_ldflags=["-pthread"],
                 build_directory=str(build_dir),
                 verbose=False,
             )

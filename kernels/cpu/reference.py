@@ -59,3 +59,29 @@ def rope_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np.
         probs /= probs.sum(-1, keepdims=True)
         out[:, h] = probs @ values
     return out.reshape(t_len, heads * dim).astype(np.float32), cache
+
+
+def pack_gate_up_panels(gate_in_out: np.ndarray, up_in_out: np.ndarray, dtype=np.float16) -> np.ndarray:
+    """Gate and up ``[K, I]`` weights -> ``[I/8, K, 16]`` panels: panel p holds gate columns
+    ``8p..8p+7`` then up columns ``8p..8p+7`` (what ``rms_matmul_swiglu`` expects)."""
+    k, inner = gate_in_out.shape
+    if inner % 8:
+        raise ValueError("gate/up widths must be multiples of 8")
+    gate = gate_in_out.reshape(k, inner // 8, 8)
+    up = up_in_out.reshape(k, inner // 8, 8)
+    return np.ascontiguousarray(np.concatenate([gate, up], axis=2).transpose(1, 0, 2), dtype=dtype)
+
+
+def rms_matmul(x: np.ndarray, panels: np.ndarray, eps: float) -> np.ndarray:
+    return skinny_matmul(rms_norm(x, eps), panels)
+
+
+def matmul_add(x: np.ndarray, panels: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    return (residual.astype(np.float64) + skinny_matmul(x, panels)).astype(np.float32)
+
+
+def rms_matmul_swiglu(x: np.ndarray, gate_up_panels: np.ndarray, eps: float) -> np.ndarray:
+    both = rms_matmul(x, gate_up_panels, eps).astype(np.float64)  # [M, I/8 * 16]
+    rows = both.reshape(len(x), -1, 2, 8)
+    gate, up = rows[:, :, 0].reshape(len(x), -1), rows[:, :, 1].reshape(len(x), -1)
+    return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
