@@ -59,7 +59,7 @@ MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_MODEL_STEPS = 8
 MAX_NUM_SEQS = 256
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 MTP_STRATEGIES = ("default", "with_ngram")
 KERNELS = ("auto", "cpu", "paddle")
 
@@ -382,7 +382,8 @@ class EngineConfig:
         CPU kernels are in use, else ``paddle``.
     :ivar kernels: ``auto`` (the CPU kernels when they build here, else plain paddle), ``cpu``
         or ``paddle`` (the reference path: plain paddle ops only).
-    :ivar dtype: the compute dtype of weights and activations.
+    :ivar dtype: how weights are stored (activations are float32): ``auto`` is ``float16`` with
+        the CPU kernels (half the memory traffic) and ``float32`` on the reference path.
     :ivar seed: the engine seed (each request's generator derives from it).
     :ivar max_num_seqs: the most requests running at once.
     :ivar speculative: the speculative config.
@@ -392,7 +393,7 @@ class EngineConfig:
     max_model_len: int | None = attrs.field(default=None, validator=in_range(1))
     attention_backend: str = "auto"
     kernels: str = attrs.field(default="auto", validator=one_of(*KERNELS))
-    dtype: str = attrs.field(default="float32", validator=one_of(*DTYPES))
+    dtype: str = attrs.field(default="auto", validator=one_of(*DTYPES))
     seed: int = attrs.field(default=0, validator=in_range(0))
     max_num_seqs: int = attrs.field(default=1, validator=in_range(1, MAX_NUM_SEQS))
     speculative: SpeculativeConfig = attrs.field(factory=SpeculativeConfig)

@@ -25,23 +25,42 @@ from ..verify import BatchSampling, VerifyInputs
 from .request import Request, RequestOutput
 
 
-def resolve_kernels(config: EngineConfig) -> str:
-    """``cpu`` or ``paddle``: what ``config.kernels`` (and ``dtype``) come to on this machine."""
+def _on_gpu() -> bool:
+    from ..errors import require_paddle
+
+    paddle = require_paddle()
+    return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+
+
+def resolve_kernels(config: EngineConfig) -> tuple[str, str]:
+    """``(kernels, weight dtype)`` that ``config.kernels`` and ``config.dtype`` come to here:
+    ``cpu`` when the CPU kernels build (and run on CPU tensors), else ``paddle``; ``auto`` dtype
+    is float16 weights with the CPU kernels, float32 on the reference path."""
     from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
 
-    if config.dtype == "bfloat16":
+    dtype = config.dtype
+    if dtype == "bfloat16":
         raise SpecdecError("dtype: bfloat16 is not supported on this build; use float32 or float16")
-    if config.kernels == "paddle":
-        if config.dtype != "float32":
-            raise SpecdecError(f"dtype: {config.dtype} weights need the CPU kernels (kernels: cpu or auto)")
-        return "paddle"
-    try:
-        load_cpu_ops()
-    except KernelUnavailable as exc:
-        if config.kernels == "cpu" or config.dtype != "float32":
-            raise SpecdecError(f"kernels: {exc}; use kernels: paddle with dtype: float32") from None
-        return "paddle"
-    return "cpu"
+    kernels = config.kernels
+    if kernels == "auto":
+        kernels = "paddle" if _on_gpu() else "cpu"  # the CPU kernels take CPU tensors only
+        try:
+            load_cpu_ops()
+        except KernelUnavailable:
+            if dtype == "float16":
+                raise SpecdecError("dtype: float16 weights need the CPU kernels, which cannot be built "
+                                   "here; use dtype: float32") from None
+            kernels = "paddle"
+    elif kernels == "cpu":
+        try:
+            load_cpu_ops()
+        except KernelUnavailable as exc:
+            raise SpecdecError(f"kernels: {exc}; use kernels: paddle") from None
+    if dtype == "auto":
+        dtype = "float16" if kernels == "cpu" else "float32"
+    if kernels == "paddle" and dtype != "float32":
+        raise SpecdecError(f"dtype: {dtype} weights need the CPU kernels (kernels: cpu or auto)")
+    return kernels, dtype
 
 
 class Engine:
@@ -62,7 +81,8 @@ class Engine:
 
         # Resolve every plugin before loading weights, so a bad name fails fast.
         self._spec_plugin_classes(spec)
-        kernels = resolve_kernels(config)
+        kernels, weight_dtype = resolve_kernels(config)
+        self.kernels, self.weight_dtype = kernels, weight_dtype
         backend = config.attention_backend
         if backend == "auto":
             backend = "cpu" if kernels == "cpu" else "paddle"
@@ -75,7 +95,7 @@ class Engine:
         self.attention = attention_cls(None, config)
         self.model = LlamaModel(model_config, weights, self.attention,
                                 max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1,
-                                kernels=kernels, weight_dtype=config.dtype)
+                                kernels=kernels, weight_dtype=weight_dtype)
         del weights
         self._build_spec_plugins(spec)
 

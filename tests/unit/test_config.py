@@ -162,7 +162,7 @@ def test_engine_defaults(plugins):
     config = build_engine_config(None, {}, None, plugins)
     assert config == EngineConfig(speculative=build_speculative_config({}, plugins))
     assert (config.model, config.max_model_len, config.attention_backend) == ("smollm2-135m-instruct", None, "auto")
-    assert (config.dtype, config.seed, config.max_num_seqs) == ("float32", 0, 1)
+    assert (config.dtype, config.seed, config.max_num_seqs) == ("auto", 0, 1)
 
 
 # --- the naive notice -------------------------------------------------------------------------
@@ -455,8 +455,8 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ({"max_num_seqs": 2.0}, {}, "--config.max_num_seqs: expected int, got float 2.0"),
         ({"max_model_len": 0}, {}, "--config.max_model_len: must be >= 1, got 0"),
         ({"seed": -1}, {}, "--config.seed: must be >= 0, got -1"),
-        ({"dtype": "fp8"}, {}, "--config.dtype: must be one of float32, bfloat16, float16, got 'fp8'"),
-        ({}, {"dtype": "int4"}, "--dtype: must be one of float32, bfloat16, float16, got 'int4'"),
+        ({"dtype": "fp8"}, {}, "--config.dtype: must be one of auto, float32, float16, bfloat16, got 'fp8'"),
+        ({}, {"dtype": "int4"}, "--dtype: must be one of auto, float32, float16, bfloat16, got 'int4'"),
         ({"model": 3}, {}, "--config.model: expected str, got int 3"),
         ({"modle": "m"}, {}, "--config: unknown key 'modle' (did you mean 'model'?)"),
         ({"method": "ngram"}, {}, "--config: unknown key 'method' (it belongs under speculative_config)"),
