@@ -61,9 +61,11 @@ class WorkPool {
     }
     work(job);
     while (job.done.load(std::memory_order_acquire) < job.total) _mm_pause();
-    current_.store(nullptr, std::memory_order_release);
-    // A worker may have picked up the job pointer just before it was cleared: wait it out.
-    while (active_.load(std::memory_order_acquire) > 0) _mm_pause();
+    // A worker may have picked up the job pointer just before it was cleared: wait it out. The
+    // store and the loads are sequentially consistent (as are the worker's increment and load),
+    // so either the worker sees nullptr or this loop sees the worker (Dekker's handshake).
+    current_.store(nullptr, std::memory_order_seq_cst);
+    while (active_.load(std::memory_order_seq_cst) > 0) _mm_pause();
   }
 
   ~WorkPool() {
@@ -92,8 +94,8 @@ class WorkPool {
 
   void loop() {
     while (!stop_.load(std::memory_order_relaxed)) {
-      active_.fetch_add(1, std::memory_order_acq_rel);
-      Job* job = current_.load(std::memory_order_acquire);
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      Job* job = current_.load(std::memory_order_seq_cst);
       if (job != nullptr) work(*job);
       active_.fetch_sub(1, std::memory_order_acq_rel);
       if (job != nullptr) {
