@@ -294,6 +294,8 @@ class Engine:
         if reason is not None:
             request.finish_reason = reason
         start = request.num_tokens
+        if start == request.num_prompt_tokens and count:
+            request.first_token_time = time.perf_counter()
         request.tokens[start: start + count] = emitted[:count]
         request.num_tokens += count
         return request.tokens[start: start + count]

@@ -25,6 +25,14 @@ class RequestOutput:
     elapsed_s: float
     finish_reason: str
     metrics: SpecMetrics
+    #: Seconds from arrival to the first generated token (prefill included); not in to_dict().
+    first_token_s: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first one, per second after the first one (decode speed alone)."""
+        decode_time = self.elapsed_s - self.first_token_s
+        return (self.num_generated_tokens - 1) / decode_time if decode_time > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -63,6 +71,7 @@ class Request:
     text: str = ""
     metrics: SpecMetrics = attrs.field(factory=SpecMetrics)
     finish_time: float = 0.0
+    first_token_time: float = 0.0
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -95,4 +104,5 @@ class Request:
             elapsed_s=(self.finish_time or time.perf_counter()) - self.arrival_time,
             finish_reason=self.finish_reason or "",
             metrics=self.metrics,
+            first_token_s=(self.first_token_time - self.arrival_time) if self.first_token_time else 0.0,
         )

@@ -38,10 +38,26 @@ def rope(x: np.ndarray, cos: np.ndarray, sin_signed: np.ndarray) -> np.ndarray:
 
 def rope_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, ctx: int,
                    heads: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
-    """Returns ``(out [T, heads*D], updated cache)``; the input cache is not modified."""
-    cache = cache.copy()
+    """Returns ``(out [T, heads*D], updated cache)``; the input cache is not modified.
+
+    ``cache`` is ``[2*kv_heads, capacity, D]`` of storage: the key blocks hold keys in tiles of
+    8 positions transposed (each block read as ``[capacity/8, D, 8]``), the value blocks values
+    as ``[capacity, D]``.
+    """
+    _, capacity, dim = cache.shape
+    tiles = cache[:kv_heads].reshape(kv_heads, capacity // 8, dim, 8)
+    keys = tiles.transpose(0, 1, 3, 2).reshape(kv_heads, capacity, dim).copy()
+    values = cache[kv_heads:].copy()
+    out, keys, values = _attend(qkv, keys, values, cos, sin, ctx, heads, kv_heads)
+    tiles = keys.reshape(kv_heads, capacity // 8, 8, dim).transpose(0, 1, 3, 2)
+    return out, np.concatenate([tiles.reshape(kv_heads, capacity, dim), values])
+
+
+def _attend(qkv, keys, values, cos, sin, ctx, heads, kv_heads):
+    """Plain causal attention with keys and values as ``[kv_heads, capacity, D]``."""
     t_len = qkv.shape[0]
-    dim = cache.shape[2]
+    dim = keys.shape[2]
+    cache = np.concatenate([keys, values])
     rows = qkv.reshape(t_len, heads + 2 * kv_heads, dim).astype(np.float64)
     positions = ctx + np.arange(t_len)
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
@@ -58,7 +74,7 @@ def rope_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np.
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out[:, h] = probs @ values
-    return out.reshape(t_len, heads * dim).astype(np.float32), cache
+    return out.reshape(t_len, heads * dim).astype(np.float32), cache[:kv_heads], cache[kv_heads:]
 
 
 def pack_gate_up_panels(gate_in_out: np.ndarray, up_in_out: np.ndarray, dtype=np.float16) -> np.ndarray:

@@ -9,7 +9,7 @@
 //   rms_norm(x[M,K], eps) -> [M,K]                 x / sqrt(mean(x^2) + eps) (gain folded elsewhere)
 //   rope_attention(qkv, cache, cos, sin, ctx, heads, kv_heads) -> [T, heads*D]
 //       RoPE on the new rows' q/k heads, k/v written into the cache at positions ctx.., then
-//       causal attention of the T rows over positions [0, ctx + t].
+//       causal attention of the T rows over positions [0, ctx + t]. Keys are cached in transposed tiles of 8 positions.
 #include "paddle/extension.h"
 
 #include <immintrin.h>
@@ -166,6 +166,8 @@ inline void panel_rows(const float* x, int64_t K, const W* panel, float* out, in
   __m256 acc0[MB], acc1[MB];
   for (int m = 0; m < MB; ++m) { acc0[m] = _mm256_setzero_ps(); acc1[m] = _mm256_setzero_ps(); }
   for (int64_t k = 0; k < K; ++k) {
+    // Software prefetch ~2 KB ahead: the hardware prefetcher stops at page boundaries.
+    if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 64) * kPanel), _MM_HINT_T0);
     const __m256 w0 = load8(panel + k * kPanel);
     const __m256 w1 = load8(panel + k * kPanel + 8);
     for (int m = 0; m < MB; ++m) {
@@ -309,12 +311,17 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, float eps) {
 std::vector<paddle::Tensor> RopeAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
                                           int64_t ctx, int64_t heads, int64_t kv_heads) {
+  // cache: [2*kv_heads, capacity, D] of storage, laid out as kv_heads blocks of keys in tiles of
+  // 8 positions transposed ([capacity/8, D, 8]: the scores of 8 positions come out of 8-wide
+  // FMAs over contiguous memory, no horizontal sums), then kv_heads blocks of values
+  // ([capacity, D]). capacity must be a multiple of 8.
   const int64_t T = qkv.shape()[0];
   const int64_t D = cache.shape()[2];
   const int64_t capacity = cache.shape()[1];
   const int64_t width = (heads + 2 * kv_heads) * D;
   PD_CHECK(qkv.numel() == T * width, "rope_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
   PD_CHECK(cache.shape()[0] == 2 * kv_heads, "rope_attention: cache must be [2*kv_heads, capacity, D]");
+  PD_CHECK(capacity % 8 == 0 && D % 8 == 0, "rope_attention: capacity and D must be multiples of 8");
   PD_CHECK(ctx + T <= capacity, "rope_attention: positions exceed the cache capacity");
   PD_CHECK(ctx + T <= cos.shape()[0], "rope_attention: positions exceed the RoPE table");
   const float* in = qkv.data<float>();
@@ -324,52 +331,97 @@ std::vector<paddle::Tensor> RopeAttention(const paddle::Tensor& qkv, const paddl
   const float* sin_t = sin.data<float>();
   const int64_t group = heads / kv_heads;
 
-  std::vector<float> q(T * heads * D);
+  std::vector<float> q(T * heads * D), k(D);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = in + t * width;
-    const float* c = cos_t + (ctx + t) * D;
-    const float* s = sin_t + (ctx + t) * D;
+    const int64_t pos = ctx + t;
+    const float* c = cos_t + pos * D;
+    const float* s = sin_t + pos * D;
     for (int64_t h = 0; h < heads; ++h) rope(row + h * D, c, s, D, q.data() + (t * heads + h) * D);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      rope(row + (heads + h) * D, c, s, D, kv + (h * capacity + ctx + t) * D);
-      std::copy_n(row + (heads + kv_heads + h) * D, D, kv + ((kv_heads + h) * capacity + ctx + t) * D);
+      rope(row + (heads + h) * D, c, s, D, k.data());
+      float* tile = kv + h * capacity * D + (pos / 8) * D * 8 + pos % 8;
+      for (int64_t d = 0; d < D; ++d) tile[d * 8] = k[d];
+      std::copy_n(row + (heads + kv_heads + h) * D, D, kv + ((kv_heads + h) * capacity + pos) * D);
     }
   }
 
   auto out = paddle::empty({T, heads * D}, paddle::DataType::FLOAT32, qkv.place());
   float* op = out.data<float>();
+  const int64_t span = (ctx + T + 7) / 8 * 8;  // positions any row of this call can see, padded
   WorkPool::get().parallel_for(heads, [&](int64_t h) {
-    std::vector<float> scores(ctx + T);
-    std::vector<float> acc(D);
-    {
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t kvh = h / group;
-        const float* keys = kv + kvh * capacity * D;
-        const float* values = kv + (kv_heads + kvh) * capacity * D;
-        const float* qv = q.data() + (t * heads + h) * D;
-        const int64_t visible = ctx + t + 1;
-        float best = -INFINITY;
-        for (int64_t j = 0; j < visible; ++j) {
-          scores[j] = dot(qv, keys + j * D, D);
-          best = std::max(best, scores[j]);
+    const int64_t kvh = h / group;
+    const float* keys_t = kv + kvh * capacity * D;
+    const float* values = kv + (kv_heads + kvh) * capacity * D;
+    std::vector<float> scores(T * span);
+    // Scores of each query row against 4 tiles of 8 positions at a time (4 independent FMA chains).
+    for (int64_t t = 0; t < T; ++t) {
+      const float* qv = q.data() + (t * heads + h) * D;
+      float* sc = scores.data() + t * span;
+      int64_t j = 0;
+      for (; j + 32 <= span; j += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        const float* tile = keys_t + j * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const __m256 qd = _mm256_broadcast_ss(qv + d);
+          a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(tile + d * 8), a0);
+          a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(tile + 8 * D + d * 8), a1);
+          a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(tile + 16 * D + d * 8), a2);
+          a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(tile + 24 * D + d * 8), a3);
         }
-        float total = 0.f;
-        for (int64_t j = 0; j < visible; ++j) {
-          scores[j] = std::exp(scores[j] - best);
-          total += scores[j];
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < visible; ++j) {
-          const __m256 p = _mm256_set1_ps(scores[j]);
-          const float* v = values + j * D;
-          int64_t i = 0;
-          for (; i + 8 <= D; i += 8) _mm256_storeu_ps(acc.data() + i, _mm256_fmadd_ps(p, load8(v + i), load8(acc.data() + i)));
-          for (; i < D; ++i) acc[i] += scores[j] * v[i];
-        }
-        float* o = op + t * heads * D + h * D;
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < D; ++i) o[i] = acc[i] * inv;
+        _mm256_storeu_ps(sc + j, a0);
+        _mm256_storeu_ps(sc + j + 8, a1);
+        _mm256_storeu_ps(sc + j + 16, a2);
+        _mm256_storeu_ps(sc + j + 24, a3);
       }
+      for (; j < span; j += 8) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; ++d)
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qv + d), _mm256_loadu_ps(keys_t + j * D + d * 8), a0);
+        _mm256_storeu_ps(sc + j, a0);
+      }
+    }
+    std::vector<float> acc(D);
+    for (int64_t t = 0; t < T; ++t) {
+      float* sc = scores.data() + t * span;
+      const int64_t visible = ctx + t + 1;
+      float best = -INFINITY;
+      for (int64_t j = 0; j < visible; ++j) best = std::max(best, sc[j]);
+      const __m256 vbest = _mm256_set1_ps(best);
+      float total = 0.f;
+      int64_t j = 0;
+      for (; j + 8 <= visible; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vbest));
+        _mm256_storeu_ps(sc + j, e);
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, e);
+        for (int l = 0; l < 8; ++l) total += lanes[l];
+      }
+      for (; j < visible; ++j) {
+        sc[j] = std::exp(sc[j] - best);
+        total += sc[j];
+      }
+      if (D == 64) {  // the common head size: eight accumulators that stay in registers
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_setzero_ps();
+        for (int64_t jj = 0; jj < visible; ++jj) {
+          const __m256 p = _mm256_set1_ps(sc[jj]);
+          const float* v = values + jj * 64;
+          for (int i = 0; i < 8; ++i) r[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), r[i]);
+        }
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc.data() + 8 * i, r[i]);
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t jj = 0; jj < visible; ++jj) {
+          const __m256 p = _mm256_set1_ps(sc[jj]);
+          const float* v = values + jj * D;
+          for (int64_t i = 0; i < D; i += 8)
+            _mm256_storeu_ps(acc.data() + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc.data() + i)));
+        }
+      }
+      float* o = op + t * heads * D + h * D;
+      const float inv = 1.f / total;
+      for (int64_t i = 0; i < D; ++i) o[i] = acc[i] * inv;
     }
   });
   return {out};

