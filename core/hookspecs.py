@@ -75,7 +75,10 @@ def specdec_register_attention_backends(register):
     """Register attention backends (``attention_backend`` in the engine config).
 
     :param register: call ``register(BackendClass)`` once per class. The class subclasses
-        :class:`specdec.AttentionBackend`, sets ``NAME`` and implements ``forward`` over the
-        packed query rows of a step and the request's KV cache. ``paddle`` is the reference
+        :class:`specdec.AttentionBackend`, sets ``NAME`` and implements ``setup`` (the model's
+        shape and RoPE tables), ``allocate``/``free`` (it owns the KV cache), ``prepare`` (once
+        per step) and ``forward(layer, qkv, meta)`` over the packed rows of a step *before
+        RoPE*: the backend applies RoPE, writes the rows' keys and values into the cache and
+        attends causally (see :class:`specdec.AttentionBackend`). ``paddle`` is the reference
         backend every faster backend is tested against.
     """
