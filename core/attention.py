@@ -29,10 +29,6 @@ class AttentionMetadata:
             offsets.append(offsets[-1] + n)
         self.cu_seqlens_q = offsets
 
-    @property
-    def num_tokens(self) -> int:
-        return self.cu_seqlens_q[-1]
-
 
 class AttentionBackend:
     """Base class of attention backends: owns the KV cache and computes causal attention.

@@ -6,7 +6,7 @@ numpy arrays once at load time, and keep them in the layout their matmul streams
 - ``rms_matmul(x, w)``: ``rms_norm(x) @ w`` (the norm's gain is folded into ``w``)
 - ``matmul_add(x, w, residual)``: ``residual + x @ w``
 - ``rms_matmul_swiglu(x, w)``: ``silu(h @ gate) * (h @ up)`` with ``h = rms_norm(x)``
-- ``matmul(x, w)``
+- ``rms_norm(x)`` (for callers that want the normalized hidden states)
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ class PaddleLinear:
     def rms_norm(self, x):
         p = self.paddle
         return x * p.rsqrt(p.mean(x * x, axis=-1, keepdim=True) + self.eps)
-
-    def matmul(self, x, weight):
-        return self.paddle.matmul(x, weight)
 
     def rms_matmul(self, x, weight):
         return self.paddle.matmul(self.rms_norm(x), weight)
@@ -73,9 +70,6 @@ class CpuKernelLinear:
 
     def rms_norm(self, x):
         return self.ops.specdec_rms_norm(x, self.eps)
-
-    def matmul(self, x, weight):
-        return self.ops.specdec_skinny_matmul(x, weight)
 
     def rms_matmul(self, x, weight):
         return self.ops.specdec_rms_matmul(x, weight, self.eps)

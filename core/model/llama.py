@@ -34,20 +34,17 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np
 
 
 def make_linear(paddle, config: ModelConfig, kernels: str, weight_dtype: str):
-    """``kernels``: ``paddle`` (reference), ``cpu`` (the CPU kernels), or ``auto``."""
+    """The matmul implementation for ``kernels``: ``paddle`` (reference) or ``cpu`` (the CPU
+    kernels). Choosing between them for ``auto`` is the engine's job (``resolve_kernels``)."""
     if kernels == "paddle":
         if weight_dtype != "float32":
             raise ValueError(f"dtype {weight_dtype} needs the CPU kernels")
         return PaddleLinear(paddle, config.rms_norm_eps)
-    from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
+    if kernels != "cpu":
+        raise ValueError(f"kernels must be 'paddle' or 'cpu', got {kernels!r}")
+    from specdec.kernels.cpu import load_cpu_ops
 
-    try:
-        ops = load_cpu_ops()
-    except KernelUnavailable:
-        if kernels == "cpu" or weight_dtype != "float32":
-            raise
-        return PaddleLinear(paddle, config.rms_norm_eps)
-    return CpuKernelLinear(paddle, config.rms_norm_eps, ops, weight_dtype)
+    return CpuKernelLinear(paddle, config.rms_norm_eps, load_cpu_ops(), weight_dtype)
 
 
 class LlamaModel:

@@ -18,6 +18,7 @@ import pytest
 
 from specdec import SpecdecError
 from specdec.model.gguf_loader import SUPPORTED_TYPES, dequantize, load_gguf, unpermute_rope
+from byte_level import bytes_to_unicode  # tests/byte_level.py
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -203,18 +204,6 @@ def test_unpermute_inverts_llama_cpp(heads, head_dim, cols):
 # A whole tiny Llama GGUF through load_gguf
 
 
-def _bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 TINY = dict(hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, layers=1, theta=500000.0, eps=1e-5, ctx=256)
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
 
@@ -237,7 +226,7 @@ LAYOUT = {
 
 def write_tiny_llama(path, *, untied=True):
     """Write a tiny Llama GGUF; return ``(expected HF weights, vocab size)``."""
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     tokens = ["<|endoftext|>"] + [b2u[b] for b in range(256)] + [m.replace(" ", "") for m in MERGES]
     vocab = len(tokens)
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -19,6 +19,7 @@ import pytest
 from specdec import SpecdecError
 from specdec.model.chat import ChatTemplate, pick_chat_template
 from specdec.model.tokenizer import DetokenizeStream, Tokenizer, gguf_field
+from byte_level import bytes_to_unicode  # tests/byte_level.py
 
 gguf = pytest.importorskip("gguf")
 
@@ -57,19 +58,7 @@ def vocab(reader):
 # An independent reference: naive byte-level BPE with SmolLM2's pre-tokenization.
 
 
-def _bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-_B2U = _bytes_to_unicode()
+_B2U = bytes_to_unicode()
 # GPT-2's pattern with \p{L} spelled as Python's [^\W\d_] (fine for the letters used below).
 _L = r"[^\W\d_]"
 _GPT2 = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?{_L}+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+")
