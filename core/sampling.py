@@ -25,6 +25,9 @@ class SamplingParams:
     ``seed`` makes sampling reproducible: the same seed gives the same tokens. Generation stops
     at EOS (unless ``ignore_eos``), after ``max_tokens`` tokens, or when the text ends with one
     of ``stop`` (the stop string is not included in the returned text).
+    ``num_speculative_tokens`` limits speculation for this request alone: ``None`` keeps the
+    engine's setting, 0 turns speculation off, a smaller k caps its drafts (it cannot raise
+    the engine's k).
     """
 
     max_tokens: int = attrs.field(default=128, validator=_non_negative)
@@ -34,3 +37,4 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s or ()))
     ignore_eos: bool = False
+    num_speculative_tokens: Optional[int] = attrs.field(default=None, validator=_non_negative)

@@ -168,6 +168,31 @@ class Engine:
             self.waiting.append(request)
         return request
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a queued or running request now (finish reason ``abort``) and free its KV
+        cache. Returns False when no unfinished request has that id."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    if request.slot >= 0:
+                        self.attention.free(request.slot)
+                        request.slot = -1
+                        self.proposer.on_request_finish(request.request_id)
+                    self._finish(request, "abort")
+                    return True
+        return False
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Size of the KV block pool."""
+        return self.config.max_num_seqs
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        """Blocks of the KV pool not held by any request (equals ``num_kv_blocks`` when idle)."""
+        return self.config.max_num_seqs - self.attention.num_allocated
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -194,7 +219,10 @@ class Engine:
     def _max_draft_len(self, request: Request) -> int:
         # Every step emits accepted drafts + 1 token, and writes 1 + drafts KV rows.
         room = len(request.tokens) - 1 - request.context_len - 1
-        return max(0, min(self.num_speculative_tokens, request.remaining - 1, room))
+        k = self.num_speculative_tokens
+        if request.sampling.num_speculative_tokens is not None:
+            k = min(k, request.sampling.num_speculative_tokens)
+        return max(0, min(k, request.remaining - 1, room))
 
     def step(self) -> list[Request]:
         """Run one step for every running request; return the requests that finished."""
