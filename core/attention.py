@@ -5,39 +5,77 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
+import numpy as np
 
 
-@attrs.define(slots=True)
+@attrs.define(slots=True, kw_only=True)
 class AttentionMetadata:
-    """Where the packed query rows of one step sit; built once per step by the engine.
+    """Where the packed query rows of one step sit, and where their keys live in the paged
+    cache; built once per step by the engine (:meth:`build`), read by every layer.
 
-    :ivar query_lens: per request, how many new rows it has in the packed batch.
-    :ivar context_lens: per request, how many tokens its KV cache holds before this step; its
-        new rows take positions ``context_lens[b] .. context_lens[b] + query_lens[b] - 1``.
-    :ivar cache_slots: per request, the handle :meth:`AttentionBackend.allocate` returned.
-    :ivar cu_seqlens_q: ``[B + 1]`` offsets of each request's rows in the packed array.
+    Per request ``b`` (``B`` requests, ``T`` packed rows):
+
+    :ivar query_lens: ``[B]`` int32, how many new rows it has in the packed batch.
+    :ivar context_lens: ``[B]`` int32, how many positions its cache holds before this step; its
+        new rows take positions ``context_lens[b] .. context_lens[b] + query_lens[b] - 1``
+        and attend causally to everything before them.
+    :ivar block_tables: ``[B, max_blocks]`` int32, the cache block of each of its
+        ``block_size``-position pages (padding entries are 0 and never read).
+    :ivar block_size: positions per cache block.
+    :ivar cu_seqlens_q: ``[B + 1]`` int32 offsets of each request's rows in the packed array.
+    :ivar cu_seqlens_k: ``[B + 1]`` int32 offsets of each request's keys (context + new rows).
+    :ivar positions: ``[T]`` int64, each row's position in its own sequence.
+    :ivar batch_ids: ``[T]`` int32, the request of each row.
+    :ivar slot_mapping: ``[T]`` int64, where each row's key/value goes:
+        ``block * block_size + offset``.
     """
 
-    query_lens: list[int]
-    context_lens: list[int]
-    cache_slots: list[int]
-    cu_seqlens_q: list[int] = attrs.field(init=False)
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    block_size: int
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    positions: np.ndarray
+    batch_ids: np.ndarray
+    slot_mapping: np.ndarray
 
-    def __attrs_post_init__(self):
-        offsets = [0]
-        for n in self.query_lens:
-            offsets.append(offsets[-1] + n)
-        self.cu_seqlens_q = offsets
+    @classmethod
+    def build(cls, query_lens, context_lens, block_tables, block_size: int) -> "AttentionMetadata":
+        """Derive the row-level arrays from the per-request ones (no per-row Python loop)."""
+        query_lens = np.asarray(query_lens, dtype=np.int32)
+        context_lens = np.asarray(context_lens, dtype=np.int32)
+        block_tables = np.asarray(block_tables, dtype=np.int32).reshape(len(query_lens), -1)
+        cu_q = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu_q[1:])
+        cu_k = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(context_lens + query_lens, out=cu_k[1:])
+        batch_ids = np.repeat(np.arange(len(query_lens), dtype=np.int32), query_lens)
+        rows = np.arange(int(cu_q[-1]), dtype=np.int64)
+        positions = rows - cu_q[batch_ids] + context_lens[batch_ids]
+        blocks = block_tables[batch_ids, positions // block_size].astype(np.int64)
+        return cls(query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
+                   block_size=block_size, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, positions=positions,
+                   batch_ids=batch_ids, slot_mapping=blocks * block_size + positions % block_size)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.cu_seqlens_q[-1])
 
 
 class AttentionBackend:
-    """Base class of attention backends: owns the KV cache and computes causal attention.
+    """Base class of attention backends: owns the paged KV cache memory and computes causal
+    attention of the packed rows of a step over it.
 
-    Lifecycle: ``setup`` once per engine with the model's shape and RoPE tables; ``allocate``
-    when a request starts (``capacity`` = the most positions it can reach) and ``free`` when it
-    ends; ``prepare`` once per step with that step's metadata; ``forward`` once per layer per
-    step. The backend applies RoPE, so that a fused kernel can do RoPE, the cache write and
-    attention in one pass.
+    Lifecycle: ``setup`` once per engine with the model's shape and RoPE tables;
+    ``init_cache`` once with the pool size the engine chose (which block holds which
+    positions is the engine's business: it passes block tables in the metadata); ``prepare``
+    once per step; ``forward`` once per layer per step. The backend applies RoPE, so that a
+    fused kernel can do RoPE, the cache write and attention in one pass.
     Rows a step later rejects are not removed: the next step simply overwrites them, because
     every request's visible length is its ``context_lens`` entry.
     """
@@ -55,17 +93,17 @@ class AttentionBackend:
         the sign folded into ``sin``)."""
         raise NotImplementedError
 
-    def allocate(self, capacity: int) -> int:
-        """Reserve a cache able to hold ``capacity`` positions; return its slot handle."""
+    def bytes_per_block(self, block_size: int) -> int:
+        """Cache memory one block of ``block_size`` positions takes over all layers (the
+        engine sizes the pool from a memory budget with it). Float32 keys and values."""
+        return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * 4
+
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the cache: ``num_blocks`` blocks of ``block_size`` positions per layer."""
         raise NotImplementedError
 
-    def free(self, slot: int) -> None:
-        """Release a slot (the request finished or was cancelled)."""
-        raise NotImplementedError
-
-    def prepare(self, meta: AttentionMetadata, positions) -> None:
-        """Build per-step state shared by all layers (masks, RoPE rows); ``positions`` is the
-        ``[T]`` int64 numpy position of every packed row."""
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build per-step state shared by all layers (masks, RoPE rows, index tensors)."""
 
     def forward(self, layer: int, qkv, meta: AttentionMetadata):
         """Attention of one layer over the packed rows of a step.
@@ -74,7 +112,8 @@ class AttentionBackend:
             heads, then the value heads of every packed row, before RoPE; queries are
             pre-scaled by ``1/sqrt(D)``.
         :returns: ``[T, H*D]``, each row's attention output (heads concatenated).
-        The backend applies RoPE to queries and keys, stores the rows' keys and values at their
-        positions in the cache, then attends causally.
+        The backend applies RoPE to queries and keys, stores the rows' keys and values at
+        ``meta.slot_mapping``, then lets row ``t`` of request ``b`` attend to positions
+        ``0 .. context_lens[b] + t`` of that request.
         """
         raise NotImplementedError

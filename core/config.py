@@ -113,6 +113,16 @@ def in_range(low: int | float, high: int | float | None = None) -> Callable:
     return check
 
 
+def multiple_of(step: int) -> Callable:
+    """attrs validator: the value is a multiple of ``step``; ``None`` passes."""
+
+    def check(_instance, attribute, value):
+        if value is not None and value % step:
+            raise InvalidValue(attribute.name, f"must be a multiple of {step}, got {value}")
+
+    return check
+
+
 def one_of(*choices: str) -> Callable:
     """attrs validator: the value is one of ``choices``; ``None`` passes."""
 
@@ -324,6 +334,10 @@ class SpeculativeConfig:
     :ivar verify_strategy: the verify strategy's ``NAME``.
     :ivar accept_policy: the accept policy's ``NAME``.
     :ivar mtp_strategy: ``default``, or ``with_ngram`` (MTP drafts, ngram fills up).
+    :ivar adaptive_draft_length: verify only the drafts worth their cost: each step the engine
+        keeps a draft when its expected acceptance (from the request's recent acceptance)
+        raises the batch's expected tokens per second, given the measured cost of a verified
+        row; off, every draft up to ``num_speculative_tokens`` is verified.
     :ivar method_config: the proposer's structured ``Config`` (``None`` if it declares none).
     :ivar verify_config: the verify strategy's structured ``Config``.
     :ivar accept_config: the accept policy's structured ``Config``.
@@ -339,6 +353,7 @@ class SpeculativeConfig:
     verify_strategy: str = "topp"
     accept_policy: str = "normal"
     mtp_strategy: str = attrs.field(default="default", validator=one_of(*MTP_STRATEGIES))
+    adaptive_draft_length: bool = True
     method_config: Any = None
     verify_config: Any = None
     accept_config: Any = None
@@ -360,7 +375,7 @@ class SpeculativeConfig:
 #: The core keys of ``--speculative-config``, in documentation order.
 SPECULATIVE_KEYS = (
     "method", "num_speculative_tokens", "num_model_steps", "model", "quantization",
-    "verify_strategy", "accept_policy", "mtp_strategy",
+    "verify_strategy", "accept_policy", "mtp_strategy", "adaptive_draft_length",
 )
 
 # (config key, registry attribute of Plugins, SpeculativeConfig field of the structured Config)
@@ -385,7 +400,16 @@ class EngineConfig:
     :ivar dtype: how weights are stored (activations are float32): ``auto`` is ``float16`` with
         the CPU kernels (half the memory traffic) and ``float32`` on the reference path.
     :ivar seed: the engine seed (each request's generator derives from it).
-    :ivar max_num_seqs: the most requests running at once.
+    :ivar max_num_seqs: the most requests running at once (the batch size).
+    :ivar max_num_batched_tokens: the most token rows one step feeds the model (decode rows,
+        draft rows and prefill chunks together); long prompts are prefilled in chunks so
+        that they never stall the requests that are decoding.
+    :ivar block_size: positions per KV cache block (a multiple of 8).
+    :ivar num_kv_blocks: blocks in the KV cache pool; ``None`` sizes the pool from
+        ``kv_cache_memory_gb``.
+    :ivar kv_cache_memory_gb: the KV cache budget in GiB when ``num_kv_blocks`` is not set.
+    :ivar enable_prefix_caching: requests whose prompts share leading full blocks (a common
+        system prompt) share those blocks instead of computing them again.
     :ivar speculative: the speculative config.
     """
 
@@ -395,7 +419,12 @@ class EngineConfig:
     kernels: str = attrs.field(default="auto", validator=one_of(*KERNELS))
     dtype: str = attrs.field(default="auto", validator=one_of(*DTYPES))
     seed: int = attrs.field(default=0, validator=in_range(0))
-    max_num_seqs: int = attrs.field(default=1, validator=in_range(1, MAX_NUM_SEQS))
+    max_num_seqs: int = attrs.field(default=MAX_NUM_SEQS, validator=in_range(1, MAX_NUM_SEQS))
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=in_range(1, 1 << 20))
+    block_size: int = attrs.field(default=16, validator=[in_range(8, 1024), multiple_of(8)])
+    num_kv_blocks: int | None = attrs.field(default=None, validator=in_range(1))
+    kv_cache_memory_gb: float = attrs.field(default=4.0, validator=in_range(0.001))
+    enable_prefix_caching: bool = True
     speculative: SpeculativeConfig = attrs.field(factory=SpeculativeConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -406,7 +435,9 @@ class EngineConfig:
 
 
 #: The engine keys of the YAML file (and of the matching CLI flags), in documentation order.
-ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "kernels", "dtype", "seed", "max_num_seqs")
+ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "kernels", "dtype", "seed", "max_num_seqs",
+               "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
+               "enable_prefix_caching")
 
 
 # --- reading JSON and YAML --------------------------------------------------------------------

@@ -75,16 +75,16 @@ class ModelSession:
         llm = self.llm
         engine = llm.engine
         assert not engine.has_unfinished(), "a previous run left requests behind"
-        saved = engine.config
+        saved = engine.scheduler.max_num_seqs
         llm.set_speculative_config(spec)
-        engine.config = attrs.evolve(saved, max_num_seqs=max_num_seqs)
+        engine.scheduler.max_num_seqs = max_num_seqs
         try:
             outputs = llm.generate(list(prompts), list(sampling) if isinstance(sampling, (list, tuple))
                                    else sampling, use_chat_template=chat)
         finally:
-            engine.config = saved
-            engine.waiting.clear()
-            engine.running.clear()
+            engine.scheduler.max_num_seqs = saved
+            for request in [*engine.waiting, *engine.running]:
+                engine.abort_request(request.request_id)
         if cache:
             self._runs[key] = outputs
         return outputs
@@ -100,13 +100,14 @@ class ModelSession:
 
         engine = self.llm.engine
         ids = np.asarray(token_ids, dtype=np.int64)
-        slot = engine.attention.allocate(len(ids) + 1)
+        pool = engine.kv.pool
+        blocks = [pool.allocate() for _ in range(-(-len(ids) // engine.block_size))]
         try:
-            meta = AttentionMetadata([len(ids)], [0], [slot])
-            logits = engine.model.forward(ids, np.arange(len(ids), dtype=np.int64), meta,
-                                          np.array([len(ids) - 1], dtype=np.int64))
+            meta = AttentionMetadata.build([len(ids)], [0], [blocks], engine.block_size)
+            logits = engine.model.forward(ids, meta, np.array([len(ids) - 1], dtype=np.int64))
         finally:
-            engine.attention.free(slot)
+            for block in blocks:
+                pool.release(block)
         return np.asarray(logits)[0]
 
     def margin(self, token_ids) -> tuple[float, int, int]:

@@ -1,10 +1,12 @@
 """The engine: one step path for every method (schedule, propose, pack, forward, verify, accept,
 update), as in ARCHITECTURE.md.
 
-Data are laid out for a batch from the start: drafts are ``[B, k]`` plus lengths, the forward
-pass sees one packed token array, verification works on ``[B, k+1, V]`` logits. Requests join
-the batch between steps (up to ``max_num_seqs``); each owns a KV cache slot in the attention
-backend, and rejected rows are dropped by length: the next step overwrites them.
+Requests join and leave the batch between steps (continuous batching, ``scheduler.py``); their
+KV caches live in fixed-size blocks of one pool (``kv_cache.py``), shared between requests
+with a common prompt prefix. A step packs every scheduled request's new rows into one token
+array (prefill chunks, and for decoding requests the last token plus its drafts), runs one
+forward pass, and verifies the drafts of the whole batch in one call on ``[B, k+1, V]``
+logits. Rejected rows are dropped by length: the next step overwrites them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from ..errors import SpecdecError
 from ..proposer import Drafts, ProposalBatch, ProposalRequest
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs
+from .adaptive import AcceptanceTracker, StepCostModel, choose_draft_lengths
+from .kv_cache import BlockPool, KVCacheManager
 from .request import Request, RequestOutput
+from .scheduler import Scheduler
 
 
 def _on_gpu() -> bool:
@@ -64,7 +69,7 @@ def resolve_kernels(config: EngineConfig) -> tuple[str, str]:
 
 
 class Engine:
-    """Owns the model, the plugins chosen by the config, and the running requests."""
+    """Owns the model, the plugins chosen by the config, the KV pool and the requests."""
 
     def __init__(self, config: EngineConfig, plugins=None, progress: bool = True):
         from ..model.llama import LlamaModel
@@ -97,13 +102,19 @@ class Engine:
                                 max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1,
                                 kernels=kernels, weight_dtype=weight_dtype)
         del weights
+        self.block_size = config.block_size
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // self.attention.bytes_per_block(self.block_size))
+        self.attention.init_cache(num_blocks, self.block_size)
+        self.kv = KVCacheManager(BlockPool(num_blocks, self.block_size, config.enable_prefix_caching))
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self._on_admit)
         self._build_spec_plugins(spec)
 
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
         self._ids = itertools.count()
+        self.step_costs = StepCostModel()
+        self.acceptance = AcceptanceTracker()
 
     def _spec_plugin_classes(self, spec: SpeculativeConfig):
         return (
@@ -133,6 +144,16 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
 
+    @property
+    def waiting(self) -> list[Request]:
+        """Requests queued for admission (preempted ones first)."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests in the batch (prefilling or decoding)."""
+        return self.scheduler.running
+
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     prompt: Optional[str] = None, request_id: Optional[str] = None) -> Request:
         """Queue a request; it joins the running batch at the next step that has room."""
@@ -147,6 +168,10 @@ class Engine:
             )
         if prompt_ids.min() < 0 or prompt_ids.max() >= self.model_config.vocab_size:
             raise SpecdecError(f"prompt: token ids must lie in [0, {self.model_config.vocab_size})")
+        blocks = -(-(len(prompt_ids) + 1) // self.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            raise SpecdecError(f"prompt: {len(prompt_ids)} tokens need {blocks} KV blocks; the pool has "
+                               f"{self.kv.pool.num_blocks} (raise num_kv_blocks or kv_cache_memory_gb)")
         number = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else self.config.seed * 1_000_003 + number
         capacity = min(len(prompt_ids) + sampling.max_tokens, self.max_model_len)
@@ -165,82 +190,80 @@ class Engine:
         if sampling.max_tokens == 0:
             self._finish(request, "length")
         else:
-            self.waiting.append(request)
+            self.scheduler.waiting.append(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a queued or running request now (finish reason ``abort``) and free its KV
-        cache. Returns False when no unfinished request has that id."""
-        for queue in (self.waiting, self.running):
-            for request in queue:
-                if request.request_id == request_id:
-                    queue.remove(request)
-                    if request.slot >= 0:
-                        self.attention.free(request.slot)
-                        request.slot = -1
-                        self.proposer.on_request_finish(request.request_id)
-                    self._finish(request, "abort")
-                    return True
+        blocks. Returns False when no unfinished request has that id."""
+        for request in (*self.scheduler.running, *self.scheduler.waiting):
+            if request.request_id == request_id:
+                self._retire(request, "abort")
+                return True
         return False
 
     @property
     def num_kv_blocks(self) -> int:
         """Size of the KV block pool."""
-        return self.config.max_num_seqs
+        return self.kv.pool.num_blocks
 
     @property
     def num_free_kv_blocks(self) -> int:
-        """Blocks of the KV pool not held by any request (equals ``num_kv_blocks`` when idle)."""
-        return self.config.max_num_seqs - self.attention.num_allocated
+        """Blocks of the KV pool that no request holds (equals ``num_kv_blocks`` when idle)."""
+        return self.kv.pool.num_free
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
-    def _admit(self) -> None:
-        """Move waiting requests into the batch while there is room, prefilling their prompts."""
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.pop(0)
-            request.slot = self.attention.allocate(len(request.tokens))
-            self._prefill(request)
+    def _on_admit(self, request: Request) -> None:
+        if not request.started:
+            request.started = True
             self.proposer.on_request_start(ProposalRequest(
-                request.request_id, request.token_ids, request.num_prompt_tokens, 0))
-            self.running.append(request)
+                request.request_id, request.tokens[: request.num_prompt_tokens], request.num_prompt_tokens, 0))
 
-    def _prefill(self, request: Request) -> None:
-        """Fill the KV cache with every prompt token but the last (the first step feeds it)."""
-        count = request.num_prompt_tokens - 1
-        if count > 0:
-            meta = AttentionMetadata([count], [0], [request.slot])
-            self.model.forward(request.tokens[:count], np.arange(count), meta, np.arange(0))
-        request.context_len = count
+    def _retire(self, request: Request, reason: Optional[str]) -> None:
+        """Take a request out of the engine for good: blocks, proposer state, final text."""
+        self.scheduler.remove(request)
+        if request.started:
+            self.proposer.on_request_finish(request.request_id)
+        self.acceptance.forget(request.request_id)
+        self._finish(request, reason or request.finish_reason)
 
     # -- the step ----------------------------------------------------------------------------
 
-    def _max_draft_len(self, request: Request) -> int:
-        # Every step emits accepted drafts + 1 token, and writes 1 + drafts KV rows.
-        room = len(request.tokens) - 1 - request.context_len - 1
+    def _draft_limit(self, request: Request) -> int:
+        """The most drafts ``request`` can use: its k, and room for accepted drafts + 1 token."""
         k = self.num_speculative_tokens
         if request.sampling.num_speculative_tokens is not None:
             k = min(k, request.sampling.num_speculative_tokens)
-        return max(0, min(k, request.remaining - 1, room))
+        room = min(request.remaining, self.max_model_len - request.num_tokens) - 1
+        return max(0, min(k, room))
 
     def step(self) -> list[Request]:
-        """Run one step for every running request; return the requests that finished."""
-        self._admit()
-        running = self.running
-        if not running:
-            return []
+        """Run one step for the scheduled requests; return the requests that finished."""
+        plan = self.scheduler.schedule(self._draft_limit)
+        for request in plan.exhausted:
+            self._retire(request, "length")
+        if not plan.num_requests:
+            return plan.exhausted
+        decodes = plan.decodes
         batch = ProposalBatch([
-            ProposalRequest(r.request_id, r.token_ids, r.num_prompt_tokens, self._max_draft_len(r))
-            for r in running
+            ProposalRequest(r.request_id, r.token_ids, r.num_prompt_tokens, room)
+            for r, room in zip(decodes, plan.draft_room)
         ])
-        drafts = self._propose(batch)
-        logits = self._forward(running, drafts)
-        result = self.verifier.verify(VerifyInputs(logits, drafts, self._sampling(running, drafts)))
-        result = self.accept_policy.apply(result, drafts)
-        return self._update(running, batch, drafts, result)
+        drafts = self._propose(batch, plan)
+        logits = self._forward(plan, drafts)
+        finished = list(plan.exhausted)
+        for request, rows in plan.chunks:
+            request.context_len += rows
+            self.kv.register_computed(request)
+        if decodes:
+            result = self.verifier.verify(VerifyInputs(logits, drafts, self._sampling(decodes, drafts)))
+            result = self.accept_policy.apply(result, drafts)
+            finished += self._update(decodes, batch, drafts, result)
+        return finished
 
-    def _propose(self, batch: ProposalBatch) -> Drafts:
+    def _propose(self, batch: ProposalBatch, plan) -> Drafts:
         max_lens = np.fromiter((r.max_draft_len for r in batch.requests), dtype=np.int64, count=len(batch))
         if not max_lens.any():
             return Drafts.empty(len(batch))
@@ -249,29 +272,58 @@ class Engine:
             raise SpecdecError(
                 f"proposer '{self.spec.method}' returned {drafts.batch_size} drafts for {len(batch)} requests"
             )
+        if self.spec.adaptive_draft_length and drafts.lengths.any():
+            max_lens = self._adapt_draft_lengths(plan, batch, np.minimum(drafts.lengths, max_lens))
         if (drafts.lengths > max_lens).any() or drafts.width > max_lens.max():
             drafts = drafts.clipped(max_lens)
         return drafts
 
-    def _forward(self, running: list[Request], drafts: Drafts) -> np.ndarray:
-        """Pack ``[last token, drafts...]`` of every request, run the model, return ``[B, k+1, V]``."""
-        lengths = drafts.lengths
+    def _adapt_draft_lengths(self, plan, batch: ProposalBatch, lengths: np.ndarray) -> np.ndarray:
+        """The adaptive policy (``adaptive.py``): cut drafts that would not pay for their rows.
+
+        A seeded sampled request keeps its drafts: its tokens then depend on its seed alone,
+        not on what else shares the batch (which drafts are verified changes which samples a
+        lossless strategy draws, though not their distribution)."""
+        base_rows = sum(r.num_uncomputed for r in plan.decodes) + sum(rows for _, rows in plan.chunks)
+        fixed, per_row = self.step_costs.costs()
+        chosen = choose_draft_lengths(lengths, self.acceptance.estimate([r.request_id for r in batch.requests]),
+                                      base_rows, len(batch), fixed, per_row)
+        keep = np.fromiter((r.sampling.seed is not None and r.sampling.temperature > 0 for r in plan.decodes),
+                           dtype=bool, count=len(plan.decodes))
+        return np.where(keep, lengths, chosen)
+
+    def _forward(self, plan, drafts: Drafts) -> np.ndarray:
+        """Pack every scheduled request's rows, run the model, return ``[B, k+1, V]`` logits of
+        the decoding requests (prefill chunks need none)."""
+        decodes = plan.decodes
         width = drafts.width
-        last = np.fromiter((r.tokens[r.num_tokens - 1] for r in running), dtype=np.int64, count=len(running))
-        context = np.fromiter((r.context_len for r in running), dtype=np.int64, count=len(running))
-        rows = np.concatenate([last[:, None], drafts.token_ids], axis=1)  # [B, k+1]
+        pieces, query_lens, context_lens, tables = [], [], [], []
+        for b, request in enumerate(decodes):
+            pieces.append(request.tokens[request.context_len: request.num_tokens])
+            pieces.append(drafts.token_ids[b, : drafts.lengths[b]])
+        for request, rows in plan.chunks:
+            pieces.append(request.tokens[request.context_len: request.context_len + rows])
+        scheduled = [*decodes, *(r for r, _ in plan.chunks)]
+        uncomputed = np.fromiter((r.num_uncomputed for r in decodes), dtype=np.int64, count=len(decodes))
+        query_lens = np.concatenate([uncomputed + drafts.lengths,
+                                     np.fromiter((rows for _, rows in plan.chunks), dtype=np.int64)])
+        context_lens = np.fromiter((r.context_len for r in scheduled), dtype=np.int64, count=len(scheduled))
+        widest = max(len(r.block_table) for r in scheduled)
+        tables = np.zeros((len(scheduled), widest), dtype=np.int32)
+        for b, request in enumerate(scheduled):
+            tables[b, : len(request.block_table)] = request.block_table
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
+        # Logits for each decoding request's last fed token and its drafts.
         offsets = np.arange(width + 1)
-        valid = offsets[None, :] <= lengths[:, None]
-        tokens = rows[valid]
-        positions = (context[:, None] + offsets[None, :])[valid]
-        query_lens = lengths + 1
-        meta = AttentionMetadata(query_lens.tolist(), context.tolist(), [r.slot for r in running])
-        logits = self.model.forward(tokens, positions, meta, np.arange(len(tokens)))
-        if len(running) == 1:
-            return logits[None]
-        starts = np.asarray(meta.cu_seqlens_q[:-1])
-        index = starts[:, None] + np.minimum(offsets[None, :], lengths[:, None])
-        return logits[index]
+        first = meta.cu_seqlens_q[: len(decodes)] + uncomputed - 1
+        index = first[:, None] + np.minimum(offsets[None, :], drafts.lengths[:, None])
+        started = time.perf_counter()
+        logits = self.model.forward(np.concatenate(pieces), meta, index.reshape(-1))
+        if not plan.chunks and meta.num_rows == len(decodes) + int(drafts.lengths.sum()):
+            # Only decode steps feed the cost model: a prefill row also attends over its
+            # whole prompt, which would make every draft row look dearer than it is.
+            self.step_costs.observe(meta.num_rows, time.perf_counter() - started)
+        return logits.reshape(len(decodes), width + 1, logits.shape[-1])
 
     def _sampling(self, running: list[Request], drafts: Drafts) -> BatchSampling:
         batch_size, width = drafts.batch_size, drafts.width
@@ -289,42 +341,56 @@ class Engine:
             uniforms=uniforms,
         )
 
-    def _update(self, running, batch, drafts, result) -> list[Request]:
-        finished = []
-        appended_per_request = []
-        for b, request in enumerate(running):
-            accepted = int(result.accepted_lengths[b])
-            appended = self._append(request, result.output_tokens[b, : accepted + 1])
-            request.context_len += len(appended)
-            request.metrics.record_step(int(drafts.lengths[b]), accepted, len(appended))
+    def _update(self, decodes, batch, drafts, result) -> list[Request]:
+        """Append each request's emitted tokens (cut at EOS and limits, for the whole batch at
+        once), move its KV length past the accepted rows, check stop strings, retire the
+        finished."""
+        accepted = result.accepted_lengths
+        counts, reasons = self._emitted_counts(decodes, result.output_tokens, accepted)
+        self.acceptance.record([r.request_id for r in decodes], drafts.lengths, accepted)
+        finished, appended_per_request = [], []
+        for b, request in enumerate(decodes):
+            count = int(counts[b])
+            request.context_len = request.num_tokens + int(accepted[b])
+            appended = self._append(request, result.output_tokens[b, :count], reasons[b])
+            self.kv.register_computed(request)
+            request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
             appended_per_request.append(appended)
             self._check_stop_strings(request)
             if request.finished:
                 finished.append(request)
         self.proposer.on_step(batch, appended_per_request)
         for request in finished:
-            self.running.remove(request)
-            self.attention.free(request.slot)
-            self.proposer.on_request_finish(request.request_id)
-            self._finish(request, request.finish_reason)
+            self._retire(request, request.finish_reason)
         return finished
 
-    def _append(self, request: Request, emitted: np.ndarray) -> np.ndarray:
-        """Append ``emitted`` up to the first stop condition; return what was appended."""
-        count, reason = len(emitted), None
-        if not request.sampling.ignore_eos and self._eos_array.size:
-            is_eos = np.isin(emitted, self._eos_array)
-            if is_eos.any():
-                count, reason = int(np.argmax(is_eos)) + 1, "stop"
-        limit = min(request.remaining, self.max_model_len - request.num_tokens)
-        if count > limit or (count == limit and reason is None):
-            count, reason = limit, "length"
+    def _emitted_counts(self, decodes, output_tokens: np.ndarray, accepted: np.ndarray):
+        """How many of each request's ``accepted + 1`` output tokens it keeps, and why it stops
+        (``stop`` at an EOS, ``length`` at max_tokens or the context end, else ``None``)."""
+        counts = accepted + 1
+        reasons = np.full(len(decodes), None, dtype=object)
+        eos_ok = np.fromiter((not r.sampling.ignore_eos for r in decodes), dtype=bool, count=len(decodes))
+        if self._eos_array.size and eos_ok.any():
+            positions = np.arange(output_tokens.shape[1])[None, :]
+            is_eos = np.isin(output_tokens, self._eos_array) & (positions < counts[:, None]) & eos_ok[:, None]
+            hit = is_eos.any(axis=1)
+            counts = np.where(hit, np.argmax(is_eos, axis=1) + 1, counts)
+            reasons[hit] = "stop"
+        limits = np.fromiter((min(r.remaining, self.max_model_len - r.num_tokens) for r in decodes),
+                             dtype=np.int64, count=len(decodes))
+        at_limit = (counts > limits) | ((counts == limits) & (reasons == None))  # noqa: E711
+        counts = np.where(counts > limits, limits, counts)
+        reasons[at_limit] = "length"
+        return counts, reasons
+
+    def _append(self, request: Request, emitted: np.ndarray, reason: Optional[str]) -> np.ndarray:
+        """Append ``emitted`` (already cut at its stop condition); return what was appended."""
         if reason is not None:
             request.finish_reason = reason
-        start = request.num_tokens
+        start, count = request.num_tokens, len(emitted)
         if start == request.num_prompt_tokens and count:
             request.first_token_time = time.perf_counter()
-        request.tokens[start: start + count] = emitted[:count]
+        request.tokens[start: start + count] = emitted
         request.num_tokens += count
         return request.tokens[start: start + count]
 

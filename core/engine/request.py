@@ -65,8 +65,17 @@ class Request:
     rng: np.random.Generator
     detokenizer: object
     arrival_time: float = attrs.field(factory=time.perf_counter)
-    slot: int = -1
     context_len: int = 0
+    #: KV cache blocks holding positions ``block_size * i ..`` (see ``kv_cache.py``).
+    block_table: list = attrs.field(factory=list)
+    #: Prefix-cache keys of the prompt's full blocks (computed on first admission).
+    prefix_keys: Optional[list] = None
+    #: Prompt blocks already offered to the prefix cache.
+    num_registered: int = 0
+    #: Whether the proposer has seen ``on_request_start`` (a preempted request keeps its state).
+    started: bool = False
+    #: Times the request lost its KV cache to make room, and was recomputed.
+    num_preemptions: int = 0
     finish_reason: Optional[str] = None
     text: str = ""
     metrics: SpecMetrics = attrs.field(factory=SpecMetrics)
@@ -88,6 +97,11 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.sampling.max_tokens - self.num_generated
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens not in the KV cache yet (1 for a request that is decoding)."""
+        return self.num_tokens - self.context_len
 
     @property
     def finished(self) -> bool:

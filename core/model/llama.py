@@ -99,13 +99,13 @@ class LlamaModel:
         self.lm_head = pack(head.T * w["model.norm.weight"][:, None])
         self.final_norm = self.paddle.to_tensor(w["model.norm.weight"])
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
+    def forward(self, token_ids: np.ndarray, meta: AttentionMetadata,
                 logit_rows: np.ndarray, return_hidden: bool = False):
         """Run the decoder over packed rows.
 
         :param token_ids: ``[T]`` int64, every request's new tokens back to back.
-        :param positions: ``[T]`` int64, each row's position in its own sequence.
-        :param meta: where each request's rows sit (see :class:`AttentionMetadata`).
+        :param meta: where each request's rows sit and where its KV cache lives (see
+            :class:`AttentionMetadata`; ``meta.positions`` are the rows' positions).
         :param logit_rows: ``[M]`` int64 indices of the rows whose logits are wanted (may be
             empty: a prefill chunk needs none).
         :returns: ``[M, V]`` float32 numpy logits (and, when ``return_hidden``, the hidden
@@ -115,7 +115,7 @@ class LlamaModel:
         linear = self.linear
         with p.no_grad():
             x = p.gather(self.embed, p.to_tensor(token_ids))
-            self.attention.prepare(meta, positions)
+            self.attention.prepare(meta)
             for index, layer in enumerate(self.layers):
                 qkv = linear.rms_matmul(x, layer["qkv"])
                 if layer["qkv_bias"] is not None:

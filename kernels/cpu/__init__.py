@@ -9,6 +9,7 @@ Each operator has a numpy twin in :mod:`specdec.kernels.cpu.reference`.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -45,7 +46,10 @@ def load_cpu_ops():
     import logging
     import warnings
 
-    build_dir = Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
+    # One build folder per source version: checkouts with different kernels never share a build.
+    version = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    build_root = Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
+    build_dir = build_root / version
     build_dir.mkdir(parents=True, exist_ok=True)
     saved_warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache

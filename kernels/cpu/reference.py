@@ -36,45 +36,42 @@ def rope(x: np.ndarray, cos: np.ndarray, sin_signed: np.ndarray) -> np.ndarray:
     return x * cos + np.roll(x, half, axis=-1) * sin_signed
 
 
-def rope_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, ctx: int,
-                   heads: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+def paged_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                    block_tables: np.ndarray, cu_seqlens_q: np.ndarray, context_lens: np.ndarray,
+                    heads: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
     """Returns ``(out [T, heads*D], updated cache)``; the input cache is not modified.
 
-    ``cache`` is ``[2*kv_heads, capacity, D]`` of storage: the key blocks hold keys in tiles of
-    8 positions transposed (each block read as ``[capacity/8, D, 8]``), the value blocks values
-    as ``[capacity, D]``.
+    ``cache`` is one layer, ``[num_blocks, 2*kv_heads, block_size, D]``: in each block the key
+    pages hold keys in transposed tiles of 8 positions (a page read as
+    ``[block_size/8, D, 8]``), the value pages hold values as ``[block_size, D]``.
     """
-    _, capacity, dim = cache.shape
-    tiles = cache[:kv_heads].reshape(kv_heads, capacity // 8, dim, 8)
-    keys = tiles.transpose(0, 1, 3, 2).reshape(kv_heads, capacity, dim).copy()
-    values = cache[kv_heads:].copy()
-    out, keys, values = _attend(qkv, keys, values, cos, sin, ctx, heads, kv_heads)
-    tiles = keys.reshape(kv_heads, capacity // 8, 8, dim).transpose(0, 1, 3, 2)
-    return out, np.concatenate([tiles.reshape(kv_heads, capacity, dim), values])
-
-
-def _attend(qkv, keys, values, cos, sin, ctx, heads, kv_heads):
-    """Plain causal attention with keys and values as ``[kv_heads, capacity, D]``."""
-    t_len = qkv.shape[0]
-    dim = keys.shape[2]
-    cache = np.concatenate([keys, values])
-    rows = qkv.reshape(t_len, heads + 2 * kv_heads, dim).astype(np.float64)
-    positions = ctx + np.arange(t_len)
-    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    q = rope(rows[:, :heads], c, s)
-    cache[:kv_heads, ctx:ctx + t_len] = rope(rows[:, heads:heads + kv_heads], c, s).transpose(1, 0, 2)
-    cache[kv_heads:, ctx:ctx + t_len] = rows[:, heads + kv_heads:].transpose(1, 0, 2)
+    num_blocks, _, block_size, dim = cache.shape
+    tiles = cache[:, :kv_heads].reshape(num_blocks, kv_heads, block_size // 8, dim, 8)
+    keys = tiles.transpose(0, 1, 2, 4, 3).reshape(num_blocks, kv_heads, block_size, dim).astype(np.float64)
+    values = cache[:, kv_heads:].astype(np.float64)
     group = heads // kv_heads
-    out = np.zeros((t_len, heads, dim))
-    for h in range(heads):
-        keys = cache[h // group, : ctx + t_len].astype(np.float64)
-        values = cache[kv_heads + h // group, : ctx + t_len].astype(np.float64)
-        scores = q[:, h] @ keys.T
-        scores[np.arange(ctx + t_len)[None, :] > positions[:, None]] = -np.inf
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        out[:, h] = probs @ values
-    return out.reshape(t_len, heads * dim).astype(np.float32), cache[:kv_heads], cache[kv_heads:]
+    out = np.zeros((qkv.shape[0], heads, dim))
+    for b in range(len(context_lens)):
+        start, end, ctx = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(context_lens[b])
+        rows = qkv[start:end].reshape(end - start, heads + 2 * kv_heads, dim).astype(np.float64)
+        positions = ctx + np.arange(end - start)
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+        q = rope(rows[:, :heads], c, s)
+        blocks, offsets = block_tables[b][positions // block_size], positions % block_size
+        keys[blocks, :, offsets] = rope(rows[:, heads:heads + kv_heads], c, s)
+        values[blocks, :, offsets] = rows[:, heads + kv_heads:]
+        seen = np.arange(ctx + end - start)
+        seen_blocks, seen_offsets = block_tables[b][seen // block_size], seen % block_size
+        k_seq, v_seq = keys[seen_blocks, :, seen_offsets], values[seen_blocks, :, seen_offsets]  # [S, KVH, D]
+        for h in range(heads):
+            scores = q[:, h] @ k_seq[:, h // group].T
+            scores[seen[None, :] > positions[:, None]] = -np.inf
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            out[start:end, h] = probs @ v_seq[:, h // group]
+    tiles = keys.reshape(num_blocks, kv_heads, block_size // 8, 8, dim).transpose(0, 1, 2, 4, 3)
+    updated = np.concatenate([tiles.reshape(num_blocks, kv_heads, block_size, dim), values], axis=1)
+    return out.reshape(qkv.shape[0], heads * dim).astype(np.float32), updated.astype(np.float32)
 
 
 def pack_gate_up_panels(gate_in_out: np.ndarray, up_in_out: np.ndarray, dtype=np.float16) -> np.ndarray:

@@ -7,9 +7,11 @@
 //   rms_matmul_swiglu(x, w, eps) -> silu(h @ gate) * (h @ up), h = rms_norm(x), with gate and up
 //       interleaved in the panels: panel p holds gate columns 8p..8p+7, then up columns 8p..8p+7
 //   rms_norm(x[M,K], eps) -> [M,K]                 x / sqrt(mean(x^2) + eps) (gain folded elsewhere)
-//   rope_attention(qkv, cache, cos, sin, ctx, heads, kv_heads) -> [T, heads*D]
-//       RoPE on the new rows' q/k heads, k/v written into the cache at positions ctx.., then
-//       causal attention of the T rows over positions [0, ctx + t]. Keys are cached in transposed tiles of 8 positions.
+//   paged_attention(qkv, cache, cos, sin, block_tables, cu_seqlens_q, context_lens, heads, kv_heads)
+//       -> [T, heads*D]: for a packed batch of requests, RoPE on the new rows' q/k heads, k/v
+//       written into the paged cache at positions context_lens[b].., then causal attention of
+//       each request's rows over its own positions [0, context + t]. Keys are cached in
+//       transposed tiles of 8 positions.
 #include "paddle/extension.h"
 
 #include <immintrin.h>
@@ -308,91 +310,128 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, float eps) {
   return {out};
 }
 
-std::vector<paddle::Tensor> RopeAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
-                                          const paddle::Tensor& cos, const paddle::Tensor& sin,
-                                          int64_t ctx, int64_t heads, int64_t kv_heads) {
-  // cache: [2*kv_heads, capacity, D] of storage, laid out as kv_heads blocks of keys in tiles of
-  // 8 positions transposed ([capacity/8, D, 8]: the scores of 8 positions come out of 8-wide
-  // FMAs over contiguous memory, no horizontal sums), then kv_heads blocks of values
-  // ([capacity, D]). capacity must be a multiple of 8.
+// Paged cache of one layer: [num_blocks, 2*kv_heads, block_size, D]. In each block, the
+// kv_heads key pages are stored in transposed tiles of 8 positions ([block_size/8, D, 8]: the
+// scores of 8 positions come out of 8-wide FMAs over contiguous memory, no horizontal sums),
+// then the kv_heads value pages ([block_size, D]).
+struct PagedCache {
+  float* data;
+  int64_t kv_heads, block_size, D;
+  const float* key_tile(int32_t block, int64_t kvh, int64_t pos) const {  // pos: a multiple of 8
+    return data + ((block * 2 * kv_heads + kvh) * block_size + (pos % block_size) / 8 * 8) * D;
+  }
+  float* key_slot(int32_t block, int64_t kvh, int64_t pos) const {  // element d sits at [d * 8]
+    const int64_t off = pos % block_size;
+    return data + ((block * 2 * kv_heads + kvh) * block_size + off / 8 * 8) * D + off % 8;
+  }
+  float* value_page(int32_t block, int64_t kvh) const {
+    return data + ((block * 2 * kv_heads + kv_heads + kvh) * block_size) * D;
+  }
+};
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
+                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                           const paddle::Tensor& block_tables, const paddle::Tensor& cu_seqlens_q,
+                                           const paddle::Tensor& context_lens, int64_t heads, int64_t kv_heads) {
   const int64_t T = qkv.shape()[0];
-  const int64_t D = cache.shape()[2];
-  const int64_t capacity = cache.shape()[1];
+  const int64_t B = context_lens.shape()[0];
+  const int64_t num_blocks = cache.shape()[0];
+  const int64_t bs = cache.shape()[2];
+  const int64_t D = cache.shape()[3];
+  const int64_t max_blocks = block_tables.shape()[1];
   const int64_t width = (heads + 2 * kv_heads) * D;
-  PD_CHECK(qkv.numel() == T * width, "rope_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
-  PD_CHECK(cache.shape()[0] == 2 * kv_heads, "rope_attention: cache must be [2*kv_heads, capacity, D]");
-  PD_CHECK(capacity % 8 == 0 && D % 8 == 0, "rope_attention: capacity and D must be multiples of 8");
-  PD_CHECK(ctx + T <= capacity, "rope_attention: positions exceed the cache capacity");
-  PD_CHECK(ctx + T <= cos.shape()[0], "rope_attention: positions exceed the RoPE table");
+  PD_CHECK(qkv.numel() == T * width, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
+  PD_CHECK(cache.shape()[1] == 2 * kv_heads, "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
+  PD_CHECK(bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
+  PD_CHECK(block_tables.shape()[0] == B && cu_seqlens_q.shape()[0] == B + 1, "paged_attention: metadata shapes");
+  const int32_t* tables = block_tables.data<int32_t>();
+  const int32_t* cu = cu_seqlens_q.data<int32_t>();
+  const int32_t* ctx = context_lens.data<int32_t>();
+  PD_CHECK(cu[B] == T, "paged_attention: cu_seqlens_q must end at the row count");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t end = ctx[b] + cu[b + 1] - cu[b];
+    PD_CHECK(end <= max_blocks * bs, "paged_attention: positions exceed the block table");
+    PD_CHECK(end <= cos.shape()[0], "paged_attention: positions exceed the RoPE table");
+    for (int64_t i = 0; i < (end + bs - 1) / bs; ++i)
+      PD_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks,
+               "paged_attention: block id out of range");
+  }
   const float* in = qkv.data<float>();
   // The cache is updated in place: it is the backend's own buffer, never part of a graph.
-  float* kv = const_cast<float*>(cache.data<float>());
+  const PagedCache kv{const_cast<float*>(cache.data<float>()), kv_heads, bs, D};
   const float* cos_t = cos.data<float>();
   const float* sin_t = sin.data<float>();
   const int64_t group = heads / kv_heads;
 
-  std::vector<float> q(T * heads * D), k(D);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = in + t * width;
-    const int64_t pos = ctx + t;
-    const float* c = cos_t + pos * D;
-    const float* s = sin_t + pos * D;
-    for (int64_t h = 0; h < heads; ++h) rope(row + h * D, c, s, D, q.data() + (t * heads + h) * D);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      rope(row + (heads + h) * D, c, s, D, k.data());
-      float* tile = kv + h * capacity * D + (pos / 8) * D * 8 + pos % 8;
-      for (int64_t d = 0; d < D; ++d) tile[d * 8] = k[d];
-      std::copy_n(row + (heads + kv_heads + h) * D, D, kv + ((kv_heads + h) * capacity + pos) * D);
+  // RoPE on the new rows; keys and values into their cache slots.
+  std::vector<float> q(T * heads * D);
+  WorkPool::get().parallel_for(B, [&](int64_t b) {
+    std::vector<float> k(D);
+    const int32_t* table = tables + b * max_blocks;
+    for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+      const float* row = in + t * width;
+      const int64_t pos = ctx[b] + t - cu[b];
+      const int32_t block = table[pos / bs];
+      const float* c = cos_t + pos * D;
+      const float* s = sin_t + pos * D;
+      for (int64_t h = 0; h < heads; ++h) rope(row + h * D, c, s, D, q.data() + (t * heads + h) * D);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rope(row + (heads + h) * D, c, s, D, k.data());
+        float* slot = kv.key_slot(block, h, pos);
+        for (int64_t d = 0; d < D; ++d) slot[d * 8] = k[d];
+        std::copy_n(row + (heads + kv_heads + h) * D, D, kv.value_page(block, h) + (pos % bs) * D);
+      }
     }
-  }
+  });
 
   auto out = paddle::empty({T, heads * D}, paddle::DataType::FLOAT32, qkv.place());
   float* op = out.data<float>();
-  const int64_t span = (ctx + T + 7) / 8 * 8;  // positions any row of this call can see, padded
-  WorkPool::get().parallel_for(heads, [&](int64_t h) {
+  // One work item per (request, head): each row's scores, softmax and value sum in turn.
+  WorkPool::get().parallel_for(B * heads, [&](int64_t item) {
+    const int64_t b = item / heads, h = item % heads;
     const int64_t kvh = h / group;
-    const float* keys_t = kv + kvh * capacity * D;
-    const float* values = kv + (kv_heads + kvh) * capacity * D;
-    std::vector<float> scores(T * span);
-    // Scores of each query row against 4 tiles of 8 positions at a time (4 independent FMA chains).
-    for (int64_t t = 0; t < T; ++t) {
+    const int32_t* table = tables + b * max_blocks;
+    const int64_t rows = cu[b + 1] - cu[b];
+    const int64_t span = (ctx[b] + rows + 7) / 8 * 8;  // positions any row can see, padded to tiles
+    std::vector<float> sc(span), acc(D);
+    std::vector<const float*> tiles(span / 8);
+    for (int64_t j = 0; j < span; j += 8) tiles[j / 8] = kv.key_tile(table[j / bs], kvh, j);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = cu[b] + r;
       const float* qv = q.data() + (t * heads + h) * D;
-      float* sc = scores.data() + t * span;
-      int64_t j = 0;
-      for (; j + 32 <= span; j += 32) {
+      const int64_t visible = ctx[b] + r + 1;
+      const int64_t tiles_seen = (visible + 7) / 8;
+      // Scores against 4 tiles of 8 positions at a time (4 independent FMA chains).
+      int64_t i = 0;
+      for (; i + 4 <= tiles_seen; i += 4) {
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        const float* tile = keys_t + j * D;
+        const float *t0 = tiles[i], *t1 = tiles[i + 1], *t2 = tiles[i + 2], *t3 = tiles[i + 3];
         for (int64_t d = 0; d < D; ++d) {
           const __m256 qd = _mm256_broadcast_ss(qv + d);
-          a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(tile + d * 8), a0);
-          a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(tile + 8 * D + d * 8), a1);
-          a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(tile + 16 * D + d * 8), a2);
-          a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(tile + 24 * D + d * 8), a3);
+          a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(t0 + d * 8), a0);
+          a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(t1 + d * 8), a1);
+          a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(t2 + d * 8), a2);
+          a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(t3 + d * 8), a3);
         }
-        _mm256_storeu_ps(sc + j, a0);
-        _mm256_storeu_ps(sc + j + 8, a1);
-        _mm256_storeu_ps(sc + j + 16, a2);
-        _mm256_storeu_ps(sc + j + 24, a3);
+        _mm256_storeu_ps(sc.data() + 8 * i, a0);
+        _mm256_storeu_ps(sc.data() + 8 * i + 8, a1);
+        _mm256_storeu_ps(sc.data() + 8 * i + 16, a2);
+        _mm256_storeu_ps(sc.data() + 8 * i + 24, a3);
       }
-      for (; j < span; j += 8) {
+      for (; i < tiles_seen; ++i) {
         __m256 a0 = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; ++d)
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qv + d), _mm256_loadu_ps(keys_t + j * D + d * 8), a0);
-        _mm256_storeu_ps(sc + j, a0);
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qv + d), _mm256_loadu_ps(tiles[i] + d * 8), a0);
+        _mm256_storeu_ps(sc.data() + 8 * i, a0);
       }
-    }
-    std::vector<float> acc(D);
-    for (int64_t t = 0; t < T; ++t) {
-      float* sc = scores.data() + t * span;
-      const int64_t visible = ctx + t + 1;
       float best = -INFINITY;
       for (int64_t j = 0; j < visible; ++j) best = std::max(best, sc[j]);
       const __m256 vbest = _mm256_set1_ps(best);
       float total = 0.f;
       int64_t j = 0;
       for (; j + 8 <= visible; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vbest));
-        _mm256_storeu_ps(sc + j, e);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.data() + j), vbest));
+        _mm256_storeu_ps(sc.data() + j, e);
         alignas(32) float lanes[8];
         _mm256_store_ps(lanes, e);
         for (int l = 0; l < 8; ++l) total += lanes[l];
@@ -401,27 +440,36 @@ std::vector<paddle::Tensor> RopeAttention(const paddle::Tensor& qkv, const paddl
         sc[j] = std::exp(sc[j] - best);
         total += sc[j];
       }
+      // Value sum, one block page at a time.
       if (D == 64) {  // the common head size: eight accumulators that stay in registers
-        __m256 r[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_setzero_ps();
-        for (int64_t jj = 0; jj < visible; ++jj) {
-          const __m256 p = _mm256_set1_ps(sc[jj]);
-          const float* v = values + jj * 64;
-          for (int i = 0; i < 8; ++i) r[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), r[i]);
+        __m256 r8[8];
+        for (int k = 0; k < 8; ++k) r8[k] = _mm256_setzero_ps();
+        for (int64_t start = 0; start < visible; start += bs) {
+          const float* page = kv.value_page(table[start / bs], kvh);
+          const int64_t stop = std::min(visible, start + bs);
+          for (int64_t jj = start; jj < stop; ++jj) {
+            const __m256 pj = _mm256_set1_ps(sc[jj]);
+            const float* v = page + (jj - start) * 64;
+            for (int k = 0; k < 8; ++k) r8[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * k), r8[k]);
+          }
         }
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc.data() + 8 * i, r[i]);
+        for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc.data() + 8 * k, r8[k]);
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t jj = 0; jj < visible; ++jj) {
-          const __m256 p = _mm256_set1_ps(sc[jj]);
-          const float* v = values + jj * D;
-          for (int64_t i = 0; i < D; i += 8)
-            _mm256_storeu_ps(acc.data() + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc.data() + i)));
+        for (int64_t start = 0; start < visible; start += bs) {
+          const float* page = kv.value_page(table[start / bs], kvh);
+          const int64_t stop = std::min(visible, start + bs);
+          for (int64_t jj = start; jj < stop; ++jj) {
+            const __m256 pj = _mm256_set1_ps(sc[jj]);
+            const float* v = page + (jj - start) * D;
+            for (int64_t d = 0; d < D; d += 8)
+              _mm256_storeu_ps(acc.data() + d, _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc.data() + d)));
+          }
         }
       }
       float* o = op + t * heads * D + h * D;
       const float inv = 1.f / total;
-      for (int64_t i = 0; i < D; ++i) o[i] = acc[i] * inv;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
     }
   });
   return {out};
@@ -455,8 +503,8 @@ PD_BUILD_OP(specdec_rms_norm)
     .Attrs({"eps: float"})
     .SetKernelFn(PD_KERNEL(RmsNorm));
 
-PD_BUILD_OP(specdec_rope_attention)
-    .Inputs({"QKV", "Cache", "Cos", "Sin"})
+PD_BUILD_OP(specdec_paged_attention)
+    .Inputs({"QKV", "Cache", "Cos", "Sin", "BlockTables", "CuSeqlensQ", "ContextLens"})
     .Outputs({"Out"})
-    .Attrs({"ctx: int64_t", "heads: int64_t", "kv_heads: int64_t"})
-    .SetKernelFn(PD_KERNEL(RopeAttention));
+    .Attrs({"heads: int64_t", "kv_heads: int64_t"})
+    .SetKernelFn(PD_KERNEL(PagedAttention));

@@ -1,49 +1,56 @@
-"""``cpu``: RoPE, the KV-cache write and causal attention in one CPU kernel call per request
-and layer (``specdec_rope_attention`` in specdec.kernels.cpu). Same cache storage as the
-``paddle`` reference backend, but keys are kept transposed and capacities are multiples of 8
-(see the kernel); the tests compare its outputs with the reference backend's."""
+"""``cpu``: RoPE, the paged KV-cache write and causal attention of the whole packed batch in
+one CPU kernel call per layer (``specdec_paged_attention`` in specdec.kernels.cpu).
+
+Each layer's cache is ``[num_blocks, 2*KVH, block_size, D]`` with keys stored in transposed
+tiles of 8 positions (see the kernel and its numpy twin ``reference.paged_attention``); the
+tests compare this backend with the ``paddle`` reference backend.
+"""
 
 from __future__ import annotations
 
 import specdec
 from specdec.attention import AttentionMetadata
-from specdec.errors import SpecdecError
-
-from .paddle_backend import PaddleAttention
+from specdec.errors import SpecdecError, require_paddle
 
 
-class CpuAttention(PaddleAttention):
+class CpuAttention(specdec.AttentionBackend):
     NAME = "cpu"
 
-    def setup(self, **kwargs):
+    def setup(self, *, num_layers, num_heads, num_kv_heads, head_dim, dtype, rope_cos, rope_sin):
         from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
 
-        super().setup(**kwargs)
+        self.paddle = require_paddle()
         try:
             self.ops = load_cpu_ops()
         except KernelUnavailable as exc:
             raise SpecdecError(f"attention_backend 'cpu': {exc}; use 'paddle'") from None
-        self._cos_table = self.paddle.to_tensor(self.rope_cos)
-        self._sin_table = self.paddle.to_tensor(self.rope_sin)
+        if dtype != "float32":
+            raise SpecdecError(f"attention_backend 'cpu': the cache is float32, got {dtype}")
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self._cos_table = self.paddle.to_tensor(rope_cos)
+        self._sin_table = self.paddle.to_tensor(rope_sin)
 
-    def allocate(self, capacity: int) -> int:
-        return super().allocate(-(-capacity // 8) * 8)
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        if block_size % 8:
+            raise SpecdecError(f"block_size: the cpu attention backend needs a multiple of 8, got {block_size}")
+        shape = [num_blocks, 2 * self.num_kv_heads, block_size, self.head_dim]
+        # Uninitialised: the kernel reads only positions that a step has written (scores of
+        # the padding inside a tile of 8 are computed but never used).
+        self._caches = [self.paddle.empty(shape, dtype="float32") for _ in range(self.num_layers)]
 
-    def prepare(self, meta: AttentionMetadata, positions) -> None:
-        self._check_room(meta)
+    def prepare(self, meta: AttentionMetadata) -> None:
+        p = self.paddle
+        self._tables = p.to_tensor(meta.block_tables)
+        self._cu_q = p.to_tensor(meta.cu_seqlens_q)
+        self._context = p.to_tensor(meta.context_lens)
 
     def forward(self, layer, qkv, meta: AttentionMetadata):
-        attend = self.ops.specdec_rope_attention
-        if len(meta.query_lens) == 1:
-            cache = self._caches[meta.cache_slots[0]][layer]
-            return attend(qkv, cache, self._cos_table, self._sin_table, meta.context_lens[0],
-                          self.num_heads, self.num_kv_heads)
-        outputs = []
-        for b, (start, end) in enumerate(zip(meta.cu_seqlens_q[:-1], meta.cu_seqlens_q[1:])):
-            cache = self._caches[meta.cache_slots[b]][layer]
-            outputs.append(attend(qkv[start:end], cache, self._cos_table, self._sin_table,
-                                  meta.context_lens[b], self.num_heads, self.num_kv_heads))
-        return self.paddle.concat(outputs, axis=0)
+        return self.ops.specdec_paged_attention(
+            qkv, self._caches[layer], self._cos_table, self._sin_table, self._tables, self._cu_q,
+            self._context, self.num_heads, self.num_kv_heads)
 
 
 @specdec.hookimpl

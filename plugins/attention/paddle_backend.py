@@ -1,9 +1,11 @@
-"""``paddle``: the reference attention backend (plain paddle ops, one contiguous cache per request).
+"""``paddle``: the reference attention backend (plain paddle ops over the paged cache).
 
-Each request owns a ``[layers][2*KVH, capacity, D]`` cache (key heads, then value heads) sized
-for the most positions it can reach. Attention runs over the whole capacity with an additive
-mask: keeping the operands contiguous is far cheaper on CPU than slicing the live prefix,
-which would copy it every layer.
+Each layer's cache is one ``[num_blocks * block_size, 2*KVH, D]`` tensor: cache slot
+``block * block_size + offset`` holds one position's key heads, then its value heads. A step
+scatters the new rows' keys and values into their slots, gathers every request's keys
+(``[B, longest sequence]`` slots, padded) and runs masked attention for the whole batch at
+once: padded query rows, padded key columns and the causal rule are all in one additive
+mask. It favours plainness over speed; it is the twin the fused backends are tested against.
 """
 
 from __future__ import annotations
@@ -27,71 +29,68 @@ class PaddleAttention(specdec.AttentionBackend):
         self.head_dim = head_dim
         self.dtype = dtype
         self.rope_cos, self.rope_sin = rope_cos, rope_sin
-        self._caches: dict[int, list] = {}
-        self._capacity: dict[int, int] = {}
-        self._free_slots: list[int] = []
-        self._next_slot = 0
+        self.num_blocks = 0
+        self.block_size = 0
 
-    def allocate(self, capacity: int) -> int:
-        slot = self._free_slots.pop() if self._free_slots else self._next_slot
-        self._next_slot = max(self._next_slot, slot + 1)
-        shape = [2 * self.num_kv_heads, capacity, self.head_dim]
-        self._caches[slot] = [self.paddle.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        self._capacity[slot] = capacity
-        return slot
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = [num_blocks * block_size, 2 * self.num_kv_heads, self.head_dim]
+        self._caches = [self.paddle.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
 
-    def free(self, slot: int) -> None:
-        if self._caches.pop(slot, None) is not None:
-            del self._capacity[slot]
-            self._free_slots.append(slot)
-
-    @property
-    def num_allocated(self) -> int:
-        return len(self._caches)
-
-    def _check_room(self, meta: AttentionMetadata) -> None:
-        for q_len, ctx, slot in zip(meta.query_lens, meta.context_lens, meta.cache_slots):
-            if ctx + q_len > self._capacity[slot]:
-                raise ValueError(f"slot {slot}: {ctx + q_len} positions exceed its capacity {self._capacity[slot]}")
-
-    def prepare(self, meta: AttentionMetadata, positions) -> None:
-        """Per-step RoPE rows (identity on value heads) and one causal mask per request."""
-        self._check_room(meta)
-        p = self.paddle
+    def _rope_rows(self, positions: np.ndarray) -> None:
+        """RoPE factors of this step's rows for every head (identity on the value heads)."""
         heads = self.num_heads + 2 * self.num_kv_heads
         rope_heads = self.num_heads + self.num_kv_heads
         cos = np.ones((len(positions), heads, self.head_dim), dtype=np.float32)
         sin = np.zeros_like(cos)
         cos[:, :rope_heads] = self.rope_cos[positions][:, None, :]
         sin[:, :rope_heads] = self.rope_sin[positions][:, None, :]
-        self._cos, self._sin = p.to_tensor(cos), p.to_tensor(sin)
-        self._masks = []
-        for q_len, ctx, slot in zip(meta.query_lens, meta.context_lens, meta.cache_slots):
-            visible = ctx + 1 + np.arange(q_len)  # row t sees positions < ctx + t + 1
-            capacity = self._capacity[slot]
-            mask = np.where(np.arange(capacity)[None, :] < visible[:, None], 0.0, -np.inf).astype(np.float32)
-            # Query rows are ordered (t, g) inside each KV head: repeat each row G times.
-            self._masks.append(p.to_tensor(np.repeat(mask, self.group, axis=0)))
+        self._cos, self._sin = self.paddle.to_tensor(cos), self.paddle.to_tensor(sin)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """RoPE rows, the padded row index, every request's key slots and the batch mask."""
+        if int((meta.context_lens + meta.query_lens).max()) > meta.block_tables.shape[1] * self.block_size:
+            raise ValueError("attention: a request's positions exceed its block table")
+        p = self.paddle
+        self._rope_rows(meta.positions)
+        batch = meta.num_requests
+        seq_lens = (meta.context_lens + meta.query_lens).astype(np.int64)
+        q_max, k_max = int(meta.query_lens.max()), int(seq_lens.max())
+        row_in_request = meta.positions - meta.context_lens[meta.batch_ids]
+        self._q_max = q_max
+        self._padded_rows = p.to_tensor(meta.batch_ids.astype(np.int64) * q_max + row_in_request)
+        key_positions = np.arange(k_max)
+        blocks = meta.block_tables[:, np.minimum(key_positions // self.block_size, meta.block_tables.shape[1] - 1)]
+        slots = blocks.astype(np.int64) * self.block_size + key_positions % self.block_size
+        self._key_slots = p.to_tensor(slots.reshape(-1))
+        self._batch, self._k_max = batch, k_max
+        # Row t of request b sees key j when j <= context + t. Padded query rows see key 0
+        # only (their output is dropped; the mask just keeps their softmax finite).
+        t = np.arange(q_max)
+        visible = np.where(t[None, :] < meta.query_lens[:, None], meta.context_lens[:, None] + t[None, :], 0)
+        allowed = key_positions[None, None, :] <= visible[:, :, None]  # [B, q_max, k_max]
+        mask = np.where(allowed, 0.0, -np.inf).astype(np.float32)
+        # Query rows are ordered (t, g) inside each KV head: repeat each row G times.
+        self._mask = p.to_tensor(np.repeat(mask, self.group, axis=1)[:, None])
 
     def forward(self, layer, qkv, meta: AttentionMetadata):
         p = self.paddle
         heads, kv_heads, group, dim = self.num_heads, self.num_kv_heads, self.group, self.head_dim
+        batch, q_max, k_max = self._batch, self._q_max, self._k_max
         qkv = qkv.reshape([-1, heads + 2 * kv_heads, dim])
         qkv = qkv * self._cos + p.roll(qkv, dim // 2, axis=-1) * self._sin
-        outputs = []
-        for b, (start, end) in enumerate(zip(meta.cu_seqlens_q[:-1], meta.cu_seqlens_q[1:])):
-            rows = qkv if len(meta.query_lens) == 1 else qkv[start:end]
-            q_len, ctx = end - start, meta.context_lens[b]
-            cache = self._caches[meta.cache_slots[b]][layer]
-            new_kv = rows[:, heads:]  # [T, 2*KVH, D]
-            cache[:, ctx:ctx + q_len] = new_kv.transpose([1, 0, 2])
-            q = rows[:, :heads].reshape([q_len, kv_heads, group, dim]).transpose([1, 0, 2, 3])
-            q = q.reshape([kv_heads, q_len * group, dim])
-            scores = p.matmul(q, cache[:kv_heads], transpose_y=True) + self._masks[b]
-            out = p.matmul(p.nn.functional.softmax(scores, axis=-1), cache[kv_heads:])
-            out = out.reshape([kv_heads, q_len, group, dim]).transpose([1, 0, 2, 3])
-            outputs.append(out.reshape([q_len, heads * dim]))
-        return outputs[0] if len(outputs) == 1 else p.concat(outputs, axis=0)
+        cache = self._caches[layer]
+        p.scatter_(cache, p.to_tensor(meta.slot_mapping), qkv[:, heads:], overwrite=True)
+
+        queries = p.zeros([batch * q_max, heads * dim], dtype=qkv.dtype)
+        queries = p.scatter(queries, self._padded_rows, qkv[:, :heads].reshape([-1, heads * dim]))
+        q = queries.reshape([batch, q_max, kv_heads, group, dim]).transpose([0, 2, 1, 3, 4])
+        q = q.reshape([batch, kv_heads, q_max * group, dim])
+        kv = p.gather(cache, self._key_slots).reshape([batch, k_max, 2 * kv_heads, dim]).transpose([0, 2, 1, 3])
+        scores = p.matmul(q, kv[:, :kv_heads], transpose_y=True) + self._mask
+        out = p.matmul(p.nn.functional.softmax(scores, axis=-1), kv[:, kv_heads:])
+        out = out.reshape([batch, kv_heads, q_max, group, dim]).transpose([0, 2, 1, 3, 4])
+        return p.gather(out.reshape([batch * q_max, heads * dim]), self._padded_rows)
 
 
 @specdec.hookimpl

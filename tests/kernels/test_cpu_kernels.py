@@ -97,47 +97,67 @@ def _rope_tables(positions: int, dim: int):
 
 
 @pytest.mark.parametrize("dim", [32, 64])  # 64 takes the register-accumulator path
+@pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("ctx,rows", [(0, 1), (0, 7), (9, 1), (9, 6), (20, 3), (37, 40)])
-def test_rope_attention_matches_reference(ops, ctx, rows, dim):
-    heads, kv_heads, capacity = 6, 2, 80
-    rng = np.random.default_rng(ctx * 100 + rows)
+def test_paged_attention_matches_reference(ops, ctx, rows, dim, block_size):
+    """One request beside a second one, with scattered blocks; outputs and the whole cache match."""
+    heads, kv_heads, num_blocks = 6, 2, 24
+    rng = np.random.default_rng(ctx * 100 + rows + block_size)
     cos, sin = _rope_tables(128, dim)
-    cache = rng.standard_normal((2 * kv_heads, capacity, dim)).astype(np.float32)
-    qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * dim)).astype(np.float32)
-    want_out, want_cache = reference.rope_attention(qkv, cache, cos, sin, ctx, heads, kv_heads)
+    cache = rng.standard_normal((num_blocks, 2 * kv_heads, block_size, dim)).astype(np.float32)
+    order = rng.permutation(num_blocks).astype(np.int32)
+    per_request = -(-80 // block_size)
+    tables = np.stack([order[:per_request], order[per_request:2 * per_request]])
+    context = np.array([ctx, 5], np.int32)
+    cu = np.array([0, rows, rows + 2], np.int32)
+    qkv = rng.standard_normal((rows + 2, (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    want_out, want_cache = reference.paged_attention(qkv, cache, cos, sin, tables, cu, context, heads, kv_heads)
 
     cache_tensor = paddle.to_tensor(cache)
-    got = ops.specdec_rope_attention(paddle.to_tensor(qkv), cache_tensor, paddle.to_tensor(cos),
-                                     paddle.to_tensor(sin), ctx, heads, kv_heads).numpy()
+    got = ops.specdec_paged_attention(paddle.to_tensor(qkv), cache_tensor, paddle.to_tensor(cos),
+                                      paddle.to_tensor(sin), paddle.to_tensor(tables), paddle.to_tensor(cu),
+                                      paddle.to_tensor(context), heads, kv_heads).numpy()
     np.testing.assert_allclose(got, want_out, rtol=1e-4, atol=1e-5)
-    # The new rows' keys (after RoPE) and values land in the cache; nothing else changes.
+    # The new rows' keys (after RoPE) and values land in their slots; nothing else changes.
     np.testing.assert_allclose(cache_tensor.numpy(), want_cache, rtol=1e-5, atol=1e-6)
 
 
+def test_paged_attention_rejects_bad_block_ids(ops):
+    heads, kv_heads, dim = 2, 1, 8
+    cos, sin = _rope_tables(32, dim)
+    cache = paddle.zeros([2, 2 * kv_heads, 8, dim])
+    qkv = paddle.zeros([3, (heads + 2 * kv_heads) * dim])
+    tables = paddle.to_tensor(np.array([[5]], np.int32))  # the pool has blocks 0 and 1 only
+    with pytest.raises(Exception, match="block id out of range"):
+        ops.specdec_paged_attention(qkv, cache, paddle.to_tensor(cos), paddle.to_tensor(sin), tables,
+                                    paddle.to_tensor(np.array([0, 3], np.int32)),
+                                    paddle.to_tensor(np.array([0], np.int32)), heads, kv_heads)
+
+
 def test_cpu_attention_backend_equals_paddle_backend(ops):
-    """The two registered backends give the same outputs and caches over a prefill + verify chunk."""
+    """The two registered backends agree over a prefill, then a mixed prefill + verify step."""
     from specdec.attention import AttentionMetadata
     from specdec.plugins.attention.cpu_backend import CpuAttention
     from specdec.plugins.attention.paddle_backend import PaddleAttention
 
-    heads, kv_heads, dim = 6, 2, 32
+    heads, kv_heads, dim, block_size = 6, 2, 32, 8
     cos, sin = _rope_tables(64, dim)
     rng = np.random.default_rng(7)
     backends = [PaddleAttention(), CpuAttention()]
-    slots = []
     for backend in backends:
         backend.setup(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype="float32",
                       rope_cos=cos, rope_sin=sin)
-        slots.append([backend.allocate(30), backend.allocate(30)])
+        backend.init_cache(10, block_size)
+    tables = np.array([[4, 0], [7, 2]], np.int32)
     # Two requests: one prefilling 5 rows, one verifying 3 rows after 11 cached positions.
     first = rng.standard_normal((11, (heads + 2 * kv_heads) * dim)).astype(np.float32)
     step = rng.standard_normal((8, (heads + 2 * kv_heads) * dim)).astype(np.float32)
     outputs = []
-    for backend, (a, b) in zip(backends, slots):
-        warm = AttentionMetadata([11], [0], [b])
-        backend.prepare(warm, np.arange(11))
+    for backend in backends:
+        warm = AttentionMetadata.build([11], [0], tables[1:], block_size)
+        backend.prepare(warm)
         backend.forward(0, paddle.to_tensor(first), warm)
-        meta = AttentionMetadata([5, 3], [0, 11], [a, b])
-        backend.prepare(meta, np.concatenate([np.arange(5), 11 + np.arange(3)]))
+        meta = AttentionMetadata.build([5, 3], [0, 11], tables, block_size)
+        backend.prepare(meta)
         outputs.append(backend.forward(0, paddle.to_tensor(step), meta).numpy())
     np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)

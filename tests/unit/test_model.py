@@ -106,12 +106,23 @@ def test_reference_itself_on_a_hand_case():
 # Driving the decoder as the engine does
 
 
-def _forward(model, slot, tokens, context, logit_rows=None):
+BLOCK_SIZE = 8
+#: Block tables of the (at most two) sequences a test runs at once: shuffled, non-contiguous.
+TABLE_A = [9, 2, 14, 5]
+TABLE_B = [0, 11, 7, 3]
+
+
+def _with_cache(model):
+    """Give ``model``'s attention backend a small paged cache (16 blocks of 8 positions)."""
+    model.attention.init_cache(16, BLOCK_SIZE)
+    return model
+
+
+def _forward(model, table, tokens, context, logit_rows=None):
     tokens = np.asarray(tokens, dtype=np.int64)
-    meta = AttentionMetadata([len(tokens)], [context], [slot])
+    meta = AttentionMetadata.build([len(tokens)], [context], [table], BLOCK_SIZE)
     rows = np.arange(len(tokens), dtype=np.int64) if logit_rows is None else np.asarray(logit_rows, np.int64)
-    return np.asarray(model.forward(tokens, np.arange(context, context + len(tokens), dtype=np.int64),
-                                    meta, rows))
+    return np.asarray(model.forward(tokens, meta, rows))
 
 
 def _check(got, expected, what, tolerance=TOLERANCE):
@@ -135,22 +146,19 @@ def check_against_reference(model, config, weights, sequence, prefill: int, voca
     total = len(sequence)
     assert total >= prefill + 6
     expected = reference_logits(config, weights, sequence)
-    slot = model.attention.allocate(total + 8)
-    try:
-        _check(_forward(model, slot, sequence[:prefill], 0), expected[:prefill], "prefill", tolerance)
-        junk = (sequence[prefill + 1: prefill + 4] + vocab_junk) % config.vocab_size
-        chunk_a = np.concatenate([sequence[prefill: prefill + 1], junk])
-        got_a = _forward(model, slot, chunk_a, prefill)
-        _check(got_a[:1], expected[prefill: prefill + 1], "decode chunk A, row 0", tolerance)
-        b_end = prefill + 4
-        _check(_forward(model, slot, sequence[prefill + 1: b_end], prefill + 1),
-               expected[prefill + 1: b_end], "decode chunk B (over rows chunk A left behind)", tolerance)
-        last = sequence[b_end: total]
-        rows = [0, len(last) - 1]
-        _check(_forward(model, slot, last, b_end, rows), expected[b_end:][rows],
-               "decode chunk C (subset of logit rows)", tolerance)
-    finally:
-        model.attention.free(slot)
+    assert total + 8 <= len(TABLE_A) * BLOCK_SIZE
+    _check(_forward(model, TABLE_A, sequence[:prefill], 0), expected[:prefill], "prefill", tolerance)
+    junk = (sequence[prefill + 1: prefill + 4] + vocab_junk) % config.vocab_size
+    chunk_a = np.concatenate([sequence[prefill: prefill + 1], junk])
+    got_a = _forward(model, TABLE_A, chunk_a, prefill)
+    _check(got_a[:1], expected[prefill: prefill + 1], "decode chunk A, row 0", tolerance)
+    b_end = prefill + 4
+    _check(_forward(model, TABLE_A, sequence[prefill + 1: b_end], prefill + 1),
+           expected[prefill + 1: b_end], "decode chunk B (over rows chunk A left behind)", tolerance)
+    last = sequence[b_end: total]
+    rows = [0, len(last) - 1]
+    _check(_forward(model, TABLE_A, last, b_end, rows), expected[b_end:][rows],
+           "decode chunk C (subset of logit rows)", tolerance)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,8 +213,8 @@ def _cpu_kernel_model(config, weights):
     from specdec.plugins.attention.cpu_backend import CpuAttention
 
     load_cpu_ops()
-    return LlamaModel(config, weights, CpuAttention(), max_positions=64, kernels="cpu",
-                      weight_dtype="float32")
+    return _with_cache(LlamaModel(config, weights, CpuAttention(), max_positions=64, kernels="cpu",
+                                  weight_dtype="float32"))
 
 
 @pytest.mark.parametrize("tied, bias", [(True, False), (False, False), (True, True), (False, True)],
@@ -216,7 +224,7 @@ def test_small_model_matches_reference(tied, bias, path):
     config = small_config(tied, bias)
     weights = random_weights(config, seed=int(tied) * 2 + int(bias))
     if path == "paddle":
-        model = LlamaModel(config, weights, PaddleAttention())
+        model = _with_cache(LlamaModel(config, weights, PaddleAttention()))
     else:
         model = _cpu_kernel_model(config, weights)
     sequence = np.random.default_rng(7).integers(0, config.vocab_size, size=20)
@@ -238,22 +246,16 @@ def test_packed_batch_of_two_requests():
     """Two requests in one forward (one prefilling, one decoding) equal their own references."""
     config = small_config(tied=False, bias=True)
     weights = random_weights(config, seed=3)
-    model = LlamaModel(config, weights, PaddleAttention())
+    model = _with_cache(LlamaModel(config, weights, PaddleAttention()))
     rng = np.random.default_rng(11)
     seq_a, seq_b = rng.integers(0, config.vocab_size, 14), rng.integers(0, config.vocab_size, 9)
     ref_a, ref_b = reference_logits(config, weights, seq_a), reference_logits(config, weights, seq_b)
-    slot_a, slot_b = model.attention.allocate(20), model.attention.allocate(20)
-    try:
-        _forward(model, slot_a, seq_a[:10], 0, logit_rows=[])
-        tokens = np.concatenate([seq_a[10:14], seq_b])
-        positions = np.concatenate([np.arange(10, 14), np.arange(9)])
-        meta = AttentionMetadata([4, 9], [10, 0], [slot_a, slot_b])
-        got = np.asarray(model.forward(tokens, positions, meta, np.arange(13)))
-        _check(got[:4], ref_a[10:14], "request A (decode rows)")
-        _check(got[4:], ref_b, "request B (prefill rows)")
-    finally:
-        model.attention.free(slot_a)
-        model.attention.free(slot_b)
+    _forward(model, TABLE_A, seq_a[:10], 0, logit_rows=[])
+    tokens = np.concatenate([seq_a[10:14], seq_b])
+    meta = AttentionMetadata.build([4, 9], [10, 0], [TABLE_A, TABLE_B], BLOCK_SIZE)
+    got = np.asarray(model.forward(tokens, meta, np.arange(13)))
+    _check(got[:4], ref_a[10:14], "request A (decode rows)")
+    _check(got[4:], ref_b, "request B (prefill rows)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,7 +276,7 @@ def _real_sequence(tokenizer, length):
 @pytest.fixture(scope="module")
 def gguf_model(real_checkpoint):
     config, weights, _ = real_checkpoint
-    return LlamaModel(config, weights, PaddleAttention(), max_positions=64)
+    return _with_cache(LlamaModel(config, weights, PaddleAttention(), max_positions=64))
 
 
 @pytest.mark.slow
@@ -330,16 +332,12 @@ def test_gguf_and_safetensors_loaders_agree(real_checkpoint, gguf_model, tmp_pat
         assert hf_weights[name].dtype == np.float32 and hf_weights[name].shape == array.shape, name
         assert np.array_equal(hf_weights[name], array), name
 
-    hf_model = LlamaModel(hf_config, hf_weights, PaddleAttention(), max_positions=64)
+    hf_model = _with_cache(LlamaModel(hf_config, hf_weights, PaddleAttention(), max_positions=64))
     del hf_weights
     ids = _real_sequence(tokenizer, 12)
     logits = {}
     for label, model in (("gguf", gguf_model), ("hf", hf_model)):
-        slot = model.attention.allocate(16)
-        try:
-            logits[label] = _forward(model, slot, ids, 0)
-        finally:
-            model.attention.free(slot)
+        logits[label] = _forward(model, TABLE_A, ids, 0)
     assert np.max(np.abs(logits["gguf"] - logits["hf"])) < 1e-5
 
     texts = ["Hello world!", "def f(x):\n    return x ** 2  # café 🤗\n", "<|im_start|>user\nhi<|im_end|>",

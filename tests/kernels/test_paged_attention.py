@@ -1,0 +1,120 @@
+"""The attention backends over the paged cache against dense causal attention.
+
+Each case runs two steps of a random variable-length batch through a backend: the first fills
+the cache (a mix of prefills and of requests that already hold context), the second adds new
+rows to every request, as decoding and verification do. Blocks are handed out in a shuffled
+order, so a request's pages are not contiguous. The expected output is plain causal attention
+over each request's whole sequence in float64 numpy, written without any paging.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec.attention import AttentionMetadata
+from specdec.kernels.cpu import reference
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def _rope_tables(max_positions: int):
+    half = DIM // 2
+    inv_freq = 1.0 / (10000.0 ** (np.arange(half) * 2 / DIM))
+    angles = np.outer(np.arange(max_positions), inv_freq)
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1).astype(np.float32)
+    sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    return cos, sin
+
+
+def _dense_attention(rows: np.ndarray, cos, sin) -> np.ndarray:
+    """Causal attention of a whole sequence ``rows [S, (H + 2*KVH) * D]`` (pre-RoPE)."""
+    seq = rows.reshape(len(rows), HEADS + 2 * KV_HEADS, DIM).astype(np.float64)
+    c, s = cos[: len(rows)][:, None, :], sin[: len(rows)][:, None, :]
+    roped = seq * c + np.roll(seq, DIM // 2, axis=-1) * s
+    q, k, v = roped[:, :HEADS], roped[:, HEADS:HEADS + KV_HEADS], seq[:, HEADS + KV_HEADS:]
+    out = np.zeros((len(rows), HEADS, DIM))
+    causal = np.tril(np.ones((len(rows), len(rows)), dtype=bool))
+    for h in range(HEADS):
+        scores = np.where(causal, q[:, h] @ k[:, h // (HEADS // KV_HEADS)].T, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        out[:, h] = (probs / probs.sum(-1, keepdims=True)) @ v[:, h // (HEADS // KV_HEADS)]
+    return out.reshape(len(rows), HEADS * DIM)
+
+
+def _backend(name: str, block_size: int, num_blocks: int, cos, sin):
+    if name == "paddle":
+        from specdec.plugins.attention.paddle_backend import PaddleAttention as cls
+    else:
+        from specdec.plugins.attention.cpu_backend import CpuAttention as cls
+    backend = cls()
+    backend.setup(num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype="float32",
+                  rope_cos=cos, rope_sin=sin)
+    backend.init_cache(num_blocks, block_size)
+    return backend
+
+
+@pytest.mark.parametrize("backend_name", ["paddle", "cpu"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_backend_equals_dense_attention_on_random_varlen_batches(backend_name, seed):
+    import paddle
+
+    rng = np.random.default_rng(seed)
+    block_size = int(rng.choice([8, 16, 32]))
+    batch = int(rng.integers(1, 7))
+    first_lens = rng.integers(1, 50, size=batch)  # rows of step 1 (its context is 0)
+    second_lens = rng.integers(1, 9, size=batch)  # rows of step 2 (decode + drafts, or a chunk)
+    total = first_lens + second_lens
+    max_blocks = int(-(-total.max() // block_size))
+    num_blocks = int(sum(-(-t // block_size) for t in total)) + 3
+    order = rng.permutation(num_blocks)
+    tables, used = np.zeros((batch, max_blocks), dtype=np.int32), 0
+    for b in range(batch):
+        count = -(-int(total[b]) // block_size)
+        tables[b, :count] = order[used:used + count]
+        used += count
+    cos, sin = _rope_tables(int(total.max()) + 1)
+    backend = _backend(backend_name, block_size, num_blocks, cos, sin)
+    sequences = [rng.normal(size=(int(t), (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32) for t in total]
+
+    for step, (context, lens) in enumerate([(np.zeros(batch, np.int64), first_lens), (first_lens, second_lens)]):
+        meta = AttentionMetadata.build(lens, context, tables, block_size)
+        packed = np.concatenate([seq[c:c + n] for seq, c, n in zip(sequences, context, lens)])
+        backend.prepare(meta)
+        got = backend.forward(0, paddle.to_tensor(packed), meta).numpy()
+        want = np.concatenate([_dense_attention(seq[:c + n], cos, sin)[c:] for seq, c, n in zip(sequences, context, lens)])
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() < 1e-4, f"step {step}"
+
+
+def test_paged_kernel_matches_its_numpy_twin():
+    """The CPU kernel and ``reference.paged_attention`` agree on outputs and on the cache."""
+    import paddle
+
+    from specdec.kernels.cpu import load_cpu_ops
+
+    ops = load_cpu_ops()
+    rng = np.random.default_rng(7)
+    block_size, num_blocks = 16, 12
+    cos, sin = _rope_tables(64)
+    context, lens = np.array([0, 20, 5], np.int32), np.array([9, 3, 17], np.int32)
+    tables = np.array([[3, 0, 0], [7, 1, 0], [11, 4, 0]], np.int32)
+    cu = np.array([0, 9, 12, 29], np.int32)
+    cache = rng.normal(size=(num_blocks, 2 * KV_HEADS, block_size, DIM)).astype(np.float32)
+    qkv = rng.normal(size=(29, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
+    want_out, want_cache = reference.paged_attention(qkv, cache, cos, sin, tables, cu, context, HEADS, KV_HEADS)
+    cache_tensor = paddle.to_tensor(cache)
+    got = ops.specdec_paged_attention(paddle.to_tensor(qkv), cache_tensor, paddle.to_tensor(cos), paddle.to_tensor(sin),
+                                      paddle.to_tensor(tables), paddle.to_tensor(cu), paddle.to_tensor(context),
+                                      HEADS, KV_HEADS)
+    np.testing.assert_allclose(got.numpy(), want_out, atol=1e-5)
+    np.testing.assert_allclose(cache_tensor.numpy(), want_cache, atol=1e-6)
+
+
+def test_metadata_rows_come_from_the_block_tables():
+    meta = AttentionMetadata.build([2, 1], [15, 3], [[4, 9, 5], [2, 0, 0]], 8)
+    assert meta.cu_seqlens_q.tolist() == [0, 2, 3]
+    assert meta.cu_seqlens_k.tolist() == [0, 17, 21]
+    assert meta.positions.tolist() == [15, 16, 3]
+    assert meta.batch_ids.tolist() == [0, 0, 1]
+    assert meta.slot_mapping.tolist() == [9 * 8 + 7, 5 * 8 + 0, 2 * 8 + 3]
