@@ -162,7 +162,10 @@ def test_engine_defaults(plugins):
     config = build_engine_config(None, {}, None, plugins)
     assert config == EngineConfig(speculative=build_speculative_config({}, plugins))
     assert (config.model, config.max_model_len, config.attention_backend) == ("smollm2-135m-instruct", None, "auto")
-    assert (config.dtype, config.seed, config.max_num_seqs) == ("auto", 0, 1)
+    assert (config.dtype, config.seed, config.max_num_seqs) == ("auto", 0, 256)
+    assert (config.max_num_batched_tokens, config.block_size, config.num_kv_blocks) == (2048, 16, None)
+    assert (config.kv_cache_memory_gb, config.enable_prefix_caching) == (4.0, True)
+    assert config.speculative.adaptive_draft_length is True
 
 
 # --- the naive notice -------------------------------------------------------------------------
@@ -255,8 +258,8 @@ def test_key_of_a_verify_strategy_not_selected(plugins):
 
 def test_unknown_key_without_a_close_match_lists_the_valid_keys(plugins):
     assert config_error(build_speculative_config, {"method": "ngram", "zzz": 1}, plugins) == (
-        "--speculative-config: unknown key 'zzz'; valid keys: accept_policy, banned_ids, match_ratio, "
-        "max_candidate_len, max_ngram_size, method, min_ngram_size, model, mtp_strategy, num_model_steps, "
+        "--speculative-config: unknown key 'zzz'; valid keys: accept_policy, adaptive_draft_length, banned_ids, "
+        "match_ratio, max_candidate_len, max_ngram_size, method, min_ngram_size, model, mtp_strategy, num_model_steps, "
         "num_speculative_tokens, quantization, verify_strategy, verify_window"
     )
 
@@ -461,8 +464,12 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ({"modle": "m"}, {}, "--config: unknown key 'modle' (did you mean 'model'?)"),
         ({"method": "ngram"}, {}, "--config: unknown key 'method' (it belongs under speculative_config)"),
         ({"zzz": 1}, {},
-         "--config: unknown key 'zzz'; valid keys: attention_backend, dtype, kernels, max_model_len, max_num_seqs, model, "
-         "seed, speculative_config"),
+         "--config: unknown key 'zzz'; valid keys: attention_backend, block_size, dtype, enable_prefix_caching, kernels, "
+         "kv_cache_memory_gb, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, seed, "
+         "speculative_config"),
+        ({"block_size": 12}, {}, "--config.block_size: must be a multiple of 8, got 12"),
+        ({}, {"enable_prefix_caching": "yes"}, "--enable-prefix-caching: expected bool, got str 'yes'"),
+        ({"num_kv_blocks": 0}, {}, "--config.num_kv_blocks: must be >= 1, got 0"),
         ({"attention_backend": "triton"}, {},
          "--config.attention_backend: unknown attention backend 'triton'; installed: paddle"),
         ({}, {"attention_backend": "padle"},
@@ -470,13 +477,14 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2.9}}, {},
          "--config.speculative_config.num_speculative_tokens: expected int, got float 2.9"),
         ({"speculative_config": {"max_ngram_sise": 2}}, {},
-         "--config.speculative_config: unknown key 'max_ngram_sise'; valid keys: accept_policy, max_candidate_len, "
-         "method, model, mtp_strategy, num_model_steps, num_speculative_tokens, quantization, verify_strategy, "
-         "verify_window"),
+         "--config.speculative_config: unknown key 'max_ngram_sise'; valid keys: accept_policy, adaptive_draft_length, "
+         "max_candidate_len, method, model, mtp_strategy, num_model_steps, num_speculative_tokens, quantization, "
+         "verify_strategy, verify_window"),
         ({"speculative_config": ["ngram"]}, {}, "--config.speculative_config: expected a mapping, got list"),
         ([1], {}, "--config: expected a mapping, got list"),
         ({}, {"max_num_seq": 2}, "--max-num-seq: not an engine option; engine options: model, max_model_len, "
-         "attention_backend, kernels, dtype, seed, max_num_seqs"),
+         "attention_backend, kernels, dtype, seed, max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks, "
+         "kv_cache_memory_gb, enable_prefix_caching"),
     ],
 )
 def test_engine_errors(plugins, yaml_data, overrides, expected):
@@ -516,6 +524,7 @@ def test_speculative_to_dict_is_flat(plugins):
     assert flat == {
         "method": "ngram", "num_speculative_tokens": 5, "num_model_steps": 1, "model": None,
         "quantization": None, "verify_strategy": "topp", "accept_policy": "normal", "mtp_strategy": "default",
+        "adaptive_draft_length": True,
         "max_ngram_size": 3, "min_ngram_size": 1, "match_ratio": 0.5, "banned_ids": [],
         "max_candidate_len": 5, "verify_window": 2,
     }
