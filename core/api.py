@@ -25,15 +25,15 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, speculative_config=None, *,
-                 max_model_len: Optional[int] = None, attention_backend: Optional[str] = None,
-                 seed: Optional[int] = None, max_num_seqs: Optional[int] = None,
-                 config: Optional[EngineConfig] = None, plugins=None, progress: bool = True):
+                 config: Optional[EngineConfig] = None, plugins=None, progress: bool = True,
+                 **engine_options):
+        """``engine_options`` are the engine keys of docs/config.md (``max_num_seqs``,
+        ``num_kv_blocks``, ``max_num_batched_tokens``, ``attention_backend``, ...)."""
         from .plugin_manager import get_plugins
 
         plugins = plugins if plugins is not None else get_plugins()
         if config is None:
-            overrides = {"model": model, "max_model_len": max_model_len, "attention_backend": attention_backend,
-                         "seed": seed, "max_num_seqs": max_num_seqs}
+            overrides = {"model": model, **engine_options}
             config = build_engine_config(None, overrides, _spec_data(speculative_config), plugins)
         self.engine = Engine(config, plugins=plugins, progress=progress)
 

@@ -98,3 +98,31 @@ def test_proposer_batch_respects_each_max_draft_len():
     assert drafts.to_lists() == [[1, 2, 3, 4], [], [1, 2]]
     assert drafts.token_ids.shape == (3, 4)
     assert drafts.token_ids[1].tolist() == [-1, -1, -1, -1]
+
+
+def test_incremental_index_equals_the_reference_search():
+    """``NgramIndex`` (what the proposer runs) against ``find_ngram_draft`` (its twin), on random
+    sequences that grow by a few tokens or by a whole prompt at a time."""
+    from specdec.plugins.ngram.proposer import NgramIndex
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        length, vocab = int(rng.integers(1, 300)), int(rng.integers(2, 12))
+        tokens = rng.integers(0, vocab, length)
+        max_n = int(rng.integers(1, 6))
+        min_n = int(rng.integers(1, max_n + 1))
+        index, end = NgramIndex(min_n, max_n), 0
+        while end < length:
+            end = min(length, end + int(rng.integers(1, 100 if rng.random() < 0.2 else 4)))
+            index.extend(tokens[:end])
+            k = int(rng.integers(0, 7))
+            assert index.draft(k) == find_ngram_draft(tokens[:end], k, max_n, min_n).tolist()
+
+
+def test_proposer_state_is_freed_when_a_request_finishes():
+    proposer = NgramProposer(NgramConfig(max_ngram_size=3, min_ngram_size=1))
+    request = specdec.ProposalRequest("a", np.array([1, 2, 3, 1, 2]), 5, 3)
+    proposer.on_request_start(request)
+    assert proposer.propose(specdec.ProposalBatch([request])).to_lists() == [[3, 1, 2]]
+    proposer.on_request_finish("a")
+    assert proposer._indexes == {}

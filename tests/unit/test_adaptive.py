@@ -1,0 +1,91 @@
+"""The adaptive draft-length policy: the row choice, the cost fit and the acceptance estimate."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specdec.engine.adaptive import (
+    PRIOR_ACCEPTANCE,
+    PRIOR_ROW_COST,
+    AcceptanceTracker,
+    StepCostModel,
+    choose_draft_lengths,
+)
+
+
+def test_batch_one_keeps_likely_drafts_and_drops_unlikely_ones():
+    # fixed 1, per row 0.16: draft j is kept while q^j / 0.16 beats tokens / seconds.
+    lengths = choose_draft_lengths(np.array([5]), np.array([0.6]), base_rows=1, base_tokens=1,
+                                   fixed=1.0, per_row=0.16)
+    # q^j = .6, .36, .216, .13, .078; tokens/seconds after 3 rows: 2.176/1.48 = 1.47 > .13/.16
+    assert lengths.tolist() == [3]
+
+
+def test_the_exact_rule_on_a_hand_case():
+    values = 0.9 ** np.arange(1, 6)
+    fixed, per_row = 1.0, 0.9
+    tokens, seconds, taken = 1.0, fixed + per_row, 0
+    for v in values:  # the rule written out: take while v / per_row > tokens / seconds
+        if v / per_row <= tokens / seconds:
+            break
+        tokens, seconds, taken = tokens + v, seconds + per_row, taken + 1
+    got = choose_draft_lengths(np.array([5]), np.array([0.9]), 1, 1, fixed, per_row)
+    assert got.tolist() == [taken] and 0 < taken < 5
+
+
+def test_large_batches_keep_only_near_certain_drafts():
+    batch = 64
+    q = np.full(batch, 0.7)
+    q[:4] = 0.99
+    lengths = choose_draft_lengths(np.full(batch, 5), q, base_rows=batch, base_tokens=batch,
+                                   fixed=1.0, per_row=0.16)
+    assert lengths[4:].sum() == 0  # 0.7 does not pay for a row when rows dominate the step
+    assert (lengths[:4] > 0).all()
+
+
+def test_never_more_than_proposed_and_prefixes_only():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        batch = int(rng.integers(1, 20))
+        lengths = rng.integers(0, 6, batch)
+        q = rng.random(batch)
+        got = choose_draft_lengths(lengths, q, batch, batch, 1.0, float(rng.uniform(0.01, 1)))
+        assert (got <= lengths).all() and (got >= 0).all()
+        # A request with a higher q never gets fewer rows than one with a lower q, when both
+        # have drafts to spare.
+        order = np.argsort(q)
+        spare = lengths[order] == lengths.max()
+        assert np.all(np.diff(got[order][spare]) >= 0)
+
+
+def test_cost_model_recovers_a_line():
+    model = StepCostModel()
+    assert model.costs() == (1.0, PRIOR_ROW_COST)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        rows = int(rng.integers(1, 40))
+        model.observe(rows, 0.020 + 0.003 * rows)
+    fixed, per_row = model.costs()
+    assert abs(fixed - 0.020) < 1e-6 and abs(per_row - 0.003) < 1e-7
+
+
+def test_cost_model_with_one_step_size_uses_the_prior_ratio():
+    model = StepCostModel()
+    for _ in range(10):
+        model.observe(4, 0.05)
+    fixed, per_row = model.costs()
+    assert abs(fixed + 4 * per_row - 0.05) < 1e-9 and abs(per_row / fixed - PRIOR_ROW_COST) < 1e-9
+
+
+def test_acceptance_tracker_learns_and_forgets():
+    tracker = AcceptanceTracker()
+    assert tracker.estimate(["a"]).tolist() == [PRIOR_ACCEPTANCE]
+    for _ in range(10):
+        tracker.record(["a", "b"], np.array([4, 4]), np.array([4, 0]))
+    good, bad = tracker.estimate(["a", "b"])
+    assert good > 0.9 and bad < 0.25  # the prior still weighs in
+    for _ in range(30):  # b stops drafting: its history fades back to the prior
+        tracker.record(["b"], np.array([0]), np.array([0]))
+    assert abs(tracker.estimate(["b"])[0] - PRIOR_ACCEPTANCE) < 0.05
+    tracker.forget("a")
+    assert tracker.estimate(["a"]).tolist() == [PRIOR_ACCEPTANCE]
