@@ -76,9 +76,11 @@ def specdec_register_attention_backends(register):
 
     :param register: call ``register(BackendClass)`` once per class. The class subclasses
         :class:`specdec.AttentionBackend`, sets ``NAME`` and implements ``setup`` (the model's
-        shape and RoPE tables), ``allocate``/``free`` (it owns the KV cache), ``prepare`` (once
-        per step) and ``forward(layer, qkv, meta)`` over the packed rows of a step *before
-        RoPE*: the backend applies RoPE, writes the rows' keys and values into the cache and
-        attends causally (see :class:`specdec.AttentionBackend`). ``paddle`` is the reference
+        shape and RoPE tables), ``init_cache(num_blocks, block_size)`` (it owns the paged KV
+        cache memory; the engine owns the block tables), ``prepare(meta)`` (once per step) and
+        ``forward(layer, qkv, meta)`` over the packed rows of a step *before RoPE*: the backend
+        applies RoPE, writes the rows' keys and values at ``meta.slot_mapping`` and attends
+        causally over each request's blocks (see :class:`specdec.AttentionBackend` and
+        :class:`specdec.AttentionMetadata`). ``paddle`` is the reference
         backend every faster backend is tested against.
     """
