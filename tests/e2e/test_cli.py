@@ -122,6 +122,8 @@ CASES = [
          "--config.dtype: must be one of auto, float32, float16, bfloat16, got 'fp8'",
          files={"engine.yaml": "dtype: fp8\n"}),
     Case("max-num-seqs-range", ["--max-num-seqs", "300"], "--max-num-seqs: must be between 1 and 256, got 300"),
+    Case("block-size-not-multiple", ["--block-size", "12"], "--block-size: must be a multiple of 8, got 12"),
+    Case("kv-blocks-zero", ["--num-kv-blocks", "0"], "--num-kv-blocks: must be >= 1, got 0"),
     # Sampling flags: not in docs/config.md (they are not config keys).
     Case("negative-temperature", ["--temperature", "-1"], "--temperature: must be >= 0, got -1.0",
          documented=False),
