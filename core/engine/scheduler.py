@@ -74,6 +74,8 @@ class Scheduler:
             if request not in self.running:  # preempted by an earlier request of this loop
                 continue
             room = max(0, min(draft_limit(request), budget - 1))
+            if room and not self.kv.grow(request, request.num_tokens + room):
+                room = 0  # no block for the drafts: decode without them before preempting anyone
             if not self._grow_or_preempt(request, request.num_tokens + room, scheduled, step):
                 continue
             step.decodes.append(request)
