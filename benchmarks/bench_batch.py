@@ -27,6 +27,7 @@ def run(llm, prompts, sampling, batch: int):
     for start in range(0, len(prompts), batch):
         group = prompts[start: start + batch]
         llm.engine.scheduler.max_num_seqs = batch
+        llm.reset_prefix_cache()  # every run prefills its prompts itself
         began = time.perf_counter()
         result = llm.generate(group, sampling, use_chat_template=True)
         elapsed = time.perf_counter() - began

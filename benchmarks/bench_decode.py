@@ -50,6 +50,7 @@ def main() -> None:
         llm.generate(prompts[0], specdec.SamplingParams(max_tokens=16), use_chat_template=True)  # warm-up
         outputs, elapsed = [], 0.0
         for prompt in prompts:
+            llm.reset_prefix_cache()  # every run prefills its prompt itself
             start = time.perf_counter()
             outputs.extend(llm.generate(prompt, sampling, use_chat_template=True))
             elapsed += time.perf_counter() - start

@@ -52,6 +52,10 @@ class LLM:
         data = _spec_data(speculative_config) or {}
         self.engine.set_speculative_config(build_speculative_config(data, self.engine.plugins))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the KV blocks cached for shared prompt prefixes (between runs only)."""
+        self.engine.reset_prefix_cache()
+
     def encode_prompt(self, prompt: Prompt, use_chat_template: bool = False) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)

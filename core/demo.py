@@ -14,6 +14,7 @@ from .workloads import code_edit_prompts
 
 def _run(llm, prompt, sampling):
     llm.generate(prompt, sampling, use_chat_template=True)  # warm-up: first-call allocations
+    llm.reset_prefix_cache()  # the timed run prefills its prompt itself, as a fresh request would
     return llm.generate(prompt, sampling, use_chat_template=True)[0]
 
 

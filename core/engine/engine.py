@@ -215,6 +215,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes (benchmarks start each run cold). Only when idle."""
+        if self.has_unfinished():
+            raise SpecdecError("cannot reset the prefix cache while requests are running")
+        self.kv.pool.reset_prefix_cache()
+
     def _on_admit(self, request: Request) -> None:
         if not request.started:
             request.started = True

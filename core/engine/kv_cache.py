@@ -78,6 +78,11 @@ class BlockPool:
         self.num_reused_blocks += 1
         return block
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks stay where they are)."""
+        self._key_of.clear()
+        self._block_of.clear()
+
     def is_cached(self, key: bytes) -> bool:
         return key in self._block_of
 

@@ -126,3 +126,16 @@ def test_no_prefix_caching_shares_nothing():
     first.context_len = 8
     kv.register_computed(first)
     assert kv.start(FakeRequest(list(range(9)))) == 0
+
+
+def test_reset_prefix_cache_forgets_every_prefix():
+    pool = BlockPool(8, 4)
+    kv = KVCacheManager(pool)
+    first = FakeRequest(list(range(9)))
+    kv.start(first)
+    kv.grow(first, 9)
+    first.context_len = 8
+    kv.register_computed(first)
+    kv.free(first)
+    pool.reset_prefix_cache()
+    assert kv.start(FakeRequest(list(range(9)))) == 0
