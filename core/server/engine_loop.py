@@ -326,9 +326,11 @@ class EngineLoop:
         request_id = tracked.stream.request_id
         try:
             request = self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id)
-        except SpecdecError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the engine refuses, the loop goes on
+            if not isinstance(exc, SpecdecError):
+                logger.exception("add_request failed")
             self._release()
-            tracked.send(Rejected(str(exc)))  # the app answers 400 (and counts it)
+            tracked.send(Rejected(_one_line(exc)))  # the app answers 400 (and counts it)
             return
         tracked.request = request
         self._tracked[request_id] = tracked
@@ -431,6 +433,11 @@ def _stop_holdback(stops: Sequence[str]) -> int:
     """How many trailing characters to hold back: a stop string may be starting there, and the
     engine trims the text back to where the stop string begins once it is complete."""
     return max((len(s) for s in stops), default=1) - 1
+
+
+def _one_line(exc: Exception) -> str:
+    message = " ".join(str(exc).split())
+    return message if isinstance(exc, SpecdecError) else f"{type(exc).__name__}: {message}"
 
 
 def _copy(metrics: SpecMetrics) -> SpecMetrics:

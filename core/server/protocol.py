@@ -59,7 +59,7 @@ class GenerationRequest(_Strict):
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 64)
     stop: Optional[Any] = None
     n: Optional[int] = Field(None, ge=1)
     stream: bool = False

@@ -39,7 +39,7 @@ def server():
     app = build_app(engine_loop, served_model_name=MODEL_NAME, api_key=API_KEY)
     sock = bind_socket("127.0.0.1", 0)
     host, port = sock.getsockname()[:2]
-    uvicorn_server = Server(uvicorn.Config(app, log_level="warning"), engine_loop, drain_timeout=1.0)
+    uvicorn_server = Server(uvicorn.Config(app, log_config=None), engine_loop, drain_timeout=1.0)
     thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, name="test-uvicorn",
                               daemon=True)
     thread.start()

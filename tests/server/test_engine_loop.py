@@ -44,6 +44,8 @@ class ScriptedEngine:
         return self.num_kv_blocks - len(self.running)
 
     def add_request(self, prompt_token_ids, sampling, prompt=None, request_id=None):
+        if list(prompt_token_ids) == [666]:
+            raise ValueError("an engine bug")
         if len(prompt_token_ids) >= self.max_model_len:
             raise SpecdecError(f"prompt: {len(prompt_token_ids)} tokens do not fit the context of 50 tokens")
         request = ScriptedRequest(request_id, len(prompt_token_ids), sampling, self.pieces)
@@ -129,6 +131,8 @@ def test_rejected_request_and_the_bound():
     async def main(engine_loop):
         with pytest.raises(RequestRejected, match="do not fit the context"):
             await engine_loop.submit(list(range(60)), SamplingParams()).admitted()
+        with pytest.raises(RequestRejected, match="ValueError: an engine bug"):
+            await engine_loop.submit([666], SamplingParams()).admitted()
         first = engine_loop.submit([1], SamplingParams(max_tokens=100))
         await first.admitted()
         with pytest.raises(QueueFull):

@@ -42,6 +42,7 @@ CASES = [
          message="max_tokens: must be >= 0, got -1"),
     Case("temperature below 0", 400, "temperature", "invalid_value", json=chat(temperature=-0.5), path=CHAT),
     Case("top_p above 1", 400, "top_p", "invalid_value", json=completion(top_p=1.5)),
+    Case("negative seed", 400, "seed", "invalid_value", json=completion(seed=-1)),
     Case("prompt longer than the context", 400, "prompt", "context_length_exceeded",
          json=completion(prompt=TOO_LONG)),
     Case("chat longer than the context", 400, "messages", "context_length_exceeded", path=CHAT,
