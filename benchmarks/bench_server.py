@@ -1,13 +1,13 @@
 """Serving speed over HTTP: naive vs ngram at 1, 8 and 32 concurrent clients (loopback).
 
-    python benchmarks/bench_server.py [--concurrency 1,8,32] [--rounds 2] [--max-tokens 64]
+    python benchmarks/bench_server.py [--concurrency 1,8,32] [--requests N] [--max-tokens 64]
 
 For each method it starts ``specdec serve`` (a subprocess, on a free loopback port), sends one
-warm-up request, then for each concurrency level runs that many clients at once; each client
-sends ``--rounds`` streaming chat requests one after another (code-edit prompts, greedy,
-``ignore_eos`` so every request generates exactly ``--max-tokens`` tokens). It prints request
-throughput, output tokens/s, time to first token (TTFT) and time per output token after the
-first (TPOT), p50 and p99, measured by the client.
+warm-up request, then for each concurrency level C runs C clients at once, which together send
+max(N, C) streaming chat requests (default N: 2 x C), each client one request after another:
+code-edit prompts, greedy, ``ignore_eos`` so that every request generates exactly
+``--max-tokens`` tokens. It prints request throughput, output tokens/s, time to first token
+(TTFT) and time per output token after the first (TPOT), p50 and p99, measured by the client.
 """
 
 from __future__ import annotations
@@ -84,17 +84,21 @@ async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
     return {"ttft": first - start, "tpot": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "tokens": tokens}
 
 
-async def run_level(url: str, prompts: list[str], clients: int, rounds: int, max_tokens: int) -> dict:
-    """``clients`` concurrent clients, ``rounds`` requests each; the aggregate figures."""
+async def run_level(url: str, prompts: list[str], clients: int, num_requests: int, max_tokens: int) -> dict:
+    """``clients`` concurrent clients sharing ``num_requests`` requests; the aggregate figures."""
+    todo: asyncio.Queue[str] = asyncio.Queue()
+    for i in range(num_requests):
+        todo.put_nowait(prompts[i % len(prompts)])
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
-        async def client(c: int) -> list[dict]:
-            return [await one_request(http, prompts[(c * rounds + r) % len(prompts)], max_tokens)
-                    for r in range(rounds)]
+        async def client() -> list[dict]:
+            done = []
+            while not todo.empty():
+                done.append(await one_request(http, todo.get_nowait(), max_tokens))
+            return done
 
         start = time.perf_counter()
-        results = [r for per_client in await asyncio.gather(*(client(c) for c in range(clients)))
-                   for r in per_client]
+        results = [r for per_client in await asyncio.gather(*(client() for _ in range(clients))) for r in per_client]
         wall = time.perf_counter() - start
     ttft = np.array([r["ttft"] for r in results])
     tpot = np.array([r["tpot"] for r in results])
@@ -109,7 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="naive,ngram")
     parser.add_argument("--concurrency", default="1,8,32", help="client counts, comma-separated")
-    parser.add_argument("--rounds", type=int, default=2, help="requests per client, one after another")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests per concurrency level, at least one per client (default: 2 per client)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=16, help="distinct code-edit prompts (cycled)")
     parser.add_argument("--max-lines", type=int, default=30, help="longest function in a prompt, in lines")
@@ -127,14 +132,15 @@ def main() -> None:
             try:
                 asyncio.run(run_level(url, prompts[:1], 1, 1, 8))  # warm-up
                 for clients in levels:
-                    rows.append((name, asyncio.run(run_level(url, prompts, clients, args.rounds, args.max_tokens))))
+                    count = max(args.requests, clients) if args.requests else 2 * clients
+                    rows.append((name, asyncio.run(run_level(url, prompts, clients, count, args.max_tokens))))
                     print(f"  {name} x{clients}: done", file=sys.stderr, flush=True)
             finally:
                 stop_server(process)
 
     threads = os.environ.get("SPECDEC_NUM_THREADS", "all cores")
     print(f"specdec serve, loopback HTTP, max_num_seqs {max_num_seqs}, greedy, {args.max_tokens} new tokens "
-          f"(ignore_eos), {args.rounds} requests per client, {len(prompts)} code-edit prompts (chat), "
+          f"(ignore_eos), {len(prompts)} code-edit prompts (chat, at most {args.max_lines} lines of code), "
           f"SPECDEC_NUM_THREADS={threads}")
     header = (f"{'method':<8}{'clients':>8}{'requests':>9}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}"
               f"{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")

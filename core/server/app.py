@@ -144,21 +144,12 @@ class _Handlers:
 
     async def completion(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self._check_model(body.model)
-        tokenizer = self.engine_loop.tokenizer
         if isinstance(body.prompt, str):
-            prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
+            prompt_ids = await asyncio.to_thread(self.engine_loop.tokenizer.encode, body.prompt)
         else:
             prompt_ids = body.prompt
         sampling = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, self.engine_loop.num_speculative_tokens)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(prompt_ids, sampling, request_id, prompt_param="prompt")
-        if body.stream:
-            return _event_stream(self._completion_chunks(stream, body, request_id), stream)
-        final = await _wait_final(stream, request)
-        if final is None:
-            return Response(status_code=499)  # the client has gone; nobody reads this
-        return CompletionResponse(id=request_id, model=self.model_name, usage=_usage(final),
-                                  choices=[CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
+        return await self._generate(body, request, prompt_ids, sampling, _CompletionShape(self.model_name))
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self._check_model(body.model)
@@ -170,15 +161,7 @@ class _Handlers:
             raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
         room = max(1, self.engine_loop.max_model_len - len(prompt_ids))
         sampling = body.sampling_params(room, self.engine_loop.num_speculative_tokens)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(prompt_ids, sampling, request_id, prompt_param="messages")
-        if body.stream:
-            return _event_stream(self._chat_chunks(stream, body, request_id), stream)
-        final = await _wait_final(stream, request)
-        if final is None:
-            return Response(status_code=499)
-        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=_usage(final))
+        return await self._generate(body, request, prompt_ids, sampling, _ChatShape(self.model_name))
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -186,6 +169,17 @@ class _Handlers:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model: '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
+
+    async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
+                        shape: "_CompletionShape | _ChatShape") -> BaseModel | Response:
+        """Run the request; answer with server-sent events, or the whole response at the end."""
+        stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param)
+        if body.stream:
+            return _event_stream(_chunks(stream, shape, body.include_usage), stream)
+        final = await _wait_final(stream, request)
+        if final is None:
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        return shape.response(final)
 
     async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str) -> RequestStream:
         """Hand the request to the engine loop and wait until the engine has taken it."""
@@ -208,51 +202,92 @@ class _Handlers:
             raise
         return stream
 
-    async def _completion_chunks(self, stream: RequestStream, body: GenerationRequest,
-                                 request_id: str) -> AsyncIterator[str]:
-        created = int(time.time())
 
-        def chunk(text: str, finish_reason: Optional[str] = None) -> str:
-            choice = CompletionChoice(text=text, finish_reason=finish_reason)
-            return _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice]))
+# -- the two response shapes -----------------------------------------------------------------
 
-        async for event in stream:
-            if event.text:
-                yield chunk(event.text)
-            if isinstance(event, Finished):
-                if event.error:
-                    yield _sse_error(event.error)
-                    break
-                yield chunk("", event.finish_reason)
-                if body.include_usage:
-                    yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                                  choices=[], usage=_usage(event)))
-        yield "data: [DONE]\n\n"
 
-    async def _chat_chunks(self, stream: RequestStream, body: GenerationRequest,
-                           request_id: str) -> AsyncIterator[str]:
-        created = int(time.time())
+class _CompletionShape:
+    """``/v1/completions``: ``text_completion`` objects, for chunks too."""
 
-        def chunk(delta: ChatDelta, finish_reason: Optional[str] = None) -> str:
-            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-            return _sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
+    prompt_param = "prompt"
 
-        yield chunk(ChatDelta(role="assistant", content=""))
-        async for event in stream:
-            if event.text:
-                yield chunk(ChatDelta(content=event.text))
-            if isinstance(event, Finished):
-                if event.error:
-                    yield _sse_error(event.error)
-                    break
-                yield chunk(ChatDelta(), event.finish_reason)
-                if body.include_usage:
-                    yield _sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                                   choices=[], usage=_usage(event)))
-        yield "data: [DONE]\n\n"
+    def __init__(self, model_name: str):
+        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    def _make(self, choices: list, usage: Optional[Usage] = None) -> CompletionResponse:
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model_name, choices=choices,
+                                  usage=usage)
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def text(self, text: str) -> BaseModel:
+        return self._make([CompletionChoice(text=text)])
+
+    def finish(self, finish_reason: str) -> BaseModel:
+        return self._make([CompletionChoice(text="", finish_reason=finish_reason)])
+
+    def usage(self, final: Finished) -> BaseModel:
+        return self._make([], _usage(final))
+
+    def response(self, final: Finished) -> CompletionResponse:
+        return self._make([CompletionChoice(text=final.text, finish_reason=final.finish_reason)], _usage(final))
+
+
+class _ChatShape:
+    """``/v1/chat/completions``: ``chat.completion`` and ``chat.completion.chunk`` objects."""
+
+    prompt_param = "messages"
+
+    def __init__(self, model_name: str):
+        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list, usage: Optional[Usage] = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model_name, choices=choices,
+                                   usage=usage)
+
+    def opening(self) -> list[BaseModel]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+
+    def text(self, text: str) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+
+    def finish(self, finish_reason: str) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])
+
+    def usage(self, final: Finished) -> BaseModel:
+        return self._chunk([], _usage(final))
+
+    def response(self, final: Finished) -> ChatCompletionResponse:
+        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
+                                      choices=[choice], usage=_usage(final))
 
 
 # -- streaming -------------------------------------------------------------------------------
+
+
+async def _chunks(stream: RequestStream, shape: _CompletionShape | _ChatShape,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """The events of one request: its text as it comes, the finish reason, the usage (when
+    asked for), ``[DONE]``."""
+    for chunk in shape.opening():
+        yield _sse(chunk)
+    async for event in stream:
+        if event.text:
+            yield _sse(shape.text(event.text))
+        if isinstance(event, Finished):
+            if event.error:
+                yield _sse_error(event.error)
+                break
+            yield _sse(shape.finish(event.finish_reason))
+            if include_usage:
+                yield _sse(shape.usage(event))
+    yield "data: [DONE]\n\n"
 
 
 def _event_stream(chunks: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:

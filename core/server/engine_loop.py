@@ -254,6 +254,8 @@ class EngineLoop:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the engine loop did not stop within %.0f s", timeout)
+            else:  # a submit that raced with stopping: its request was queued after the last drain
+                self._drop_queued("the server is shutting down")
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (it finishes with reason ``abort`` and frees its KV cache)."""
@@ -392,16 +394,20 @@ class EngineLoop:
             per_token = (now - tracked.first_token_at) / (request.num_generated - 1)
         self.metrics.request_finished(request.finish_reason, now - tracked.submitted_at, per_token)
 
-    def _fail_all(self, message: str, error: bool = True) -> None:
-        """Abort every request in the engine, and tell each client (queued commands too)."""
-        while True:  # requests submitted but not yet added
+    def _drop_queued(self, message: str) -> None:
+        """End the requests submitted but not yet added (``abort``), emptying the command queue."""
+        while True:
             try:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
-                break
+                return
             if kind == "add":
                 self._release()
                 payload.send(Finished("", 0, 0, "abort", SpecMetrics(), message))
+
+    def _fail_all(self, message: str, error: bool = True) -> None:
+        """Abort every request in the engine, and tell each client (queued commands too)."""
+        self._drop_queued(message)
         for request_id, tracked in self._tracked.items():
             try:
                 self.engine.abort_request(request_id)
