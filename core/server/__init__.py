@@ -5,6 +5,7 @@
   queues.
 - :mod:`~specdec.server.protocol`: the request and response models (pydantic), and how a request
   becomes ``SamplingParams``.
+- :mod:`~specdec.server.responses`: a request's events as OpenAI responses, whole or streamed.
 - :mod:`~specdec.server.errors`: the OpenAI error schema.
 - :mod:`~specdec.server.metrics`: the Prometheus metrics.
 - :mod:`~specdec.server.app`: the FastAPI app (``build_app``).

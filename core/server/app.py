@@ -9,17 +9,16 @@ the model. A client that disconnects cancels its request, which frees its KV cac
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import secrets
 import time
 import typing
-import uuid
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,21 +29,15 @@ from .errors import APIError, validation_error
 from .metrics import ServerMetrics
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     GenerationRequest,
     ModelCard,
     ModelList,
-    Usage,
 )
+from .responses import ChatShape, CompletionShape, Shape, event_stream, sse_events
 
 #: The request model of each endpoint (for did-you-mean on unknown fields).
 _BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
@@ -101,7 +94,7 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     async def health() -> JSONResponse:
         """200 with the engine state while the engine loop runs, else 503."""
         snapshot = engine_loop.snapshot()
-        body = {"status": "ok" if engine_loop.running else "stopped", **_asdict(snapshot)}
+        body = {"status": "ok" if engine_loop.running else "stopped", **dataclasses.asdict(snapshot)}
         return JSONResponse(body, status_code=200 if engine_loop.running else 503)
 
     @app.get("/version")
@@ -149,7 +142,7 @@ class _Handlers:
         else:
             prompt_ids = body.prompt
         sampling = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, self.engine_loop.num_speculative_tokens)
-        return await self._generate(body, request, prompt_ids, sampling, _CompletionShape(self.model_name))
+        return await self._generate(body, request, prompt_ids, sampling, CompletionShape(self.model_name))
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self._check_model(body.model)
@@ -161,7 +154,7 @@ class _Handlers:
             raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
         room = max(1, self.engine_loop.max_model_len - len(prompt_ids))
         sampling = body.sampling_params(room, self.engine_loop.num_speculative_tokens)
-        return await self._generate(body, request, prompt_ids, sampling, _ChatShape(self.model_name))
+        return await self._generate(body, request, prompt_ids, sampling, ChatShape(self.model_name))
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -171,11 +164,11 @@ class _Handlers:
                            param="model", code="model_not_found")
 
     async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
-                        shape: "_CompletionShape | _ChatShape") -> BaseModel | Response:
+                        shape: Shape) -> BaseModel | Response:
         """Run the request; answer with server-sent events, or the whole response at the end."""
         stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param)
         if body.stream:
-            return _event_stream(_chunks(stream, shape, body.include_usage), stream)
+            return event_stream(sse_events(stream, shape, body.include_usage), stream)
         final = await _wait_final(stream, request)
         if final is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
@@ -201,119 +194,6 @@ class _Handlers:
             stream.abort()
             raise
         return stream
-
-
-# -- the two response shapes -----------------------------------------------------------------
-
-
-class _CompletionShape:
-    """``/v1/completions``: ``text_completion`` objects, for chunks too."""
-
-    prompt_param = "prompt"
-
-    def __init__(self, model_name: str):
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
-        self.model_name = model_name
-        self.created = int(time.time())
-
-    def _make(self, choices: list, usage: Optional[Usage] = None) -> CompletionResponse:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model_name, choices=choices,
-                                  usage=usage)
-
-    def opening(self) -> list[BaseModel]:
-        return []
-
-    def text(self, text: str) -> BaseModel:
-        return self._make([CompletionChoice(text=text)])
-
-    def finish(self, finish_reason: str) -> BaseModel:
-        return self._make([CompletionChoice(text="", finish_reason=finish_reason)])
-
-    def usage(self, final: Finished) -> BaseModel:
-        return self._make([], _usage(final))
-
-    def response(self, final: Finished) -> CompletionResponse:
-        return self._make([CompletionChoice(text=final.text, finish_reason=final.finish_reason)], _usage(final))
-
-
-class _ChatShape:
-    """``/v1/chat/completions``: ``chat.completion`` and ``chat.completion.chunk`` objects."""
-
-    prompt_param = "messages"
-
-    def __init__(self, model_name: str):
-        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.model_name = model_name
-        self.created = int(time.time())
-
-    def _chunk(self, choices: list, usage: Optional[Usage] = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model_name, choices=choices,
-                                   usage=usage)
-
-    def opening(self) -> list[BaseModel]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
-
-    def text(self, text: str) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
-
-    def finish(self, finish_reason: str) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])
-
-    def usage(self, final: Finished) -> BaseModel:
-        return self._chunk([], _usage(final))
-
-    def response(self, final: Finished) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
-                                      choices=[choice], usage=_usage(final))
-
-
-# -- streaming -------------------------------------------------------------------------------
-
-
-async def _chunks(stream: RequestStream, shape: _CompletionShape | _ChatShape,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """The events of one request: its text as it comes, the finish reason, the usage (when
-    asked for), ``[DONE]``."""
-    for chunk in shape.opening():
-        yield _sse(chunk)
-    async for event in stream:
-        if event.text:
-            yield _sse(shape.text(event.text))
-        if isinstance(event, Finished):
-            if event.error:
-                yield _sse_error(event.error)
-                break
-            yield _sse(shape.finish(event.finish_reason))
-            if include_usage:
-                yield _sse(shape.usage(event))
-    yield "data: [DONE]\n\n"
-
-
-def _event_stream(chunks: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
-    """Server-sent events; when the client disconnects, starlette cancels the iteration and the
-    request is aborted (its KV cache freed)."""
-
-    async def guarded() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            stream.abort()  # no-op when it finished
-
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _sse(chunk: BaseModel) -> str:
-    data = chunk.model_dump(mode="json", exclude_none=True)
-    for choice in data.get("choices", ()):
-        choice.setdefault("finish_reason", None)  # OpenAI chunks say null until the last one
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _sse_error(message: str) -> str:
-    return f"data: {json.dumps(APIError(500, message).body())}\n\n"
 
 
 async def _wait_final(stream: RequestStream, request: Request) -> Optional[Finished]:
@@ -343,10 +223,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _usage(final: Finished) -> Usage:
-    return Usage.of(final.num_prompt_tokens, final.num_generated, final.metrics)
-
-
 # -- authentication --------------------------------------------------------------------------
 
 
@@ -374,10 +250,6 @@ class APIKeyMiddleware:
 
 
 # -- small helpers ---------------------------------------------------------------------------
-
-
-def _asdict(snapshot) -> dict:
-    return {name: getattr(snapshot, name) for name in snapshot.__dataclass_fields__}
 
 
 def _field_names(model: Optional[type], loc) -> list[str]:
