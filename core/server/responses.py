@@ -29,15 +29,23 @@ from .protocol import (
 )
 
 
-class CompletionShape:
-    """``/v1/completions``: ``text_completion`` objects, for chunks too."""
+class _ResponseShape:
+    """What one request's responses share: the id (``<id_prefix>-...``), model and time."""
 
-    prompt_param = "prompt"
+    id_prefix = ""
+    prompt_param = ""  #: the field an error about the prompt names
 
     def __init__(self, model_name: str):
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.model_name = model_name
         self.created = int(time.time())
+
+
+class CompletionShape(_ResponseShape):
+    """``/v1/completions``: ``text_completion`` objects, for chunks too."""
+
+    id_prefix = "cmpl"
+    prompt_param = "prompt"
 
     def _make(self, choices: list, usage: Optional[Usage] = None) -> CompletionResponse:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model_name, choices=choices,
@@ -59,15 +67,11 @@ class CompletionShape:
         return self._make([CompletionChoice(text=final.text, finish_reason=final.finish_reason)], usage_of(final))
 
 
-class ChatShape:
+class ChatShape(_ResponseShape):
     """``/v1/chat/completions``: ``chat.completion`` and ``chat.completion.chunk`` objects."""
 
+    id_prefix = "chatcmpl"
     prompt_param = "messages"
-
-    def __init__(self, model_name: str):
-        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.model_name = model_name
-        self.created = int(time.time())
 
     def _chunk(self, choices: list, usage: Optional[Usage] = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model_name, choices=choices,
