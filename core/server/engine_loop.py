@@ -362,7 +362,7 @@ class EngineLoop:
                 self._record_finish(tracked, request, now)
                 done.append(request_id)
                 continue
-            visible = len(request.text) - _stop_holdback(request.sampling.stop)
+            visible = len(request.text) - _stop_holdback(tracked.sampling.stop)
             if visible > tracked.emitted_chars:
                 text = request.text[tracked.emitted_chars:visible]
                 tracked.emitted_chars = visible
