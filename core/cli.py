@@ -1,4 +1,4 @@
-"""The ``specdec`` command line: ``generate``, ``demo`` and ``plugins``.
+"""The ``specdec`` command line: ``generate``, ``serve``, ``demo`` and ``plugins``.
 
 Bad input of any kind ends with one line on stderr (``error: ...``) and exit code 2; ``--debug``
 shows the traceback instead.
@@ -74,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(gen, max_tokens=128)
     gen.add_argument("--output", choices=("text", "json"), default="text")
     gen.set_defaults(func=run_generate)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
+    _add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $SPECDEC_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--max-pending-requests", type=int, default=None, metavar="N",
+                       help="requests in flight (running or waiting) before new ones get 503 (default 1024)")
+    serve.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
+                       help="on SIGINT/SIGTERM, how long requests in flight may finish (default 5)")
+    serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    serve.set_defaults(func=run_serve)
 
     demo = sub.add_parser("demo", help="the main job: ngram vs plain decoding on a code-edit prompt")
     _add_engine_flags(demo)
@@ -198,6 +212,36 @@ def _summary_line(summary: dict) -> str:
     return (f"{summary['num_generated_tokens']} tokens in {summary['elapsed_s']:.2f} s "
             f"({summary['tokens_per_s']:.1f} tokens/s), mean acceptance length "
             f"{m['mean_acceptance_length']:.2f}, acceptance rate {m['acceptance_rate']:.2f}")
+
+
+def _check_range(flag: str, value, low, high=None) -> None:
+    if value is not None and (value < low or (high is not None and value > high)):
+        bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise SpecdecError(f"{flag}: must be {bounds}, got {value}")
+
+
+def run_serve(args) -> int:
+    from .engine import Engine
+    from .plugin_manager import get_plugins
+    from .server import serve
+
+    _check_range("--port", args.port, 0, 65535)
+    _check_range("--max-pending-requests", args.max_pending_requests, 1)
+    _check_range("--shutdown-timeout", args.shutdown_timeout, 0)
+    plugins = get_plugins()
+    _warn_plugin_errors(plugins)
+    config = build_engine_config_from_args(args, plugins)
+    sock = serve.bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
+    engine = Engine(config, plugins=plugins, progress=args.progress)
+    serve.run_server(
+        engine, sock,
+        served_model_name=args.served_model_name or config.model,
+        api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None,
+        max_pending=args.max_pending_requests or serve.DEFAULT_MAX_PENDING,
+        shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+    return 0
 
 
 def run_demo(args) -> int:

@@ -1,0 +1,277 @@
+"""The FastAPI app: the OpenAI endpoints over an :class:`~specdec.server.engine_loop.EngineLoop`.
+
+``build_app(engine_loop, served_model_name=...)`` returns the app; its lifespan starts the engine
+thread and, at shutdown, stops it (aborting whatever still runs). Handlers tokenize in a worker
+thread, submit to the engine loop, and wait on the request's queue: the event loop never runs
+the model. A client that disconnects cancels its request, which frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+import typing
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..errors import SpecdecError
+from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
+from .errors import APIError, validation_error
+from .metrics import ServerMetrics
+from .protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+)
+from .responses import ChatShape, CompletionShape, Shape, event_stream, sse_events
+
+#: The request model of each endpoint (for did-you-mean on unknown fields).
+_BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optional[str] = None) -> FastAPI:
+    """The server's FastAPI app.
+
+    :param engine_loop: runs the engine; the app's lifespan starts and stops it. Its
+        ``metrics`` (created here when None) feed ``GET /metrics``.
+    :param served_model_name: the one model name requests may ask for (``model``).
+    :param api_key: when set, every ``/v1/`` request needs ``Authorization: Bearer <api_key>``.
+    """
+    if engine_loop.metrics is None:
+        engine_loop.metrics = ServerMetrics(served_model_name)
+    metrics: ServerMetrics = engine_loop.metrics
+    metrics.watch(engine_loop.snapshot)
+    handlers = _Handlers(engine_loop, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="specdec", version=__version__, lifespan=lifespan)
+    app.state.engine_loop = engine_loop
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=metrics.request_rejected)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        metrics.request_rejected(exc.status)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        names = _field_names(_BODY_MODELS.get(request.url.path), errors[0]["loc"] if errors else ())
+        return await api_error(request, validation_error(errors, names))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return await api_error(request, APIError(exc.status_code, f"{message}: {request.method} {request.url.path}"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 with the engine state while the engine loop runs, else 503."""
+        snapshot = engine_loop.snapshot()
+        body = {"status": "ok" if engine_loop.running else "stopped", **dataclasses.asdict(snapshot)}
+        return JSONResponse(body, status_code=200 if engine_loop.running else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return handlers.model_list()
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> CompletionResponse | Response:
+        return await handlers.completion(body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
+        return await handlers.chat_completion(body, request)
+
+    return app
+
+
+class _Handlers:
+    """What the two generation endpoints do, apart from FastAPI's plumbing."""
+
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str):
+        self.engine_loop = engine_loop
+        self.model_name = served_model_name
+        self.created = int(time.time())
+
+    def model_list(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
+                                         max_model_len=self.engine_loop.max_model_len)])
+
+    # -- the endpoints -----------------------------------------------------------------------
+
+    async def completion(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = await asyncio.to_thread(self.engine_loop.tokenizer.encode, body.prompt)
+        else:
+            prompt_ids = body.prompt
+        sampling = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, self.engine_loop.num_speculative_tokens)
+        return await self._generate(body, request, prompt_ids, sampling, CompletionShape(self.model_name))
+
+    async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
+        self._check_model(body.model)
+        body.resolve_max_tokens()
+        messages = [message.to_template() for message in body.messages]
+        try:
+            prompt_ids = await asyncio.to_thread(self.engine_loop.tokenizer.encode_chat, messages)
+        except SpecdecError as exc:  # no chat template, or the template rejected the messages
+            raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
+        room = max(1, self.engine_loop.max_model_len - len(prompt_ids))
+        sampling = body.sampling_params(room, self.engine_loop.num_speculative_tokens)
+        return await self._generate(body, request, prompt_ids, sampling, ChatShape(self.model_name))
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model: '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
+                        shape: Shape) -> BaseModel | Response:
+        """Run the request; answer with server-sent events, or the whole response at the end."""
+        stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param)
+        if body.stream:
+            return event_stream(sse_events(stream, shape, body.include_usage), stream)
+        final = await _wait_final(stream, request)
+        if final is None:
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        return shape.response(final)
+
+    async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str) -> RequestStream:
+        """Hand the request to the engine loop and wait until the engine has taken it."""
+        try:
+            stream = self.engine_loop.submit(prompt_ids, sampling, request_id)
+        except QueueFull as exc:
+            raise APIError(503, str(exc), code="queue_full") from None
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), code="unavailable") from None
+        try:
+            await stream.admitted()
+        except RequestRejected as exc:
+            too_long = len(prompt_ids) >= self.engine_loop.max_model_len
+            raise APIError(400, str(exc), param=prompt_param,
+                           code="context_length_exceeded" if too_long else "invalid_value") from None
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), code="unavailable") from None
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        return stream
+
+
+async def _wait_final(stream: RequestStream, request: Request) -> Optional[Finished]:
+    """The request's result, or None when the client disconnected first (the request is then
+    aborted). An engine failure is an APIError 500."""
+    result = asyncio.ensure_future(stream.final())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        client_gone = not result.done()
+        if client_gone:
+            result.cancel()
+            stream.abort()
+    if client_gone:
+        return None
+    final = result.result()
+    if final.error:
+        raise APIError(500, final.error, code="engine_error")
+    return final
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- authentication --------------------------------------------------------------------------
+
+
+class APIKeyMiddleware:
+    """Refuses ``/v1/`` requests without ``Authorization: Bearer <api_key>`` (401), before the
+    body is read. ``/health``, ``/version`` and ``/metrics`` stay open."""
+
+    def __init__(self, app, api_key: str, on_reject=None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.on_reject = on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not secrets.compare_digest(given, self.expected):
+                problem = "missing" if given is None else "wrong"
+                error = APIError(401, f"authorization: {problem} API key; send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                if self.on_reject is not None:
+                    self.on_reject(401)
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+def _field_names(model: Optional[type], loc) -> list[str]:
+    """The field names of the model that holds the field at ``loc`` (for did-you-mean)."""
+    if model is None:
+        return []
+    for part in list(loc)[1:-1]:  # skip "body" and the field itself
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _model_in(annotation) -> Optional[type]:
+    """The pydantic model inside ``Optional[list[Model]]`` and the like."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,452 @@
+"""The engine loop: one background thread owns the engine and runs continuous batching.
+
+The engine is not thread-safe, and a forward pass takes tens of milliseconds, so HTTP handlers
+never touch it. They hand work to this thread through a thread-safe command queue, which the
+thread drains between steps (new requests join the running batch at the next step; aborts take
+effect before it). After each step the thread pushes every request's progress (a text delta, or
+the final result) into that request's own asyncio queue with ``loop.call_soon_threadsafe``, so
+the event loop only ever waits on queues, never on the model.
+
+The loop is bounded: at most ``max_pending`` requests may be in it at once (queued, waiting for
+a batch slot, or running); :meth:`EngineLoop.submit` raises :class:`QueueFull` beyond that, and
+the server answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Sequence
+
+from ..errors import SpecdecError
+from ..metrics import SpecMetrics
+from ..sampling import SamplingParams
+
+logger = logging.getLogger("specdec.server")
+
+
+class QueueFull(SpecdecError):
+    """The loop already holds ``max_pending`` requests."""
+
+
+class RequestRejected(SpecdecError):
+    """The engine refused the request (a prompt that does not fit the context, say)."""
+
+
+class EngineStopped(SpecdecError):
+    """The engine loop is not running (the server is shutting down, or the engine failed)."""
+
+
+# -- what a request's queue receives ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The engine accepted the request; ``num_prompt_tokens`` as it counted them."""
+
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The engine refused the request; ``message`` is one line for the client."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of a running request, and how many tokens it has generated so far."""
+
+    text: str
+    num_generated: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The end of a request: the text not yet sent, and the final counts.
+
+    ``finish_reason`` is ``stop`` (EOS or a stop string), ``length`` (max_tokens or the end of
+    the context), or ``abort`` (cancelled, or the server shut down). ``error`` is set when the
+    engine failed while running the request.
+    """
+
+    text: str
+    num_generated: int
+    num_prompt_tokens: int
+    finish_reason: str
+    metrics: SpecMetrics
+    error: Optional[str] = None
+
+
+Event = Admitted | Rejected | Delta | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSnapshot:
+    """The engine's state after the last step, readable from any thread."""
+
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_requests: int  #: requests in the engine (running or waiting for a batch slot)
+    num_pending: int  #: requests submitted and not finished (the 503 bound counts these)
+    max_pending: int
+    running: bool  #: the loop thread is alive
+
+
+# -- the handler's side ----------------------------------------------------------------------
+
+
+class RequestStream:
+    """A submitted request, as the HTTP handler sees it: an async stream of its events.
+
+    Await :meth:`admitted` first (it raises :class:`RequestRejected` when the engine refused
+    the request), then iterate: :class:`Delta` events, and one :class:`Finished` last.
+    :meth:`abort` cancels the request; it is safe to call at any time, and a no-op once finished.
+    """
+
+    def __init__(self, request_id: str, engine_loop: "EngineLoop"):
+        self.request_id = request_id
+        self.num_prompt_tokens = 0
+        self.finished = False
+        self._engine_loop = engine_loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    async def admitted(self) -> int:
+        """Wait until the engine has taken the request; return its prompt token count."""
+        event = await self._queue.get()
+        if isinstance(event, Rejected):
+            self.finished = True
+            raise RequestRejected(event.message)
+        if isinstance(event, Finished):  # stopped before it started (shutdown)
+            self.finished = True
+            raise EngineStopped(event.error or "the server is shutting down")
+        assert isinstance(event, Admitted), event
+        self.num_prompt_tokens = event.num_prompt_tokens
+        return event.num_prompt_tokens
+
+    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
+        while not self.finished:
+            event = await self._queue.get()
+            if isinstance(event, Finished):
+                self.finished = True
+            yield event
+
+    async def final(self) -> Finished:
+        """Wait for the end; return the whole text in one :class:`Finished`."""
+        parts = []
+        while True:
+            event = await self._queue.get()
+            parts.append(event.text)
+            if isinstance(event, Finished):
+                self.finished = True
+                return Finished("".join(parts), event.num_generated, event.num_prompt_tokens,
+                                event.finish_reason, event.metrics, event.error)
+
+    def abort(self) -> None:
+        """Cancel the request and free its KV cache (nothing happens once it has finished)."""
+        if not self.finished:
+            self.finished = True
+            self._engine_loop.abort(self.request_id)
+
+    def _deliver(self, event: Event) -> None:  # on the event loop, from call_soon_threadsafe
+        self._queue.put_nowait(event)
+
+
+# -- the engine thread's side ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the engine thread knows about one submitted request."""
+
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams
+    submitted_at: float
+    request: object = None  # the engine's Request once added
+    emitted_chars: int = 0
+    num_generated: int = 0
+    first_token_at: float = 0.0
+    spec_seen: SpecMetrics = field(default_factory=SpecMetrics)
+
+    def send(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.stream._deliver, event)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+
+class EngineLoop:
+    """Runs ``engine`` in a background thread; HTTP handlers submit requests to it.
+
+    :param engine: a :class:`specdec.engine.Engine`; from :meth:`start` on only the loop's
+        thread touches it.
+    :param max_pending: the most requests submitted and not yet finished; :meth:`submit`
+        raises :class:`QueueFull` beyond it. May be changed while running.
+    :param metrics: a :class:`specdec.server.metrics.ServerMetrics` to record into, or None.
+    """
+
+    def __init__(self, engine, *, max_pending: int = 128, metrics=None):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.engine = engine
+        self.max_pending = max_pending
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # touched by the engine thread only
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._snapshot = self._take_snapshot()
+
+    # -- any thread ------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (safe to use from other threads: encoding holds no state)."""
+        return self.engine.tokenizer
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The engine's k: the most drafts per request and step."""
+        return self.engine.spec.num_speculative_tokens or 0
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not yet finished."""
+        return self._pending
+
+    def snapshot(self) -> LoopSnapshot:
+        """The state after the last step (KV blocks, request counts)."""
+        return self._snapshot
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specdec-engine-loop", daemon=True)
+            self._thread.start()
+
+    def refuse_new(self) -> None:
+        """From now on :meth:`submit` raises :class:`EngineStopped` (the server is draining)."""
+        self._stopping = True
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort every request, end the thread and wait for it (idempotent)."""
+        self._stopping = True
+        self._commands.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine loop did not stop within %.0f s", timeout)
+            else:  # a submit that raced with stopping: its request was queued after the last drain
+                self._drop_queued("the server is shutting down")
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (it finishes with reason ``abort`` and frees its KV cache)."""
+        self._commands.put(("abort", request_id))
+
+    # -- the event loop ----------------------------------------------------------------------
+
+    def submit(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+               request_id: Optional[str] = None) -> RequestStream:
+        """Queue a request; call from the event loop. Returns its :class:`RequestStream`.
+
+        Raises :class:`QueueFull` when ``max_pending`` requests are already in the loop, and
+        :class:`EngineStopped` when the loop is not running.
+        """
+        if self._stopping or not self.running:
+            raise EngineStopped("the server is shutting down" if self._stopping else "the engine is not running")
+        with self._pending_lock:
+            if self._pending >= self.max_pending:
+                raise QueueFull(f"the server is at capacity ({self.max_pending} requests in flight); retry later")
+            self._pending += 1
+        stream = RequestStream(request_id or uuid.uuid4().hex, self)
+        tracked = _Tracked(stream, asyncio.get_running_loop(), prompt_token_ids, sampling, time.perf_counter())
+        self._commands.put(("add", tracked))
+        return stream
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._drain(block=not engine.has_unfinished()):
+                    break
+                self._publish()
+                if not engine.has_unfinished():
+                    continue
+                try:
+                    engine.step()
+                except Exception as exc:  # an engine bug: fail what is running, keep serving
+                    logger.exception("engine step failed")
+                    self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+                    continue
+                self._publish()
+        except Exception:  # pragma: no cover - a bug in this loop itself
+            logger.exception("the engine loop failed")
+        finally:
+            self._fail_all("the server is shutting down", error=False)
+            self._snapshot = self._take_snapshot(running=False)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (blocking for the first one when idle); False on ``stop``."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, payload = command
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(payload)
+            elif kind == "abort":
+                self._abort(payload)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, tracked: _Tracked) -> None:
+        request_id = tracked.stream.request_id
+        try:
+            request = self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id)
+        except Exception as exc:  # noqa: BLE001 - whatever the engine refuses, the loop goes on
+            if not isinstance(exc, SpecdecError):
+                logger.exception("add_request failed")
+            self._release()
+            tracked.send(Rejected(_one_line(exc)))  # the app answers 400 (and counts it)
+            return
+        tracked.request = request
+        self._tracked[request_id] = tracked
+        tracked.send(Admitted(request.num_prompt_tokens))
+        if self.metrics is not None:
+            self.metrics.request_admitted(request.num_prompt_tokens)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._tracked:
+            self.engine.abort_request(request_id)  # finished with reason "abort"; _publish reports it
+
+    def _release(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+    def _publish(self) -> None:
+        """Send each request its new text (and the end, when it finished); record metrics."""
+        now = time.perf_counter()
+        done = []
+        for request_id, tracked in self._tracked.items():
+            request = tracked.request
+            self._record_progress(tracked, request, now)
+            if request.finished:
+                text = request.text[tracked.emitted_chars:]
+                tracked.send(Finished(text, request.num_generated, request.num_prompt_tokens,
+                                      request.finish_reason, _copy(request.metrics)))
+                self._record_finish(tracked, request, now)
+                done.append(request_id)
+                continue
+            visible = len(request.text) - _stop_holdback(tracked.sampling.stop)
+            if visible > tracked.emitted_chars:
+                text = request.text[tracked.emitted_chars:visible]
+                tracked.emitted_chars = visible
+                tracked.send(Delta(text, request.num_generated))
+        for request_id in done:
+            del self._tracked[request_id]
+            self._release()
+        self._snapshot = self._take_snapshot()
+
+    def _record_progress(self, tracked: _Tracked, request, now: float) -> None:
+        generated = request.num_generated
+        if generated == tracked.num_generated:
+            return
+        if tracked.num_generated == 0:
+            tracked.first_token_at = now
+        if self.metrics is not None:
+            if tracked.num_generated == 0:
+                self.metrics.first_token(now - tracked.submitted_at)
+            self.metrics.tokens_generated(generated - tracked.num_generated)
+            self.metrics.speculation(request.metrics, tracked.spec_seen)
+        tracked.num_generated = generated
+        tracked.spec_seen = _copy(request.metrics)
+
+    def _record_finish(self, tracked: _Tracked, request, now: float) -> None:
+        if self.metrics is None:
+            return
+        per_token = None
+        if request.num_generated > 1 and tracked.first_token_at:
+            per_token = (now - tracked.first_token_at) / (request.num_generated - 1)
+        self.metrics.request_finished(request.finish_reason, now - tracked.submitted_at, per_token)
+
+    def _drop_queued(self, message: str) -> None:
+        """End the requests submitted but not yet added (``abort``), emptying the command queue."""
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._release()
+                payload.send(Finished("", 0, 0, "abort", SpecMetrics(), message))
+
+    def _fail_all(self, message: str, error: bool = True) -> None:
+        """Abort every request in the engine, and tell each client (queued commands too)."""
+        self._drop_queued(message)
+        for request_id, tracked in self._tracked.items():
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # pragma: no cover - the engine is already broken
+                logger.exception("abort_request(%s) failed", request_id)
+        error_message = message if error else None
+        for request_id, tracked in list(self._tracked.items()):
+            request = tracked.request
+            tracked.send(Finished(request.text[tracked.emitted_chars:], request.num_generated,
+                                  request.num_prompt_tokens, request.finish_reason or "abort",
+                                  _copy(request.metrics), error_message))
+            self._record_finish(tracked, request, time.perf_counter())
+            del self._tracked[request_id]
+            self._release()
+        self._snapshot = self._take_snapshot()
+
+    def _take_snapshot(self, running: bool = True) -> LoopSnapshot:
+        return LoopSnapshot(
+            num_kv_blocks=self.engine.num_kv_blocks,
+            num_free_kv_blocks=self.engine.num_free_kv_blocks,
+            num_requests=len(self._tracked),
+            num_pending=self._pending,
+            max_pending=self.max_pending,
+            running=running,
+        )
+
+
+def _stop_holdback(stops: Sequence[str]) -> int:
+    """How many trailing characters to hold back: a stop string may be starting there, and the
+    engine trims the text back to where the stop string begins once it is complete."""
+    return max((len(s) for s in stops), default=1) - 1
+
+
+def _one_line(exc: Exception) -> str:
+    message = " ".join(str(exc).split())
+    return message if isinstance(exc, SpecdecError) else f"{type(exc).__name__}: {message}"
+
+
+def _copy(metrics: SpecMetrics) -> SpecMetrics:
+    return SpecMetrics(metrics.num_steps, metrics.num_drafts, metrics.num_draft_tokens,
+                       metrics.num_accepted_tokens, metrics.num_emitted_tokens,
+                       list(metrics.accepted_per_position))

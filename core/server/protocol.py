@@ -1,0 +1,294 @@
+"""The OpenAI wire format: request and response models, and requests turned into engine input.
+
+Requests are parsed strictly, like the CLI config: unknown fields are an error (with a
+did-you-mean), and a value must have the field's type (``"5"`` is no int, ``2.0`` is no int,
+``1`` is no bool). Two fields go beyond the OpenAI API:
+
+- ``speculative``: per-request speculation, ``{"num_speculative_tokens": 0}`` turns it off for
+  this request, a smaller k limits it. Validated with the config's strict converter.
+- ``ignore_eos``: generate past EOS (as vLLM has it), for benchmarks and exact token counts.
+
+Responses carry the speculative figures of each request in ``usage.speculative``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional
+
+import attrs
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..config import MAX_SPECULATIVE_TOKENS, describe, in_range, structure
+from ..errors import ConfigError
+from ..metrics import SpecMetrics
+from ..sampling import SamplingParams
+from .errors import APIError
+
+#: ``max_tokens`` of a completion when the request leaves it out (as the OpenAI API has it).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk holding the usage."""
+
+    include_usage: bool = False
+
+
+@attrs.define(frozen=True, kw_only=True)
+class RequestSpeculation:
+    """The ``speculative`` field of a request: what one request may change of the server's
+    speculative config. Structured with the strict config converter (``specdec.config``)."""
+
+    num_speculative_tokens: Optional[int] = attrs.field(default=None,
+                                                        validator=in_range(0, MAX_SPECULATIVE_TOKENS))
+
+
+class GenerationRequest(_Strict):
+    """The fields both endpoints share."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=0)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 64)
+    stop: Optional[Any] = None
+    n: Optional[int] = Field(None, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    ignore_eos: bool = False
+    speculative: Optional[dict[str, Any]] = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError(f"expected a string or a list of strings, got {describe(value)}")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, default_max_tokens: int, max_speculative_tokens: int) -> SamplingParams:
+        """The engine's ``SamplingParams`` for this request (``APIError`` 400 when invalid).
+
+        ``max_speculative_tokens`` is the server's k: ``speculative.num_speculative_tokens``
+        may lower it, not raise it.
+        """
+        if self.n not in (None, 1):
+            raise APIError(400, f"n: only n=1 is supported, got {self.n}", param="n", code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        stop = () if self.stop is None else self.stop
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k,
+                seed=self.seed,
+                stop=stop,
+                ignore_eos=self.ignore_eos,
+                num_speculative_tokens=self._num_speculative_tokens(max_speculative_tokens),
+            )
+        except ValueError as exc:  # pragma: no cover - the field constraints above catch these
+            raise APIError(400, str(exc)) from None
+
+    def _num_speculative_tokens(self, server_k: int) -> Optional[int]:
+        if self.speculative is None:
+            return None
+        try:
+            options = structure(self.speculative, RequestSpeculation, "speculative")
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=str(exc).split(":")[0], code="invalid_value") from None
+        k = options.num_speculative_tokens
+        if k is not None and k > server_k:
+            param = "speculative.num_speculative_tokens"
+            raise APIError(400, f"{param}: must be between 0 and {server_k} (the server's num_speculative_tokens), "
+                                f"got {k}", param=param, code="invalid_value")
+        return k
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: ``prompt`` is a string, or a list of token ids (one prompt)."""
+
+    prompt: Any
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]  # a batch of one
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(type(t) is int for t in value):
+            return value
+        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+            raise ValueError(f"one prompt per request is supported, got {len(value)}")
+        raise ValueError(f"expected a string or a list of token ids, got {describe(value)}")
+
+
+class ChatMessage(_Strict):
+    """One message: ``role`` and ``content``, a string or a list of text parts
+    (``[{"type": "text", "text": "..."}]``; other part types are not supported)."""
+
+    role: str
+    content: Optional[Any] = None
+    name: Optional[str] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            texts = []
+            for i, part in enumerate(value):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i}: only text parts are supported: "
+                                     '{"type": "text", "text": "..."}')
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError(f"expected a string or a list of text parts, got {describe(value)}")
+
+    def to_template(self) -> dict:
+        """The message as the chat template takes it."""
+        message = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` is the newer name of
+    ``max_tokens``; without either, the answer may run to the end of the context."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
+
+    def resolve_max_tokens(self) -> None:
+        """Fold ``max_completion_tokens`` into ``max_tokens``."""
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise APIError(400, "max_completion_tokens: give max_tokens or max_completion_tokens, not both",
+                               param="max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+class SpeculativeUsage(BaseModel):
+    """``usage.speculative``: what speculation did for this request."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    mean_acceptance_length: float
+    accepted_per_position: list[int]
+
+    @classmethod
+    def from_metrics(cls, metrics: SpecMetrics) -> "SpeculativeUsage":
+        data = metrics.to_dict()
+        del data["num_steps"]
+        return cls(**data)
+
+
+class Usage(BaseModel):
+    """Token counts of one request, exactly as the engine counted them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculative: SpeculativeUsage
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_generated: int, metrics: SpecMetrics) -> "Usage":
+        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
+                   total_tokens=num_prompt_tokens + num_generated,
+                   speculative=SpeculativeUsage.from_metrics(metrics))
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion (``stream: false``), or one chunk of one (``object`` the same, as OpenAI
+    has it; chunks hold the new text, and the usage only in the last one)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specdec"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

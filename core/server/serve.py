@@ -1,0 +1,112 @@
+"""Running the server with uvicorn, as ``specdec serve`` does.
+
+The listening socket is bound before the model loads, so a port in use is a one-line error at
+once rather than after the load. SIGINT and SIGTERM stop the server gracefully (see
+:class:`Server`); the process then exits with code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+from typing import Iterator, Optional
+
+import uvicorn
+
+from ..errors import SpecdecError
+from .app import build_app
+from .engine_loop import EngineLoop
+
+#: ``--max-pending-requests``: requests in flight (running or waiting) before 503.
+DEFAULT_MAX_PENDING = 1024
+#: ``--shutdown-timeout``: seconds requests in flight get to finish after SIGINT/SIGTERM.
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: any free port), not yet listening."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise SpecdecError(f"--host: cannot resolve '{host}': {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise SpecdecError(f"--port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a shutdown that ends every request cleanly.
+
+    On SIGINT/SIGTERM it stops accepting connections and refuses new requests (503), lets the
+    requests in flight run for up to ``drain_timeout`` seconds, then stops the engine loop:
+    whatever still runs finishes with ``finish_reason`` ``abort`` (a stream gets its last
+    chunk and ``[DONE]``), and uvicorn closes the connections.
+
+    :param ready_line: printed to stderr once the server accepts connections.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, *,
+                 drain_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, ready_line: Optional[str] = None):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.drain_timeout = drain_timeout
+        self.ready_line = ready_line
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started and self.ready_line:
+            print(self.ready_line, file=sys.stderr, flush=True)
+
+    async def shutdown(self, sockets=None):
+        for server in getattr(self, "servers", ()):
+            server.close()
+        self.engine_loop.refuse_new()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        while self.engine_loop.num_pending and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.engine_loop.stop)  # aborts the rest; their streams end now
+        await super().shutdown(sockets)
+
+
+@contextlib.contextmanager
+def _graceful_exit() -> Iterator[None]:
+    """Let uvicorn handle SIGINT/SIGTERM, and make its re-raise of the signal after a graceful
+    shutdown a no-op (the default actions would kill the process, or raise KeyboardInterrupt,
+    after the shutdown has already completed)."""
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: Optional[str] = None,
+               max_pending: int = DEFAULT_MAX_PENDING, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+               log_level: str = "info") -> None:
+    """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown."""
+    engine_loop = EngineLoop(engine, max_pending=max_pending)
+    app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key)
+    # uvicorn's own timeout is the last resort: by then the engine loop has ended every request.
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5.0)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    ready = (f"specdec serve: listening on http://{shown}:{port} (model '{served_model_name}', "
+             f"max_num_seqs {engine.config.max_num_seqs}, method {engine.spec.method}"
+             f"{', API key required' if api_key else ''})")
+    server = Server(config, engine_loop, drain_timeout=shutdown_timeout, ready_line=ready)
+    with _graceful_exit():
+        server.run(sockets=[sock])
+    if not server.started:
+        raise SpecdecError("the server did not start (see the log above)")

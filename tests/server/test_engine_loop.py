@@ -1,0 +1,174 @@
+"""The engine loop on a scripted stand-in engine (no model): deltas, stop strings, aborts,
+the bound, engine failures and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+import pytest
+
+from specdec.errors import SpecdecError
+from specdec.metrics import SpecMetrics
+from specdec.sampling import SamplingParams
+from specdec.server.engine_loop import Delta, EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected
+
+
+class ScriptedRequest:
+    def __init__(self, request_id: str, prompt_len: int, sampling: SamplingParams, pieces: list[str]):
+        self.request_id, self.num_prompt_tokens, self.sampling = request_id, prompt_len, sampling
+        self.pieces = list(pieces)
+        self.text, self.num_generated, self.finish_reason = "", 0, None
+        self.metrics = SpecMetrics()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class ScriptedEngine:
+    """Each step appends the next piece of text (one token) to every running request, and trims
+    a completed stop string as the real engine does."""
+
+    max_model_len = 50
+    num_kv_blocks = 2
+
+    def __init__(self, pieces: list[str], fail_on_step: Optional[int] = None):
+        self.pieces, self.fail_on_step, self.steps = pieces, fail_on_step, 0
+        self.waiting: list[ScriptedRequest] = []
+        self.running: list[ScriptedRequest] = []
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.num_kv_blocks - len(self.running)
+
+    def add_request(self, prompt_token_ids, sampling, prompt=None, request_id=None):
+        if list(prompt_token_ids) == [666]:
+            raise ValueError("an engine bug")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise SpecdecError(f"prompt: {len(prompt_token_ids)} tokens do not fit the context of 50 tokens")
+        request = ScriptedRequest(request_id, len(prompt_token_ids), sampling, self.pieces)
+        self.waiting.append(request)
+        return request
+
+    def abort_request(self, request_id) -> bool:
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    request.finish_reason = "abort"
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self):
+        time.sleep(0.001)  # a step takes time
+        self.steps += 1
+        if self.steps == self.fail_on_step:
+            raise RuntimeError("boom")
+        while self.waiting and len(self.running) < self.num_kv_blocks:
+            self.running.append(self.waiting.pop(0))
+        finished = []
+        for request in list(self.running):
+            request.text += request.pieces.pop(0) if request.pieces else "."
+            request.num_generated += 1
+            request.metrics.record_step(0, 0, 1)
+            for stop in request.sampling.stop:
+                if stop in request.text:
+                    request.text = request.text[: request.text.index(stop)]
+                    request.finish_reason = "stop"
+            if request.num_generated >= request.sampling.max_tokens:
+                request.finish_reason = request.finish_reason or "length"
+            if request.finished:
+                self.running.remove(request)
+                finished.append(request)
+        return finished
+
+
+def run(coroutine_fn, engine, **kwargs):
+    loop_ = EngineLoop(engine, **kwargs)
+    loop_.start()
+
+    async def main():
+        try:
+            return await coroutine_fn(loop_)
+        finally:
+            await asyncio.to_thread(loop_.stop)
+
+    return asyncio.run(main()), loop_
+
+
+async def collect(stream) -> tuple[list[Delta], Finished]:
+    await stream.admitted()
+    events = [event async for event in stream]
+    return events[:-1], events[-1]
+
+
+def test_deltas_add_up_to_the_text():
+    async def main(engine_loop):
+        return await collect(engine_loop.submit([1, 2, 3], SamplingParams(max_tokens=4)))
+
+    (deltas, final), engine_loop = run(main, ScriptedEngine(["Hel", "lo", " wor", "ld"]))
+    assert [d.text for d in deltas] + [final.text] == ["Hel", "lo", " wor", "ld"]  # the last with the end
+    assert [d.num_generated for d in deltas] == [1, 2, 3]
+    assert (final.finish_reason, final.num_generated, final.num_prompt_tokens) == ("length", 4, 3)
+    assert engine_loop.snapshot().num_pending == 0
+
+
+def test_no_piece_of_a_stop_string_leaks_out():
+    async def main(engine_loop):
+        return await collect(engine_loop.submit([1], SamplingParams(max_tokens=10, stop=("o wor", "zz"))))
+
+    (deltas, final), _ = run(main, ScriptedEngine(["Hel", "lo", " wo", "rld"]))
+    assert "".join(d.text for d in deltas) + final.text == "Hell"
+    assert final.finish_reason == "stop"
+
+
+def test_rejected_request_and_the_bound():
+    async def main(engine_loop):
+        with pytest.raises(RequestRejected, match="do not fit the context"):
+            await engine_loop.submit(list(range(60)), SamplingParams()).admitted()
+        with pytest.raises(RequestRejected, match="ValueError: an engine bug"):
+            await engine_loop.submit([666], SamplingParams()).admitted()
+        first = engine_loop.submit([1], SamplingParams(max_tokens=100))
+        await first.admitted()
+        with pytest.raises(QueueFull):
+            engine_loop.submit([1], SamplingParams())
+        first.abort()
+        while engine_loop.num_pending:
+            await asyncio.sleep(0.01)
+        second = engine_loop.submit([1], SamplingParams(max_tokens=1))
+        return await collect(second)
+
+    (_, final), engine_loop = run(main, ScriptedEngine(["a"] * 100), max_pending=1)
+    assert final.finish_reason == "length"
+    assert engine_loop.snapshot().num_free_kv_blocks == 2
+
+
+def test_an_engine_failure_fails_the_running_requests_and_the_loop_goes_on():
+    async def main(engine_loop):
+        _, failed = await collect(engine_loop.submit([1], SamplingParams(max_tokens=5)))
+        _, after = await collect(engine_loop.submit([1], SamplingParams(max_tokens=2)))
+        return failed, after
+
+    (failed, after), _ = run(main, ScriptedEngine(["a"] * 10, fail_on_step=2))
+    assert failed.error == "the engine failed: RuntimeError: boom" and failed.finish_reason == "abort"
+    assert after.error is None and after.finish_reason == "length"
+
+
+def test_stop_ends_the_requests_in_flight():
+    async def main(engine_loop):
+        stream = engine_loop.submit([1], SamplingParams(max_tokens=10 ** 6))
+        await stream.admitted()
+        await asyncio.to_thread(engine_loop.stop)
+        events = [event async for event in stream]
+        with pytest.raises(EngineStopped):
+            engine_loop.submit([1], SamplingParams())
+        return events[-1]
+
+    final, engine_loop = run(main, ScriptedEngine(["a"] * 10))
+    assert final.finish_reason == "abort" and final.error is None
+    assert not engine_loop.running

@@ -1,0 +1,138 @@
+"""``specdec serve`` run as users run it: a subprocess, talked to over loopback HTTP.
+
+Bad flags end with one ``error:`` line and exit code 2 before the model loads. One real server
+(API key, a bound of one request in flight, batch of one) answers the openai client, refuses a
+request without the key (401) and one beyond its bound (503), and on SIGTERM ends the stream in
+flight with its last chunk and exits 0 within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_harness import MAX_TOKENS, PROMPT, require_model
+
+CLI = [sys.executable, "-m", "specdec.cli", "serve"]
+#: A usage error comes back in less than this; loading the model alone takes longer.
+FAST_S = 8.0
+KEY = "subprocess-key"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("SPECDEC_API_KEY", None)
+    env.pop("SPECDEC_DEBUG", None)
+    return env
+
+
+def test_serve_flag_errors_are_one_line_and_fast():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    cases = [
+        (["--port", "70000"], "--port: must be between 0 and 65535, got 70000"),
+        (["--port", str(port)], f"--port: cannot listen on 127.0.0.1:{port}: Address already in use"),
+        (["--max-pending-requests", "0"], "--max-pending-requests: must be >= 1, got 0"),
+        (["--speculative-config", '{"method": "ngarm"}'],
+         "--speculative-config.method: unknown proposer 'ngarm' (did you mean 'ngram'?); installed: "),
+        (["--max-num-seqs", "300"], "--max-num-seqs: must be between 1 and 256, got 300"),
+    ]
+
+    def run(args):
+        start = time.perf_counter()
+        result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env=_env(), check=False)
+        return result, time.perf_counter() - start
+
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = list(pool.map(run, [args for args, _ in cases]))
+    finally:
+        taken.close()
+    for (args, expected), (result, elapsed) in zip(cases, results):
+        assert result.returncode == 2, (args, result.stderr)
+        [line] = result.stderr.splitlines()
+        assert line.startswith("error: " + expected), (args, line)
+        assert elapsed < FAST_S, f"{args}: took {elapsed:.1f} s: did the model load before the error?"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``specdec serve`` on a free port; yields ``(process, url, log path)``."""
+    require_model()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(
+            [*CLI, "--port", "0", "--api-key", KEY, "--served-model-name", "tiny", "--max-num-seqs", "1",
+             "--max-pending-requests", "1", "--shutdown-timeout", "1", "--no-progress", "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=stderr, env=_env())
+    deadline = time.monotonic() + 300
+    url = None
+    while url is None:
+        match = re.search(r"listening on (http://\S+)", log.read_text())
+        if match:
+            url = match.group(1)
+        elif process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"specdec serve did not start: {log.read_text()[-3000:]}")
+        else:
+            time.sleep(0.2)
+    yield process, url, log
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.slow
+def test_serve_subprocess(served, generate_reference):
+    import openai
+
+    process, url, log = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                              max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].message.content == generate_reference["chat"]["text"]
+    assert response.usage.completion_tokens == generate_reference["chat"]["num_generated_tokens"]
+    assert response.model == "tiny"
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(url + "/health").json()["max_pending"] == 1  # /health needs no key
+
+    # A long stream holds the one place; another request gets 503. Then SIGTERM mid-stream.
+    chunks, started = [], threading.Event()
+
+    def stream():
+        for chunk in client.completions.create(model="tiny", prompt="Count from 1 to 1000:", max_tokens=4000,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True}):
+            chunks.append(chunk)
+            started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(120)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert refused.value.status_code == 503
+    assert refused.value.body["code"] == "queue_full"
+
+    process.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    returncode = process.wait(timeout=30)
+    elapsed = time.monotonic() - start
+    thread.join(30)
+    assert returncode == 0, log.read_text()[-3000:]
+    assert elapsed < 10, f"took {elapsed:.1f} s to shut down"
+    assert chunks[-1].choices[0].finish_reason == "abort"  # the stream ended cleanly, not cut off
+    assert 0 < sum(len(c.choices[0].text) for c in chunks)
+    assert "Traceback" not in log.read_text()
