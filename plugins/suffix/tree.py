@@ -103,6 +103,7 @@ class Draft(NamedTuple):
     match_len: int
 
 
+#: No draft (shared: do not modify its lists).
 EMPTY_DRAFT = Draft([], [], 0.0, 0)
 
 
@@ -244,6 +245,10 @@ class SuffixTree:
         """The number of sequences."""
         return len(self._seqs)
 
+    def __iter__(self):
+        """The sequence ids, oldest first."""
+        return iter(self._seqs)
+
     def sequence(self, seq_id: Hashable) -> list:
         """The token list of ``seq_id`` (the tree's own list: do not modify it)."""
         return self._seqs[seq_id]
@@ -317,9 +322,11 @@ class Matcher:
     absent has no longer suffix present). For ``m <= len(nodes)`` they end at the inner node
     ``nodes[m - 1]``; the longer ones (``m = len(nodes) + 1 .. top``) occur once, all at the same
     place: just before ``seq[index]``. (A suffix inside a leaf occurs once, so every longer
-    one does too, at the same place, and inside leaves too: a longer one at an inner node
-    would mean two occurrences, hence two of the shorter.) That is why :meth:`push` costs one
-    step per inner node plus O(1) for all the unique matches together.
+    one occurs at most once, at the same place. It lies in a leaf too: an inner node is made
+    only where two suffixes share a path, and both then share the shorter suffix's path as
+    well, which would be an inner node then, and an inner node stays while anything passes
+    through it.) That is why :meth:`push` costs one step per inner node plus O(1) for all the
+    unique matches together.
 
     When the tree changed since (``stale``), :meth:`reset` replays the context's last
     ``max_depth`` tokens.
