@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+import specdec
 from specdec.plugins.suffix import SuffixConfig, SuffixProposer
 
 PROMPT_TOKENS = 256
@@ -83,7 +84,8 @@ def run_requests(proposer: SuffixProposer, texts: list[list[int]], steps: int, c
     for number, text in enumerate(texts):
         request_id = f"bench-{number}"
         prompt = np.asarray(text[:PROMPT_TOKENS], dtype=np.int64)
-        state = proposer._sync(request_id, prompt, PROMPT_TOKENS)
+        proposer.on_request_start(specdec.ProposalRequest(request_id, prompt, PROMPT_TOKENS, 0))
+        state = proposer.requests[request_id]
         for token in text[PROMPT_TOKENS: PROMPT_TOKENS + steps]:
             for cap in caps:
                 start = clock()
@@ -120,7 +122,7 @@ def main() -> None:
     rss_before = rss_mb()
     start = time.perf_counter()
     for number, response in enumerate(responses):
-        proposer._cache_response(f"cached-{number}", response)
+        proposer.cache_response(f"cached-{number}", response)
     build_s = time.perf_counter() - start
     rss_after = rss_mb()
     tree = proposer.global_tree

@@ -37,7 +37,7 @@ class SuffixConfig:
     suffix_decoding_min_token_prob: float = attrs.field(default=0.1, validator=in_range(0, 1))
 
 
-class _RequestState:
+class RequestState:
     """What the proposer keeps per running request: its own tree (one sequence: prompt and
     generated tokens) and where its context's suffixes end in the global tree."""
 
@@ -51,9 +51,12 @@ class _RequestState:
 
     @property
     def tokens(self) -> list:
+        """The request's tokens so far (prompt, then generated): the tree's own list."""
         return self.tree.sequence(_OWN)
 
     def append(self, tokens: list) -> None:
+        """The request grew by ``tokens``: extend its tree and its matches in the global tree
+        (a stale match is left for :meth:`SuffixProposer.speculate` to redo)."""
         self.tree.extend(_OWN, tokens)
         matcher = self.matcher
         if matcher is not None and not matcher.stale:
@@ -84,7 +87,7 @@ class SuffixProposer(specdec.Proposer):
         self.global_tree: Optional[SuffixTree] = SuffixTree(self.depth) if self.max_cached != 0 else None
         self._cached_ids: deque = deque()  # request ids in the global tree, oldest first
         #: request id -> its state (own tree, global matches), while the request runs.
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
 
     # -- drafting --------------------------------------------------------------------------------
 
@@ -98,7 +101,7 @@ class SuffixProposer(specdec.Proposer):
             drafts.append(self.speculate(state, request.max_draft_len).token_ids)
         return specdec.Drafts.from_lists(drafts)
 
-    def speculate(self, state: _RequestState, max_tokens: int) -> Draft:
+    def speculate(self, state: RequestState, max_tokens: int) -> Draft:
         """The best draft over both trees and all match lengths; ties go to the request's own
         tree, then to the longer match."""
         own = best_node_draft(state.tree.suffix_nodes(), max_tokens, self.max_spec_factor, self.min_token_prob)
@@ -128,24 +131,28 @@ class SuffixProposer(specdec.Proposer):
             return
         response = state.tokens[state.num_prompt_tokens:]
         if response:
-            self._cache_response(request_id, response)
+            self.cache_response(request_id, response)
 
-    def _sync(self, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> _RequestState:
+    def _sync(self, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> RequestState:
         """The request's state, built or caught up so that it holds exactly ``token_ids``."""
         state = self.requests.get(request_id)
         have = len(state.tokens) if state is not None else -1
         if have > len(token_ids):  # not this request's history any more: start over
             state, have = None, -1
         if state is None:
-            state = self.requests[request_id] = _RequestState(self.depth, num_prompt_tokens, self.global_tree)
+            state = self.requests[request_id] = RequestState(self.depth, num_prompt_tokens, self.global_tree)
             have = 0
         if have < len(token_ids):
             state.append(token_ids[have:].tolist())
         return state
 
-    def _cache_response(self, request_id: str, response: list) -> None:
-        """Add a finished response to the global tree, evicting the oldest beyond the limit."""
+    def cache_response(self, request_id: str, response: list) -> None:
+        """Add a finished response to the global tree, evicting the oldest beyond the limit
+        (``on_request_finish`` does this; call it to warm the cache with known answers).
+        Does nothing when the global tree is off."""
         tree = self.global_tree
+        if tree is None:
+            return
         if request_id in tree:
             tree.remove(request_id)
             self._cached_ids.remove(request_id)
