@@ -14,8 +14,6 @@ import argparse
 import json
 import time
 
-import attrs
-
 import specdec
 from specdec.metrics import SpecMetrics
 from specdec.workloads import code_edit_prompts
@@ -46,9 +44,7 @@ def main() -> None:
     extra = json.loads(args.extra) if args.extra else {}
     configs.update(extra)
     methods = args.methods.split(",") + list(extra)
-    llm = specdec.LLM(model=args.model, progress=False)
-    engine = llm.engine
-    engine.config = attrs.evolve(engine.config, max_num_seqs=args.batch)
+    llm = specdec.LLM(model=args.model, max_num_seqs=args.batch, progress=False)
     prompts = code_edit_prompts(args.prompts)
     sampling = specdec.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[0], specdec.SamplingParams(max_tokens=16), use_chat_template=True)  # warm-up
@@ -74,13 +70,13 @@ def main() -> None:
     prompt_tokens = [len(llm.encode_prompt(p, True)) for p in prompts]
     print(f"model {args.model}, batch {args.batch}, greedy, {args.max_tokens} new tokens, {len(prompts)} code-edit "
           f"prompts ({min(prompt_tokens)}-{max(prompt_tokens)} prompt tokens) x {args.passes} passes, k={args.k}")
-    header = (f"{'method':<10}{'pass':>5}{'tokens':>8}{'time s':>9}{'tok/s':>8}{'speedup':>9}"
+    header = (f"{'method':<14}{'pass':>5}{'tokens':>8}{'time s':>9}{'tok/s':>8}{'speedup':>9}"
               f"{'decode tok/s':>14}{'speedup':>9}{'accept len':>12}{'accept rate':>13}{'same ids':>10}")
     print(header)
     print("-" * len(header))
     for name, number, tokens, elapsed, rate, decode, length, acc, same in rows:
         b = base[number]
-        print(f"{name:<10}{number:>5}{tokens:>8}{elapsed:>9.2f}{rate:>8.1f}{rate / b[4]:>8.2f}x{decode:>14.1f}"
+        print(f"{name:<14}{number:>5}{tokens:>8}{elapsed:>9.2f}{rate:>8.1f}{rate / b[4]:>8.2f}x{decode:>14.1f}"
               f"{decode / b[5]:>8.2f}x{length:>12.2f}{acc:>13.2f}{same:>10}")
     print(f"speedup: against {methods[0]} in the same pass; tok/s: end to end (prefill included); "
           "decode tok/s: after each request's first token")
