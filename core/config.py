@@ -123,6 +123,16 @@ def multiple_of(step: int) -> Callable:
     return check
 
 
+def above(low: int | float) -> Callable:
+    """attrs validator: ``value > low`` (strictly); ``None`` passes."""
+
+    def check(_instance, attribute, value):
+        if value is not None and not value > low:
+            raise InvalidValue(attribute.name, f"must be > {low}, got {value}")
+
+    return check
+
+
 def one_of(*choices: str) -> Callable:
     """attrs validator: the value is one of ``choices``; ``None`` passes."""
 

@@ -44,6 +44,7 @@ LOAD_PLUGINS_ENV = "SPECDEC_LOAD_PLUGINS"
 DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("naive", "specdec.plugins.naive"),
     ("ngram", "specdec.plugins.ngram"),
+    ("suffix", "specdec.plugins.suffix"),
     ("verify_greedy", "specdec.plugins.verify.greedy"),
     ("verify_topp", "specdec.plugins.verify.topp"),
     ("verify_target_match", "specdec.plugins.verify.target_match"),

@@ -1,0 +1,162 @@
+"""The suffix decoding proposer: a suffix tree per request plus one over earlier responses."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import attrs
+import numpy as np
+
+import specdec
+from specdec.config import above, in_range
+
+from .tree import Draft, Matcher, SuffixTree, best_node_draft
+
+#: The sequence id of the one sequence (prompt + generated tokens) of a per-request tree.
+_OWN = 0
+
+
+@attrs.define(frozen=True, kw_only=True)
+class SuffixConfig:
+    """Flat keys of ``--speculative-config`` for ``method: suffix`` (the seed system's names
+    and defaults; docs/methods.md explains each).
+
+    :ivar suffix_decoding_max_tree_depth: suffixes are stored and matched up to this many tokens.
+    :ivar suffix_decoding_max_cached_requests: finished requests whose responses the global tree
+        keeps (oldest evicted first); -1 keeps all, 0 turns the global tree off.
+    :ivar suffix_decoding_max_spec_factor: a match of ``m`` tokens drafts at most
+        ``floor(factor * m)`` tokens.
+    :ivar suffix_decoding_min_token_prob: drafting stops before a token whose path probability
+        falls below this.
+    """
+
+    suffix_decoding_max_tree_depth: int = attrs.field(default=64, validator=in_range(1))
+    suffix_decoding_max_cached_requests: int = attrs.field(default=-1, validator=in_range(-1))
+    suffix_decoding_max_spec_factor: float = attrs.field(default=1.0, validator=above(0))
+    suffix_decoding_min_token_prob: float = attrs.field(default=0.1, validator=in_range(0, 1))
+
+
+class RequestState:
+    """What the proposer keeps per running request: its own tree (one sequence: prompt and
+    generated tokens) and where its context's suffixes end in the global tree."""
+
+    __slots__ = ("tree", "num_prompt_tokens", "matcher")
+
+    def __init__(self, depth: int, num_prompt_tokens: int, global_tree: Optional[SuffixTree]):
+        self.tree = SuffixTree(depth)
+        self.tree.extend(_OWN, ())
+        self.num_prompt_tokens = num_prompt_tokens
+        self.matcher = Matcher(global_tree) if global_tree is not None else None
+
+    @property
+    def tokens(self) -> list:
+        """The request's tokens so far (prompt, then generated): the tree's own list."""
+        return self.tree.sequence(_OWN)
+
+    def append(self, tokens: list) -> None:
+        """The request grew by ``tokens``: extend its tree and its matches in the global tree
+        (a stale match is left for :meth:`SuffixProposer.speculate` to redo)."""
+        self.tree.extend(_OWN, tokens)
+        matcher = self.matcher
+        if matcher is not None and not matcher.stale:
+            for token in tokens:
+                matcher.push(token)
+
+
+class SuffixProposer(specdec.Proposer):
+    """``suffix``: draft from suffix trees over the request itself and over earlier responses.
+
+    The lifecycle keeps the trees in step: ``on_request_start`` builds the request's tree from
+    its tokens, ``on_step`` appends what each request accepted, ``on_request_finish`` moves the
+    response into the global tree and frees the request's tree. ``propose`` catches up from
+    ``token_ids`` whenever the engine skipped a call (or never started the request).
+    """
+
+    NAME = "suffix"
+    Config = SuffixConfig
+
+    def __init__(self, config: SuffixConfig | None = None, spec_config=None):
+        super().__init__(config or SuffixConfig(), spec_config)
+        cfg = self.config
+        self.depth = cfg.suffix_decoding_max_tree_depth
+        self.max_cached = cfg.suffix_decoding_max_cached_requests
+        self.max_spec_factor = cfg.suffix_decoding_max_spec_factor
+        self.min_token_prob = cfg.suffix_decoding_min_token_prob
+        #: The responses of finished requests, keyed by request id (None: turned off).
+        self.global_tree: Optional[SuffixTree] = SuffixTree(self.depth) if self.max_cached != 0 else None
+        self._cached_ids: deque = deque()  # request ids in the global tree, oldest first
+        #: request id -> its state (own tree, global matches), while the request runs.
+        self.requests: dict[str, RequestState] = {}
+
+    # -- drafting --------------------------------------------------------------------------------
+
+    def propose(self, batch: specdec.ProposalBatch) -> specdec.Drafts:
+        drafts = []
+        for request in batch.requests:
+            if request.max_draft_len <= 0:
+                drafts.append(())
+                continue
+            state = self._sync(request.request_id, request.token_ids, request.num_prompt_tokens)
+            drafts.append(self.speculate(state, request.max_draft_len).token_ids)
+        return specdec.Drafts.from_lists(drafts)
+
+    def speculate(self, state: RequestState, max_tokens: int) -> Draft:
+        """The best draft over both trees and all match lengths; ties go to the request's own
+        tree, then to the longer match."""
+        own = best_node_draft(state.tree.suffix_nodes(), max_tokens, self.max_spec_factor, self.min_token_prob)
+        matcher = state.matcher
+        if matcher is None or not len(matcher.tree):
+            return own
+        if matcher.stale:
+            matcher.reset(state.tokens)
+        cached = matcher.best_draft(max_tokens, self.max_spec_factor, self.min_token_prob, beat=own.score)
+        return cached if cached.score > own.score else own
+
+    # -- keeping the trees in step ---------------------------------------------------------------
+
+    def on_request_start(self, request: specdec.ProposalRequest) -> None:
+        self._sync(request.request_id, request.token_ids, request.num_prompt_tokens)
+
+    def on_step(self, batch: specdec.ProposalBatch, accepted: list[np.ndarray]) -> None:
+        for request, tokens in zip(batch.requests, accepted):
+            if len(tokens):
+                # request.token_ids is the context the step proposed for, before ``tokens``.
+                state = self._sync(request.request_id, request.token_ids, request.num_prompt_tokens)
+                state.append(tokens.tolist())
+
+    def on_request_finish(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is None or self.global_tree is None:
+            return
+        response = state.tokens[state.num_prompt_tokens:]
+        if response:
+            self.cache_response(request_id, response)
+
+    def _sync(self, request_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> RequestState:
+        """The request's state, built or caught up so that it holds exactly ``token_ids``."""
+        state = self.requests.get(request_id)
+        have = len(state.tokens) if state is not None else -1
+        if have > len(token_ids):  # not this request's history any more: start over
+            state, have = None, -1
+        if state is None:
+            state = self.requests[request_id] = RequestState(self.depth, num_prompt_tokens, self.global_tree)
+            have = 0
+        if have < len(token_ids):
+            state.append(token_ids[have:].tolist())
+        return state
+
+    def cache_response(self, request_id: str, response: list) -> None:
+        """Add a finished response to the global tree, evicting the oldest beyond the limit
+        (``on_request_finish`` does this; call it to warm the cache with known answers).
+        Does nothing when the global tree is off."""
+        tree = self.global_tree
+        if tree is None:
+            return
+        if request_id in tree:
+            tree.remove(request_id)
+            self._cached_ids.remove(request_id)
+        tree.extend(request_id, response)
+        self._cached_ids.append(request_id)
+        while 0 < self.max_cached < len(self._cached_ids):
+            tree.remove(self._cached_ids.popleft())

@@ -1,0 +1,225 @@
+"""The ``suffix`` proposer: its config keys, the lifecycle that keeps its trees in step, the
+global tree's cache of responses, and drafting over both trees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specdec
+from specdec.config import build_speculative_config
+from specdec.errors import ConfigError
+from specdec.plugin_manager import get_plugins
+from specdec.plugins.suffix import SuffixConfig, SuffixProposer
+from specdec.testing import check_proposer
+
+
+def request(request_id, tokens, num_prompt_tokens=None, max_draft_len=5):
+    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens.flags.writeable = False
+    return specdec.ProposalRequest(request_id, tokens, len(tokens) if num_prompt_tokens is None
+                                   else num_prompt_tokens, max_draft_len)
+
+
+def propose(proposer, *requests):
+    return proposer.propose(specdec.ProposalBatch(list(requests))).to_lists()
+
+
+def run_request(proposer, request_id, prompt, generated):
+    """Start a request, feed its generated tokens one step at a time, finish it."""
+    proposer.on_request_start(request(request_id, prompt))
+    tokens = list(prompt)
+    for token in generated:
+        batch = specdec.ProposalBatch([request(request_id, tokens, len(prompt))])
+        proposer.on_step(batch, [np.array([token], dtype=np.int64)])
+        tokens.append(token)
+    proposer.on_request_finish(request_id)
+
+
+def make(**keys) -> SuffixProposer:
+    return SuffixProposer(SuffixConfig(**keys))
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+def test_flat_keys_and_defaults():
+    spec = build_speculative_config({"method": "suffix"}, get_plugins())
+    assert spec.method_config == SuffixConfig()
+    assert attrs_dict(spec.method_config) == {
+        "suffix_decoding_max_tree_depth": 64,
+        "suffix_decoding_max_cached_requests": -1,
+        "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.1,
+    }
+    spec = build_speculative_config({"method": "suffix", "num_speculative_tokens": 8,
+                                     "suffix_decoding_max_tree_depth": 24,
+                                     "suffix_decoding_max_spec_factor": 2}, get_plugins())
+    assert spec.num_speculative_tokens == 8
+    assert spec.method_config.suffix_decoding_max_tree_depth == 24
+    assert spec.method_config.suffix_decoding_max_spec_factor == 2.0
+
+
+def attrs_dict(config):
+    import attrs
+
+    return attrs.asdict(config)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("suffix_decoding_max_tree_depth", 0, "must be >= 1, got 0"),
+    ("suffix_decoding_max_cached_requests", -2, "must be >= -1, got -2"),
+    ("suffix_decoding_max_spec_factor", 0, "must be > 0, got 0.0"),
+    ("suffix_decoding_min_token_prob", 1.5, "must be between 0 and 1, got 1.5"),
+    ("suffix_decoding_max_tree_depth", 6.0, "expected int, got float 6.0"),
+])
+def test_bad_values_are_one_line_errors(key, value, message):
+    with pytest.raises(ConfigError) as info:
+        build_speculative_config({"method": "suffix", key: value}, get_plugins(), "--speculative-config")
+    assert str(info.value) == f"--speculative-config.{key}: {message}"
+
+
+def test_proposer_contract():
+    check_proposer(SuffixProposer)
+    check_proposer(SuffixProposer, SuffixConfig(suffix_decoding_max_cached_requests=0))
+    check_proposer(SuffixProposer, SuffixConfig(suffix_decoding_max_tree_depth=1,
+                                                suffix_decoding_max_cached_requests=1,
+                                                suffix_decoding_min_token_prob=0.0))
+    check_proposer(SuffixProposer, SuffixConfig(suffix_decoding_max_spec_factor=4.0))
+
+
+# -- the request's own tree -----------------------------------------------------------------------
+
+
+def test_drafts_from_the_prompt():
+    proposer = make()
+    prompt = [1, 2, 3, 4, 9, 1, 2]
+    proposer.on_request_start(request("a", prompt))
+    # [1, 2] occurred twice, once right here at the end: 3 follows with probability 1/2.
+    assert propose(proposer, request("a", prompt)) == [[3, 4]]
+    draft = proposer.speculate(proposer.requests["a"], 5)
+    assert (draft.probs, draft.match_len) == ([0.5, 0.5], 2)
+    assert propose(make(suffix_decoding_min_token_prob=0.6), request("a", prompt)) == [[]]
+
+
+def test_on_step_appends_and_finish_frees():
+    proposer = make()
+    proposer.on_request_start(request("a", [5, 6, 7]))
+    proposer.on_step(specdec.ProposalBatch([request("a", [5, 6, 7])]), [np.array([5, 6], dtype=np.int64)])
+    assert proposer.requests["a"].tokens == [5, 6, 7, 5, 6]
+    assert propose(proposer, request("a", [5, 6, 7, 5, 6], 3)) == [[7, 5]]
+    proposer.on_request_finish("a")
+    assert "a" not in proposer.requests
+
+
+def test_state_is_built_lazily_and_catches_up():
+    proposer = make()
+    # Never started: propose builds the request's tree from token_ids.
+    assert propose(proposer, request("a", [1, 2, 3, 1, 2], 2)) == [[3, 1]]
+    # The engine skipped on_step for two tokens: propose catches up from token_ids.
+    assert propose(proposer, request("a", [1, 2, 3, 1, 2, 3, 1], 2)) == [[2, 3, 1]]
+    assert proposer.requests["a"].tokens == [1, 2, 3, 1, 2, 3, 1]
+    # on_step for a request it never saw builds it from the step's context first.
+    proposer.on_step(specdec.ProposalBatch([request("b", [4, 5, 4])]), [np.array([5], dtype=np.int64)])
+    assert proposer.requests["b"].tokens == [4, 5, 4, 5]
+
+
+def test_preempted_request_resumes_with_its_tree():
+    proposer = make()
+    proposer.on_request_start(request("a", [1, 2, 3]))
+    proposer.on_step(specdec.ProposalBatch([request("a", [1, 2, 3])]), [np.array([1], dtype=np.int64)])
+    tree = proposer.requests["a"].tree
+    # Admitted again later with everything it has so far: the same tree goes on.
+    proposer.on_request_start(request("a", [1, 2, 3, 1, 2], 3))
+    assert proposer.requests["a"].tree is tree and tree.sequence(0) == [1, 2, 3, 1, 2]
+    # Fewer tokens than the tree holds is another history: start over.
+    proposer.on_request_start(request("a", [7, 8]))
+    assert proposer.requests["a"].tokens == [7, 8]
+
+
+def test_max_draft_len_per_request():
+    proposer = make()
+    loop = [1, 2, 3, 4] * 4
+    drafts = proposer.propose(specdec.ProposalBatch([
+        request("a", loop, 4, 5), request("b", [9, 8, 7], 3, 5), request("c", loop, 4, 2),
+        request("d", loop, 4, 0),
+    ]))
+    assert drafts.to_lists() == [[1, 2, 3, 4, 1], [], [1, 2], []]
+    assert drafts.lengths.tolist() == [5, 0, 2, 0]
+    assert drafts.token_ids.shape == (4, 5) and drafts.token_ids[1].tolist() == [-1] * 5
+
+
+# -- the global tree ------------------------------------------------------------------------------
+
+
+def test_finished_responses_feed_the_global_tree():
+    proposer = make()
+    run_request(proposer, "a", [100, 101], [1, 2, 3, 4, 5, 6])
+    tree = proposer.global_tree
+    assert list(tree) == ["a"] and tree.sequence("a") == [1, 2, 3, 4, 5, 6]
+    assert tree.count([100]) == 0  # the prompt is not cached, only the response
+    # Another request that writes [7, 2, 3] continues as "a" did.
+    assert propose(proposer, request("b", [7, 2, 3])) == [[4, 5]]
+    draft = proposer.speculate(proposer.requests["b"], 5)
+    assert (draft.probs, draft.match_len) == ([1.0, 1.0], 2)
+
+
+def test_issue_example_through_the_proposer():
+    proposer = make()
+    for number, response in enumerate(([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 6, 7])):
+        run_request(proposer, f"r{number}", [50], response)
+    assert propose(proposer, request("x", [60, 1, 2])) == [[3, 5]]
+    assert proposer.speculate(proposer.requests["x"], 5).probs == [0.75, 0.5]
+    strict = make(suffix_decoding_min_token_prob=0.6)
+    for number, response in enumerate(([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 6, 7])):
+        run_request(strict, f"r{number}", [50], response)
+    assert propose(strict, request("x", [60, 1, 2])) == [[3]]
+
+
+def test_fifo_eviction():
+    proposer = make(suffix_decoding_max_cached_requests=2)
+    for name, response in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8, 9])):
+        run_request(proposer, name, [0], response)
+    tree = proposer.global_tree
+    assert list(tree) == ["b", "c"]
+    assert tree.count([1, 2]) == 0 and tree.count([4, 5]) == 1 and tree.count([7, 8]) == 1
+    run_request(proposer, "d", [0], [1, 2])
+    assert list(tree) == ["c", "d"] and tree.count([4]) == 0
+    # Finishing an id again replaces its response and makes it the newest.
+    run_request(proposer, "c", [0], [3, 3])
+    assert list(tree) == ["d", "c"] and tree.count([7]) == 0 and tree.count([3, 3]) == 1
+
+
+def test_unlimited_and_off():
+    unlimited = make(suffix_decoding_max_cached_requests=-1)
+    for number in range(30):
+        run_request(unlimited, f"r{number}", [0], [number, number + 1])
+    assert len(unlimited.global_tree) == 30
+    off = make(suffix_decoding_max_cached_requests=0)
+    run_request(off, "a", [0], [1, 2, 3])
+    assert off.global_tree is None
+    assert propose(off, request("b", [1, 2])) == [[]]
+
+
+def test_the_best_score_over_both_trees():
+    proposer = make()
+    # Globally, [5, 6] went on with 7 8 9 every time.
+    for number in range(3):
+        run_request(proposer, f"r{number}", [0], [5, 6, 7, 8, 9])
+    # This request saw [5, 6] go on with 1 once: its own tree drafts [1, 5] (1/2 each: score
+    # 1), the global tree [7, 8] (1 each: score 2), which wins.
+    proposer.on_request_start(request("x", [5, 6, 1, 5, 6]))
+    own = proposer.requests["x"].tree
+    assert own.speculate([5, 6, 1, 5, 6], 5, 1.0, 0.1)[:3] == ([1, 5], [0.5, 0.5], 1.0)
+    assert propose(proposer, request("x", [5, 6, 1, 5, 6])) == [[7, 8]]
+
+
+def test_equal_scores_go_to_the_requests_own_tree():
+    proposer = make()
+    run_request(proposer, "r", [0], [3, 4, 7])
+    # Global: [3, 4] went on with 7 (score 1). Own: [3, 4] went on with 8 9 once, and occurs
+    # here too: [8, 9] with 1/2 each (score 1). A tie: the request's own tree wins.
+    proposer.on_request_start(request("y", [3, 4, 8, 9, 3, 4]))
+    assert proposer.global_tree.speculate([3, 4, 8, 9, 3, 4], 5, 1.0, 0.1)[:3] == ([7], [1.0], 1.0)
+    draft = proposer.speculate(proposer.requests["y"], 5)
+    assert (draft.token_ids, draft.probs, draft.match_len) == ([8, 9], [0.5, 0.5], 2)
