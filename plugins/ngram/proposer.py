@@ -74,11 +74,11 @@ class NgramIndex:
     halves the proposer's time.
     """
 
-    __slots__ = ("tokens", "sizes", "prompt_tables", "output_tables", "max_n")
+    __slots__ = ("tokens", "min_n", "max_n", "shifts", "prompt_tables", "output_tables")
 
     def __init__(self, min_n: int, max_n: int):
-        self.max_n = max_n
-        self.sizes = tuple(range(max_n, min_n - 1, -1))  # longest first
+        self.min_n, self.max_n = min_n, max_n
+        self.shifts = [_TOKEN_BITS * max(n - 1, 0) for n in range(max_n + 1)]
         self.tokens: list[int] = []
         self.prompt_tables: list[dict[int, int]] | None = None
         self.output_tables: list[dict[int, int]] = [{} for _ in range(max_n + 1)]
@@ -86,22 +86,24 @@ class NgramIndex:
     def extend(self, token_ids: np.ndarray) -> None:
         """Catch up with ``token_ids`` (the request's tokens so far; they only ever grow)."""
         tokens = self.tokens
-        old = len(tokens)
-        if len(token_ids) <= old:
+        old, new = len(tokens), len(token_ids)
+        if new <= old:
             return
         tokens.extend(token_ids[old:].tolist())
         if self.prompt_tables is None:
             self.prompt_tables = tables = [{} for _ in range(self.max_n + 1)]
         else:
             tables = self.output_tables
-        max_n, sizes = self.max_n, self.sizes
+        min_n, max_n, shifts = self.min_n, self.max_n, self.shifts
         # An n-gram ending at j is indexed once position j + 1 exists; later ends overwrite
         # earlier ones, so each table keeps the most recent occurrence.
-        for j in range(max(old - 1, 0), len(tokens) - 1):
-            key = 0
-            for n in range(1, min(max_n, j + 1) + 1):
-                key |= tokens[j - n + 1] << (_TOKEN_BITS * (n - 1))
-                if n in sizes:
+        for j in range(max(old - 1, 0), new - 1):
+            key = tokens[j]
+            if min_n == 1:
+                tables[1][key] = j
+            for n in range(2, min(max_n, j + 1) + 1):
+                key |= tokens[j - n + 1] << shifts[n]
+                if n >= min_n:
                     tables[n][key] = j
 
     def draft(self, max_len: int) -> list[int]:
@@ -109,19 +111,20 @@ class NgramIndex:
         suffix (``max_n`` down to ``min_n`` tokens); empty when nothing matches."""
         tokens = self.tokens
         length = len(tokens)
-        if max_len <= 0 or self.prompt_tables is None:
-            return []
         longest = min(self.max_n, length - 1)
-        keys, key = [0] * (longest + 1), 0
-        for n in range(1, longest + 1):
-            key |= tokens[length - n] << (_TOKEN_BITS * (n - 1))
-            keys[n] = key
-        for n in self.sizes:
-            if n > longest:
-                continue
-            end = self.output_tables[n].get(keys[n])
+        if max_len <= 0 or longest < self.min_n or self.prompt_tables is None:
+            return []
+        shifts = self.shifts
+        key = tokens[-1]
+        keys = [0, key]
+        for n in range(2, longest + 1):
+            key |= tokens[length - n] << shifts[n]
+            keys.append(key)
+        output, prompt = self.output_tables, self.prompt_tables
+        for n in range(longest, self.min_n - 1, -1):
+            end = output[n].get(keys[n])
             if end is None:
-                end = self.prompt_tables[n].get(keys[n])
+                end = prompt[n].get(keys[n])
             if end is not None:
                 return tokens[end + 1: end + 1 + max_len]
         return []
@@ -151,7 +154,9 @@ class NgramProposer(specdec.Proposer):
         drafts = []
         indexes = self._indexes
         for request in batch.requests:
-            index = indexes.get(request.request_id) or self._index(request.request_id)
+            index = indexes.get(request.request_id)
+            if index is None:
+                index = self._index(request.request_id)
             index.extend(request.token_ids)
             drafts.append(index.draft(request.max_draft_len))
         return specdec.Drafts.from_lists(drafts)
