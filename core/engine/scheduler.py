@@ -86,6 +86,10 @@ class Scheduler:
         for request in list(self.running):  # 2. prefills of running requests, in chunks
             if id(request) in scheduled or request not in self.running or budget < 1:
                 continue
+            # At least one more position: without it, requests that hold partial prefills
+            # could wait for each other's blocks forever.
+            if not self._grow_or_preempt(request, request.context_len + 1, scheduled, step):
+                continue
             budget -= self._schedule_prefill(request, budget, draft_limit, step)
             scheduled.add(id(request))
 

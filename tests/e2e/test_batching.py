@@ -108,6 +108,29 @@ def test_preemption_keeps_outputs(model_session, small_pool_llm):
     assert engine.num_free_kv_blocks == engine.num_kv_blocks
 
 
+def test_partial_prefills_never_wait_for_each_other(model_session, small_pool_llm):
+    """Long prompts prefilled in small chunks into a pool too small for all of them complete,
+    with the outputs of a roomy pool (the scheduler's own deadlock case is a unit test)."""
+    prompts = [CODE[0] + CODE[1], CODE[2] + CODE[3], CODE[4] + CODE[5]]  # ~330 tokens each, 40 blocks
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    roomy = model_session.run(None, prompts, sampling, max_num_seqs=3, cache=False)
+    engine = small_pool_llm.engine
+    saved = engine.scheduler.max_num_batched_tokens
+    engine.scheduler.max_num_batched_tokens = 48
+    try:
+        requests = [engine.add_request(small_pool_llm.encode_prompt(p, use_chat_template=True), sampling)
+                    for p in prompts]
+        for _ in range(400):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+    finally:
+        engine.scheduler.max_num_batched_tokens = saved
+    assert not engine.has_unfinished(), "the engine stopped making progress"
+    assert [r.generated_ids.tolist() for r in requests] == [o.token_ids for o in roomy]
+    assert engine.num_free_kv_blocks == engine.num_kv_blocks
+
+
 SYSTEM = ("You are a careful assistant for a software team. " * 60).strip()
 
 
