@@ -53,6 +53,7 @@ def main() -> None:
     for name in methods:
         llm.set_speculative_config(configs[name])  # a fresh proposer: nothing cached yet
         for number in range(1, args.passes + 1):
+            llm.reset_prefix_cache()  # each pass prefills its prompts: only the proposer remembers
             start = time.perf_counter()
             outputs = llm.generate(prompts, sampling, use_chat_template=True)
             elapsed = time.perf_counter() - start
