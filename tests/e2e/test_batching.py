@@ -1,9 +1,10 @@
 """Continuous batching on the real default model: batch invariance, 256 requests at once,
 preemption, prefix sharing, chunked prefill, per-request settings inside one batch.
 
-Outputs are compared token for token. The CPU kernels compute every row the same way
-whatever else is in the batch (a row's sums run in the same order), so batching, chunking and
-recomputation after preemption must not change a single greedy token.
+Outputs are compared token for token. A row's value depends on the batch only through float
+rounding (calls of 16 rows or more use BLAS, fewer the panel kernel; attention is per request),
+so batching, chunking and recomputation after preemption must not change a greedy token except
+at a near-tie of the top two logits, which the comparison reports as such.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def mixed_prompts(count: int) -> list[str]:
 
 
 def _assert_same_tokens(model_session, prompts, reference, other, label):
+    """Equal token ids, or a first divergence at a near-tie (float rounding may flip those)."""
     for i, (prompt, ref, out) in enumerate(zip(prompts, reference, other)):
         message = model_session.describe_divergence(prompt, ref.token_ids, out.token_ids, label=f"{label} {i}")
-        assert message is None, message
+        assert message is None or "a near-tie" in message, message
 
 
 @pytest.fixture(scope="module")

@@ -108,8 +108,8 @@ def test_reference_itself_on_a_hand_case():
 
 BLOCK_SIZE = 8
 #: Block tables of the (at most two) sequences a test runs at once: shuffled, non-contiguous.
-TABLE_A = [9, 2, 14, 5]
-TABLE_B = [0, 11, 7, 3]
+TABLE_A = [9, 2, 14, 5, 12, 1]
+TABLE_B = [0, 11, 7, 3, 13, 4]
 
 
 def _with_cache(model):
@@ -229,6 +229,17 @@ def test_small_model_matches_reference(tied, bias, path):
         model = _cpu_kernel_model(config, weights)
     sequence = np.random.default_rng(7).integers(0, config.vocab_size, size=20)
     check_against_reference(model, config, weights, sequence, prefill=12, vocab_junk=17)
+
+
+def test_cpu_path_with_blas_rows_matches_reference():
+    """Calls of GEMM_MIN_ROWS rows or more take the BLAS branch of the CPU path."""
+    from specdec.model.linear import GEMM_MIN_ROWS
+
+    config = small_config(tied=False, bias=True)
+    weights = random_weights(config, seed=5)
+    model = _cpu_kernel_model(config, weights)
+    sequence = np.random.default_rng(9).integers(0, config.vocab_size, size=GEMM_MIN_ROWS + 10)
+    check_against_reference(model, config, weights, sequence, prefill=GEMM_MIN_ROWS + 2, vocab_junk=17)
 
 
 def test_small_model_logits_are_not_trivial():
