@@ -49,7 +49,10 @@ class StepCostModel:
             return 1.0, PRIOR_ROW_COST
         mean_rows, mean_seconds = rows / weight, seconds / weight
         variance = rows2 / weight - mean_rows ** 2
-        if variance < 1.0:  # steps of (nearly) one size: split their time by the prior ratio
+        if variance < max(1.0, (0.25 * mean_rows) ** 2):
+            # Steps of (nearly) one size, as in a large batch where drafts change the row count
+            # by a few percent: a fitted slope would be mostly timing noise. Split their time
+            # by the prior ratio instead.
             fixed = mean_seconds / (1.0 + PRIOR_ROW_COST * mean_rows)
             return fixed, PRIOR_ROW_COST * fixed
         per_row = (rows_seconds / weight - mean_rows * mean_seconds) / variance

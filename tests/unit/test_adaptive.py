@@ -89,3 +89,14 @@ def test_acceptance_tracker_learns_and_forgets():
     assert abs(tracker.estimate(["b"])[0] - PRIOR_ACCEPTANCE) < 0.05
     tracker.forget("a")
     assert tracker.estimate(["a"]).tolist() == [PRIOR_ACCEPTANCE]
+
+
+def test_cost_model_ignores_the_slope_of_a_narrow_row_range():
+    """A large batch varies its rows by a few drafts: the fitted slope would be timing noise."""
+    model = StepCostModel()
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        rows = int(rng.integers(32, 40))
+        model.observe(rows, 0.2 * rng.uniform(0.8, 1.2))  # no real dependence on rows
+    fixed, per_row = model.costs()
+    assert abs(per_row / fixed - PRIOR_ROW_COST) < 1e-9
