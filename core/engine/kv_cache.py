@@ -180,7 +180,7 @@ class KVCacheManager:
     def free(self, request) -> None:
         """Return every block of ``request`` (tail first, so that shared prefix blocks are the
         last to be handed out again)."""
-        for key in request.prefix_keys[request.num_registered:]:
+        for key in (request.prefix_keys or [])[request.num_registered:]:
             if self._claims.get(key) is request:
                 del self._claims[key]
         for block in reversed(request.block_table):

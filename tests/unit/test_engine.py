@@ -217,3 +217,15 @@ def test_outputs_come_back_in_prompt_order(model_session):
     assert [o.prompt for o in batch] == prompts
     assert all(o.num_prompt_tokens == len(model_session.prompt_ids(p)) for o, p in zip(batch, prompts))
     assert np.all([o.elapsed_s > 0 for o in batch])
+
+
+def test_abort_a_queued_and_a_running_request(llm):
+    engine = llm.engine
+    ids = llm.encode_prompt(FRANCE, use_chat_template=True)
+    running = engine.add_request(ids, SamplingParams(max_tokens=50))
+    engine.step()
+    queued = engine.add_request(ids, SamplingParams(max_tokens=50))
+    assert engine.abort_request(queued.request_id) and queued.finish_reason == "abort"
+    assert engine.abort_request(running.request_id) and running.finish_reason == "abort"
+    assert not engine.abort_request(running.request_id)
+    assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks

@@ -139,3 +139,9 @@ def test_reset_prefix_cache_forgets_every_prefix():
     kv.free(first)
     pool.reset_prefix_cache()
     assert kv.start(FakeRequest(list(range(9)))) == 0
+
+
+def test_freeing_a_request_that_never_started_is_a_no_op():
+    pool = BlockPool(4, 4)
+    KVCacheManager(pool).free(FakeRequest([1, 2, 3]))  # prefix_keys still None: never admitted
+    assert pool.num_free == 4
