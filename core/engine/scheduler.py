@@ -84,7 +84,8 @@ class Scheduler:
             budget -= 1 + room
 
         for request in list(self.running):  # 2. prefills of running requests, in chunks
-            if id(request) in scheduled or request not in self.running or budget < 1:
+            if request.num_uncomputed == 1 or id(request) in scheduled or request not in self.running \
+                    or budget < 1:
                 continue
             # At least one more position: without it, requests that hold partial prefills
             # could wait for each other's blocks forever.
