@@ -303,7 +303,7 @@ class Engine:
         the decoding requests (prefill chunks need none)."""
         decodes = plan.decodes
         width = drafts.width
-        pieces, query_lens, context_lens, tables = [], [], [], []
+        pieces = []
         for b, request in enumerate(decodes):
             pieces.append(request.tokens[request.context_len: request.num_tokens])
             pieces.append(drafts.token_ids[b, : drafts.lengths[b]])

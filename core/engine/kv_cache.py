@@ -121,15 +121,19 @@ class KVCacheManager:
         """How many more blocks ``request`` needs to hold ``num_positions`` positions."""
         return max(0, -(-num_positions // self.block_size) - len(request.block_table))
 
+    def _prefix_keys(self, request) -> list[bytes]:
+        """The keys of ``request``'s shareable prompt blocks, computed once per request."""
+        if request.prefix_keys is None:
+            shareable = (request.num_prompt_tokens - 1) // self.block_size
+            request.prefix_keys = block_keys(request.tokens, self.block_size, shareable)
+        return request.prefix_keys
+
     def must_wait(self, request) -> bool:
         """True when another running request is computing the first prompt block of
         ``request`` that is not cached yet: admitting it now would compute that block twice."""
         if not self.pool.enable_prefix_caching:
             return False
-        if getattr(request, "prefix_keys", None) is None:
-            shareable = (request.num_prompt_tokens - 1) // self.block_size
-            request.prefix_keys = block_keys(request.tokens, self.block_size, shareable)
-        for key in request.prefix_keys:
+        for key in self._prefix_keys(request):
             if self.pool.is_cached(key):
                 continue
             return key in self._claims
@@ -144,10 +148,7 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             request.prefix_keys = []
             return 0
-        if getattr(request, "prefix_keys", None) is None:
-            shareable = (request.num_prompt_tokens - 1) // self.block_size
-            request.prefix_keys = block_keys(request.tokens, self.block_size, shareable)
-        for key in request.prefix_keys:
+        for key in self._prefix_keys(request):
             block = self.pool.take_cached(key)
             if block is None:
                 break
