@@ -43,27 +43,12 @@ class PaddleLinear:
         return self.paddle.nn.functional.swiglu(self.rms_matmul(x, weight))
 
 
-#: From this many rows on, the CPU path multiplies with numpy's BLAS (float32 weights): a
-#: tuned GEMM is 1.5x (16-32 rows) to 2.5x (prefill chunks) faster than the panel kernel there,
-#: while the panel kernel, which streams half-size weights once, wins for the few rows of
-#: small-batch decoding. Measured on the 2-core AVX2 machines: docs/benchmarks.md.
-GEMM_MIN_ROWS = 16
-
-
-class PackedWeight:
-    """A weight in both layouts of the CPU path: 16-column panels for the kernels, and a plain
-    float32 ``[in, out]`` matrix for the BLAS path (``gate_up``: gate columns, then up)."""
-
-    __slots__ = ("panels", "dense")
-
-    def __init__(self, panels, dense: np.ndarray):
-        self.panels, self.dense = panels, dense
-
-
 class CpuKernelLinear:
     """Weights in 16-column panels streamed once per call by the CPU kernels, stored as
     float16 (half the memory traffic) or float32, with norm, residual add and SwiGLU fused
-    into the matmul; calls of ``GEMM_MIN_ROWS`` rows or more go through numpy's BLAS."""
+    into the matmul. The same kernel serves every row count: it multiplies 6 rows at a time
+    per panel, near the AVX2 peak from 4 rows on, and beat numpy's BLAS (over float32 copies
+    of the weights) from decode batches to prefill chunks when measured (docs/models.md)."""
 
     name = "cpu"
 
@@ -73,44 +58,26 @@ class CpuKernelLinear:
         self.ops = ops
         self.weight_dtype = np.float16 if weight_dtype == "float16" else np.float32
 
-    def pack(self, weight_in_out: np.ndarray) -> PackedWeight:
+    def pack(self, weight_in_out: np.ndarray):
         from specdec.kernels.cpu.reference import pack_panels
 
         if weight_in_out.shape[1] % 16:
             raise ValueError("the CPU kernels need output widths that are multiples of 16")
-        panels = self.paddle.to_tensor(pack_panels(weight_in_out, self.weight_dtype))
-        return PackedWeight(panels, self._dense(weight_in_out))
+        return self.paddle.to_tensor(pack_panels(weight_in_out, self.weight_dtype))
 
-    def pack_gate_up(self, gate_in_out: np.ndarray, up_in_out: np.ndarray) -> PackedWeight:
+    def pack_gate_up(self, gate_in_out: np.ndarray, up_in_out: np.ndarray):
         from specdec.kernels.cpu.reference import pack_gate_up_panels
 
-        panels = self.paddle.to_tensor(pack_gate_up_panels(gate_in_out, up_in_out, self.weight_dtype))
-        return PackedWeight(panels, self._dense(np.concatenate([gate_in_out, up_in_out], axis=1)))
-
-    def _dense(self, weight_in_out: np.ndarray) -> np.ndarray:
-        # The same values the panels hold (rounded to float16 when they are float16).
-        return np.ascontiguousarray(weight_in_out.astype(self.weight_dtype), dtype=np.float32)
+        return self.paddle.to_tensor(pack_gate_up_panels(gate_in_out, up_in_out, self.weight_dtype))
 
     def rms_norm(self, x):
         return self.ops.specdec_rms_norm(x, self.eps)
 
-    def rms_matmul(self, x, weight: PackedWeight):
-        if x.shape[0] < GEMM_MIN_ROWS:
-            return self.ops.specdec_rms_matmul(x, weight.panels, self.eps)
-        return self.paddle.to_tensor(self.rms_norm(x).numpy() @ weight.dense)
+    def rms_matmul(self, x, weight):
+        return self.ops.specdec_rms_matmul(x, weight, self.eps)
 
-    def matmul_add(self, x, weight: PackedWeight, residual):
-        if x.shape[0] < GEMM_MIN_ROWS:
-            return self.ops.specdec_matmul_add(x, weight.panels, residual)
-        out = x.numpy() @ weight.dense
-        out += residual.numpy()
-        return self.paddle.to_tensor(out)
+    def matmul_add(self, x, weight, residual):
+        return self.ops.specdec_matmul_add(x, weight, residual)
 
-    def rms_matmul_swiglu(self, x, weight: PackedWeight):
-        if x.shape[0] < GEMM_MIN_ROWS:
-            return self.ops.specdec_rms_matmul_swiglu(x, weight.panels, self.eps)
-        both = self.rms_norm(x).numpy() @ weight.dense
-        inner = both.shape[1] // 2
-        gate, up = both[:, :inner], both[:, inner:]
-        with np.errstate(over="ignore"):  # exp(-gate) may overflow to inf: silu is then -0
-            return self.paddle.to_tensor(gate / (1.0 + np.exp(-gate)) * up)
+    def rms_matmul_swiglu(self, x, weight):
+        return self.ops.specdec_rms_matmul_swiglu(x, weight, self.eps)

@@ -166,18 +166,21 @@ template <int MB, Epilogue E, typename W>
 inline void panel_rows(const float* x, int64_t K, const W* panel, float* out, int64_t ld_out,
                        const float* residual) {
   __m256 acc0[MB], acc1[MB];
+#pragma GCC unroll 6
   for (int m = 0; m < MB; ++m) { acc0[m] = _mm256_setzero_ps(); acc1[m] = _mm256_setzero_ps(); }
   for (int64_t k = 0; k < K; ++k) {
     // Software prefetch ~2 KB ahead: the hardware prefetcher stops at page boundaries.
     if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 64) * kPanel), _MM_HINT_T0);
     const __m256 w0 = load8(panel + k * kPanel);
     const __m256 w1 = load8(panel + k * kPanel + 8);
+#pragma GCC unroll 6  // without it GCC keeps acc0/acc1 in memory for MB >= 4 (2.7x slower)
     for (int m = 0; m < MB; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
       acc0[m] = _mm256_fmadd_ps(xb, w0, acc0[m]);
       acc1[m] = _mm256_fmadd_ps(xb, w1, acc1[m]);
     }
   }
+#pragma GCC unroll 6
   for (int m = 0; m < MB; ++m) {
     float* o = out + m * ld_out;
     if constexpr (E == Epilogue::kSwiglu) {
@@ -204,12 +207,17 @@ void skinny_matmul_impl(const float* x, int64_t M, int64_t K, const W* w, int64_
   WorkPool::get().parallel_for(chunks, [&](int64_t chunk) {
   for (int64_t p = chunk * per_chunk; p < std::min(panels, (chunk + 1) * per_chunk); ++p) {
     const W* panel = w + p * K * kPanel;
-    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+    // Row tiles of at most 6, as even as possible (8 rows: 4 + 4, not 6 + 2: a tile of few
+    // rows spends most of its time loading the panel).
+    const int64_t tiles = (M + 5) / 6;
+    for (int64_t tile = 0, m0 = 0; tile < tiles; ++tile) {
+      const int64_t tile_rows = (M - m0) / (tiles - tile) + ((M - m0) % (tiles - tile) != 0);
       const float* xr = x + m0 * K;
       const int64_t offset = m0 * ld_out + p * cols;
       float* o = out + offset;
       const float* r = residual ? residual + offset : nullptr;
-      switch (std::min<int64_t>(6, M - m0)) {
+      m0 += tile_rows;
+      switch (tile_rows) {
         case 1: panel_rows<1, E>(xr, K, panel, o, ld_out, r); break;
         case 2: panel_rows<2, E>(xr, K, panel, o, ld_out, r); break;
         case 3: panel_rows<3, E>(xr, K, panel, o, ld_out, r); break;
@@ -329,6 +337,109 @@ struct PagedCache {
   }
 };
 
+constexpr int kQueryBlock = 6;  // queries per attention work item: 12 accumulators over 2 key tiles
+
+// scores[i * tiles * 8 + j] = q_i . key_j for the n queries and every position of `tiles` key
+// tiles (8 positions each, transposed: element d of position j at tile[d * 8 + j % 8]).
+template <int N>
+void block_scores(const float* const* queries, const float* const* tiles, int64_t num_tiles, int64_t D,
+                  float* scores) {
+  const int64_t ld = num_tiles * 8;
+  int64_t i = 0;
+  for (; i + 2 <= num_tiles; i += 2) {
+    __m256 a0[N], a1[N];
+#pragma GCC unroll 6
+    for (int m = 0; m < N; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); }
+    const float *t0 = tiles[i], *t1 = tiles[i + 1];
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(t0 + d * 8), k1 = _mm256_loadu_ps(t1 + d * 8);
+#pragma GCC unroll 6
+      for (int m = 0; m < N; ++m) {
+        const __m256 qd = _mm256_broadcast_ss(queries[m] + d);
+        a0[m] = _mm256_fmadd_ps(qd, k0, a0[m]);
+        a1[m] = _mm256_fmadd_ps(qd, k1, a1[m]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < N; ++m) {
+      _mm256_storeu_ps(scores + m * ld + 8 * i, a0[m]);
+      _mm256_storeu_ps(scores + m * ld + 8 * i + 8, a1[m]);
+    }
+  }
+  if (i < num_tiles) {
+    __m256 a0[N];
+#pragma GCC unroll 6
+    for (int m = 0; m < N; ++m) a0[m] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(tiles[i] + d * 8);
+#pragma GCC unroll 6
+      for (int m = 0; m < N; ++m) a0[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(queries[m] + d), k0, a0[m]);
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < N; ++m) _mm256_storeu_ps(scores + m * ld + 8 * i, a0[m]);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[0:D] = softmax(sc[0:visible]) @ values of positions 0 .. visible-1 (sc is overwritten).
+void attend_values(float* sc, int64_t visible, const PagedCache& kv, const int32_t* table, int64_t kvh,
+                   int64_t D, float* out) {
+  const int64_t bs = kv.block_size;
+  float best = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) best = std::max(best, sc[j]);
+  const __m256 vbest = _mm256_set1_ps(best);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= visible; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vbest));
+    _mm256_storeu_ps(sc + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = hsum8(sum8);
+  for (; j < visible; ++j) {
+    sc[j] = std::exp(sc[j] - best);
+    total += sc[j];
+  }
+  const float inv = 1.f / total;
+  if (D == 64) {  // the common head size: eight accumulators that stay in registers
+    __m256 r8[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) r8[k] = _mm256_setzero_ps();
+    for (int64_t start = 0; start < visible; start += bs) {
+      const float* page = kv.value_page(table[start / bs], kvh);
+      const int64_t stop = std::min(visible, start + bs);
+      for (int64_t jj = start; jj < stop; ++jj) {
+        const __m256 pj = _mm256_set1_ps(sc[jj]);
+        const float* v = page + (jj - start) * 64;
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) r8[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * k), r8[k]);
+      }
+    }
+    const __m256 vinv = _mm256_set1_ps(inv);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(r8[k], vinv));
+    return;
+  }
+  std::fill(out, out + D, 0.f);
+  for (int64_t start = 0; start < visible; start += bs) {
+    const float* page = kv.value_page(table[start / bs], kvh);
+    const int64_t stop = std::min(visible, start + bs);
+    for (int64_t jj = start; jj < stop; ++jj) {
+      const __m256 pj = _mm256_set1_ps(sc[jj]);
+      const float* v = page + (jj - start) * D;
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
                                            const paddle::Tensor& cos, const paddle::Tensor& sin,
                                            const paddle::Tensor& block_tables, const paddle::Tensor& cu_seqlens_q,
@@ -386,90 +497,43 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
 
   auto out = paddle::empty({T, heads * D}, paddle::DataType::FLOAT32, qkv.place());
   float* op = out.data<float>();
-  // One work item per (request, head): each row's scores, softmax and value sum in turn.
-  WorkPool::get().parallel_for(B * heads, [&](int64_t item) {
-    const int64_t b = item / heads, h = item % heads;
-    const int64_t kvh = h / group;
-    const int32_t* table = tables + b * max_blocks;
+  // The queries of one request and one KV head (its rows x the `group` heads that share the
+  // head, row-major) go in blocks of up to kQueryBlock: a work item is one block. Its scores
+  // come out of one pass over the key tiles, so keys are read once per block (not once per
+  // query head) and every loaded tile feeds several FMAs.
+  std::vector<int64_t> first_item(B + 1, 0);  // items of request b: [first_item[b], first_item[b+1])
+  for (int64_t b = 0; b < B; ++b)
+    first_item[b + 1] = first_item[b] + kv_heads * (((cu[b + 1] - cu[b]) * group + kQueryBlock - 1) / kQueryBlock);
+  WorkPool::get().parallel_for(first_item[B], [&](int64_t item) {
+    const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
     const int64_t rows = cu[b + 1] - cu[b];
-    const int64_t span = (ctx[b] + rows + 7) / 8 * 8;  // positions any row can see, padded to tiles
-    std::vector<float> sc(span), acc(D);
-    std::vector<const float*> tiles(span / 8);
-    for (int64_t j = 0; j < span; j += 8) tiles[j / 8] = kv.key_tile(table[j / bs], kvh, j);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t t = cu[b] + r;
-      const float* qv = q.data() + (t * heads + h) * D;
-      const int64_t visible = ctx[b] + r + 1;
-      const int64_t tiles_seen = (visible + 7) / 8;
-      // Scores against 4 tiles of 8 positions at a time (4 independent FMA chains).
-      int64_t i = 0;
-      for (; i + 4 <= tiles_seen; i += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        const float *t0 = tiles[i], *t1 = tiles[i + 1], *t2 = tiles[i + 2], *t3 = tiles[i + 3];
-        for (int64_t d = 0; d < D; ++d) {
-          const __m256 qd = _mm256_broadcast_ss(qv + d);
-          a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(t0 + d * 8), a0);
-          a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(t1 + d * 8), a1);
-          a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(t2 + d * 8), a2);
-          a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(t3 + d * 8), a3);
-        }
-        _mm256_storeu_ps(sc.data() + 8 * i, a0);
-        _mm256_storeu_ps(sc.data() + 8 * i + 8, a1);
-        _mm256_storeu_ps(sc.data() + 8 * i + 16, a2);
-        _mm256_storeu_ps(sc.data() + 8 * i + 24, a3);
-      }
-      for (; i < tiles_seen; ++i) {
-        __m256 a0 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; ++d)
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qv + d), _mm256_loadu_ps(tiles[i] + d * 8), a0);
-        _mm256_storeu_ps(sc.data() + 8 * i, a0);
-      }
-      float best = -INFINITY;
-      for (int64_t j = 0; j < visible; ++j) best = std::max(best, sc[j]);
-      const __m256 vbest = _mm256_set1_ps(best);
-      float total = 0.f;
-      int64_t j = 0;
-      for (; j + 8 <= visible; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.data() + j), vbest));
-        _mm256_storeu_ps(sc.data() + j, e);
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, e);
-        for (int l = 0; l < 8; ++l) total += lanes[l];
-      }
-      for (; j < visible; ++j) {
-        sc[j] = std::exp(sc[j] - best);
-        total += sc[j];
-      }
-      // Value sum, one block page at a time.
-      if (D == 64) {  // the common head size: eight accumulators that stay in registers
-        __m256 r8[8];
-        for (int k = 0; k < 8; ++k) r8[k] = _mm256_setzero_ps();
-        for (int64_t start = 0; start < visible; start += bs) {
-          const float* page = kv.value_page(table[start / bs], kvh);
-          const int64_t stop = std::min(visible, start + bs);
-          for (int64_t jj = start; jj < stop; ++jj) {
-            const __m256 pj = _mm256_set1_ps(sc[jj]);
-            const float* v = page + (jj - start) * 64;
-            for (int k = 0; k < 8; ++k) r8[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * k), r8[k]);
-          }
-        }
-        for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc.data() + 8 * k, r8[k]);
-      } else {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t start = 0; start < visible; start += bs) {
-          const float* page = kv.value_page(table[start / bs], kvh);
-          const int64_t stop = std::min(visible, start + bs);
-          for (int64_t jj = start; jj < stop; ++jj) {
-            const __m256 pj = _mm256_set1_ps(sc[jj]);
-            const float* v = page + (jj - start) * D;
-            for (int64_t d = 0; d < D; d += 8)
-              _mm256_storeu_ps(acc.data() + d, _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc.data() + d)));
-          }
-        }
-      }
-      float* o = op + t * heads * D + h * D;
-      const float inv = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    const int64_t blocks_per_head = (rows * group + kQueryBlock - 1) / kQueryBlock;
+    const int64_t kvh = (item - first_item[b]) / blocks_per_head;
+    const int64_t q0 = (item - first_item[b]) % blocks_per_head * kQueryBlock;  // first query of the block
+    const int64_t n = std::min<int64_t>(kQueryBlock, rows * group - q0);
+    const int32_t* table = tables + b * max_blocks;
+    const int64_t last_row = (q0 + n - 1) / group;
+    const int64_t tiles_seen = (ctx[b] + last_row + 1 + 7) / 8;  // every position the block can see
+    std::vector<const float*> tiles(tiles_seen);
+    for (int64_t i = 0; i < tiles_seen; ++i) tiles[i] = kv.key_tile(table[i * 8 / bs], kvh, i * 8);
+    const float* queries[kQueryBlock];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = cu[b] + (q0 + i) / group, h = kvh * group + (q0 + i) % group;
+      queries[i] = q.data() + (t * heads + h) * D;
+    }
+    std::vector<float> scores(kQueryBlock * tiles_seen * 8);
+    switch (n) {
+      case 1: block_scores<1>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
+      case 2: block_scores<2>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
+      case 3: block_scores<3>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
+      case 4: block_scores<4>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
+      case 5: block_scores<5>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
+      default: block_scores<6>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = (q0 + i) / group, h = kvh * group + (q0 + i) % group;
+      float* o = op + (cu[b] + r) * heads * D + h * D;
+      attend_values(scores.data() + i * tiles_seen * 8, ctx[b] + r + 1, kv, table, kvh, D, o);
     }
   });
   return {out};

@@ -1,10 +1,10 @@
 """Continuous batching on the real default model: batch invariance, 256 requests at once,
 preemption, prefix sharing, chunked prefill, per-request settings inside one batch.
 
-Outputs are compared token for token. A row's value depends on the batch only through float
-rounding (calls of 16 rows or more use BLAS, fewer the panel kernel; attention is per request),
-so batching, chunking and recomputation after preemption must not change a greedy token except
-at a near-tie of the top two logits, which the comparison reports as such.
+Outputs are compared token for token. With the CPU kernels a row's value does not depend on
+its neighbours in the batch (the matmul accumulates every row in the same order, attention
+computes each query row on its own); the comparison still reports a near-tie of the top two
+logits as one, since another backend may round differently.
 """
 
 from __future__ import annotations

@@ -231,15 +231,13 @@ def test_small_model_matches_reference(tied, bias, path):
     check_against_reference(model, config, weights, sequence, prefill=12, vocab_junk=17)
 
 
-def test_cpu_path_with_blas_rows_matches_reference():
-    """Calls of GEMM_MIN_ROWS rows or more take the BLAS branch of the CPU path."""
-    from specdec.model.linear import GEMM_MIN_ROWS
-
+def test_cpu_path_with_many_rows_matches_reference():
+    """A prefill of several 6-row tiles plus a remainder (23 rows), then 1-row steps."""
     config = small_config(tied=False, bias=True)
     weights = random_weights(config, seed=5)
     model = _cpu_kernel_model(config, weights)
-    sequence = np.random.default_rng(9).integers(0, config.vocab_size, size=GEMM_MIN_ROWS + 10)
-    check_against_reference(model, config, weights, sequence, prefill=GEMM_MIN_ROWS + 2, vocab_junk=17)
+    sequence = np.random.default_rng(9).integers(0, config.vocab_size, size=33)
+    check_against_reference(model, config, weights, sequence, prefill=23, vocab_junk=17)
 
 
 def test_small_model_logits_are_not_trivial():
