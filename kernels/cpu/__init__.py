@@ -32,6 +32,11 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels are cached: ``$SPECDEC_KERNEL_CACHE``, else ~/.cache/specdec/kernels."""
+    return Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
+
+
 @functools.lru_cache(maxsize=1)
 def load_cpu_ops():
     """Compile (once per source version) and load the CPU operators."""
@@ -48,8 +53,7 @@ def load_cpu_ops():
 
     # One build folder per source version: checkouts with different kernels never share a build.
     version = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    build_root = Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
-    build_dir = build_root / version
+    build_dir = kernel_cache_dir() / version
     build_dir.mkdir(parents=True, exist_ok=True)
     saved_warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache

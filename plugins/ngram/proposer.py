@@ -130,15 +130,28 @@ class NgramIndex:
         return []
 
 
+def _compiled_indexes(config: NgramConfig):
+    """The compiled indexes (``specdec.kernels.cpu.ngram``), or ``None`` without a compiler."""
+    from specdec.kernels.cpu import KernelUnavailable
+    from specdec.kernels.cpu.ngram import CompiledNgramIndexes
+
+    try:
+        return CompiledNgramIndexes(config.min_ngram_size, config.max_ngram_size)
+    except KernelUnavailable:
+        return None
+
+
 class NgramProposer(specdec.Proposer):
-    """Drafts with :class:`NgramIndex` per request (same result as :func:`find_ngram_draft`,
-    which stays as its reference twin)."""
+    """Drafts from a per-request n-gram index: the compiled one when the C++ compiler is there
+    (one call per step for the whole batch), else :class:`NgramIndex`. Both give the drafts
+    of :func:`find_ngram_draft`, the reference twin."""
 
     NAME = "ngram"
     Config = NgramConfig
 
     def __init__(self, config: NgramConfig | None = None, spec_config=None):
         super().__init__(config or NgramConfig(), spec_config)
+        self._compiled = _compiled_indexes(self.config)
         self._indexes: dict[str, NgramIndex] = {}
 
     def _index(self, request_id: str) -> NgramIndex:
@@ -148,18 +161,25 @@ class NgramProposer(specdec.Proposer):
         return index
 
     def on_request_start(self, request: specdec.ProposalRequest) -> None:
-        self._index(request.request_id).extend(request.token_ids)
+        # Index the prompt now (during the request's prefill), not in its first decode step.
+        if self._compiled is not None:
+            self._compiled.draft_batch([attrs.evolve(request, max_draft_len=0)])
+        else:
+            self._index(request.request_id).extend(request.token_ids)
 
     def propose(self, batch: specdec.ProposalBatch) -> specdec.Drafts:
+        requests = batch.requests
+        if self._compiled is not None:
+            token_ids, lengths = self._compiled.draft_batch(requests)
+            return specdec.Drafts(token_ids=token_ids, lengths=lengths)
         drafts = []
-        indexes = self._indexes
-        for request in batch.requests:
-            index = indexes.get(request.request_id)
-            if index is None:
-                index = self._index(request.request_id)
+        for request in requests:
+            index = self._index(request.request_id)
             index.extend(request.token_ids)
             drafts.append(index.draft(request.max_draft_len))
         return specdec.Drafts.from_lists(drafts)
 
     def on_request_finish(self, request_id: str) -> None:
+        if self._compiled is not None:
+            self._compiled.finish(request_id)
         self._indexes.pop(request_id, None)

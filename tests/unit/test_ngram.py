@@ -126,3 +126,44 @@ def test_proposer_state_is_freed_when_a_request_finishes():
     assert proposer.propose(specdec.ProposalBatch([request])).to_lists() == [[3, 1, 2]]
     proposer.on_request_finish("a")
     assert proposer._indexes == {}
+    assert proposer._compiled is None or len(proposer._compiled) == 0
+
+
+def test_compiled_index_equals_the_reference_search():
+    """The compiled index (what the proposer runs where a C++ compiler exists) against
+    ``find_ngram_draft``, for a batch of requests growing at different paces, with
+    non-int64 and non-contiguous token arrays, long n-grams and repeated ids."""
+    from specdec.kernels.cpu.ngram import CompiledNgramIndexes
+
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        max_n = int(rng.integers(1, 10))
+        min_n = int(rng.integers(1, max_n + 1))
+        indexes = CompiledNgramIndexes(min_n, max_n)
+        streams = [rng.integers(0, int(rng.integers(2, 12)), int(rng.integers(1, 400))) for _ in range(6)]
+        ends = [0] * len(streams)
+        while any(end < len(s) for end, s in zip(ends, streams)):
+            live = [i for i, s in enumerate(streams) if ends[i] < len(s)]
+            for i in live:
+                ends[i] = min(len(streams[i]), ends[i] + int(rng.integers(1, 80 if rng.random() < 0.2 else 4)))
+            arrays = [streams[i][: ends[i]] for i in live]
+            arrays[0] = arrays[0].astype(np.int32)  # converted on the way in
+            if len(arrays) > 1:
+                arrays[1] = np.repeat(arrays[1], 2)[::2]  # a strided view
+            max_lens = rng.integers(0, 7, len(live))
+            drafts, lengths = indexes.draft_batch([
+                specdec.ProposalRequest(f"r{i}", tokens, 0, int(k)) for i, tokens, k in zip(live, arrays, max_lens)])
+            for row, i in enumerate(live):
+                want = find_ngram_draft(streams[i][: ends[i]], int(max_lens[row]), max_n, min_n).tolist()
+                assert drafts[row, : lengths[row]].tolist() == want
+                assert (drafts[row, lengths[row]:] == -1).all()
+            assert drafts.shape[1] == (lengths.max() if len(live) else 0)
+        indexes.close()
+        assert len(indexes) == 0
+
+
+def test_compiled_index_rejects_bad_sizes():
+    from specdec.kernels.cpu.ngram import CompiledNgramIndexes
+
+    with pytest.raises(ValueError, match="bad ngram sizes"):
+        CompiledNgramIndexes(3, 2).draft_batch([specdec.ProposalRequest("a", np.arange(5), 5, 2)])

@@ -1,0 +1,127 @@
+"""The ngram proposer's index, compiled (``ngram_index.cc``), loaded with ctypes.
+
+``load_ngram_library()`` builds the C++ source with the system compiler once per source
+version (cached next to the paddle kernels) and returns the library, or raises
+:class:`~specdec.kernels.cpu.KernelUnavailable` with the reason. :class:`CompiledNgramIndexes`
+holds one index per request and drafts for a whole batch in one call; the Python
+``NgramIndex`` of the ngram plugin is its reference twin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from . import KernelUnavailable, kernel_cache_dir
+
+SOURCE = Path(__file__).with_name("ngram_index.cc")
+_INT64_P = ctypes.POINTER(ctypes.c_int64)
+
+
+@functools.lru_cache(maxsize=1)
+def load_ngram_library() -> ctypes.CDLL:
+    """Compile (once per source version) and load the index library."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX)")
+    version = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    target = kernel_cache_dir() / version / "specdec_ngram_index.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: concurrent builds never load a half-written file.
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            result = subprocess.run([compiler, "-O2", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(built)],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                first = (result.stderr.strip().splitlines() or ["(no output)"])[0]
+                raise KernelUnavailable(f"building the ngram index failed: {first}")
+            os.replace(built, target)
+    lib = ctypes.CDLL(str(target))
+    lib.specdec_ngram_new.restype = ctypes.c_void_p
+    lib.specdec_ngram_new.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.specdec_ngram_free.restype = None
+    lib.specdec_ngram_free.argtypes = [ctypes.c_void_p]
+    lib.specdec_ngram_propose.restype = None
+    lib.specdec_ngram_propose.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+class CompiledNgramIndexes:
+    """One compiled index per request (``min_n``..``max_n``-grams), and batched drafting.
+
+    ``draft_batch`` takes each request's whole token array (prompt, then generated tokens;
+    they only ever grow) and returns the same drafts as the Python ``NgramIndex``: the tokens
+    that followed the most recent earlier occurrence of the longest matching suffix.
+    """
+
+    def __init__(self, min_n: int, max_n: int, lib: ctypes.CDLL | None = None):
+        self._lib = lib or load_ngram_library()
+        self.min_n, self.max_n = min_n, max_n
+        self._entries: dict[str, list[int]] = {}  # request id -> [handle, tokens indexed so far]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _entry(self, request_id: str) -> list[int]:
+        handle = self._lib.specdec_ngram_new(self.min_n, self.max_n)
+        if not handle:
+            raise ValueError(f"bad ngram sizes {self.min_n}..{self.max_n} (1 <= min <= max <= 64)")
+        entry = self._entries[request_id] = [handle, 0]
+        return entry
+
+    def draft_batch(self, requests: Sequence) -> tuple[np.ndarray, np.ndarray]:
+        """Catch each request's index up with its tokens and draft for it. ``requests`` are
+        :class:`specdec.ProposalRequest`-like (``request_id``, ``token_ids``,
+        ``max_draft_len``). Returns ``(token_ids [n, width], lengths [n])`` with ``width``
+        the longest draft; row i holds ``lengths[i]`` drafts, the rest is padding (-1)."""
+        count = len(requests)
+        entries = self._entries
+        handles, new_counts, pieces, max_lens = [], [], [], []
+        # Only the tokens each index has not seen cross over, in one flat array: asking numpy
+        # for 256 arrays' addresses would cost more than the whole lookup.
+        for request in requests:
+            entry = entries.get(request.request_id) or self._entry(request.request_id)
+            piece = request.token_ids[entry[1]:]
+            entry[1] += len(piece)
+            handles.append(entry[0])
+            new_counts.append(len(piece))
+            pieces.append(piece)
+            max_lens.append(request.max_draft_len)
+        flat = np.concatenate(pieces, dtype=np.int64) if count else np.zeros(0, np.int64)
+        handles = np.array(handles, dtype=np.uintp)
+        new_counts = np.array(new_counts, dtype=np.int64)
+        max_lens = np.array(max_lens, dtype=np.int64)
+        width = int(max_lens.max()) if count else 0
+        out = np.full((count, width), -1, dtype=np.int64)
+        out_lens = np.zeros(count, dtype=np.int64)
+        self._lib.specdec_ngram_propose(count, handles.ctypes.data, flat.ctypes.data, new_counts.ctypes.data,
+                                        max_lens.ctypes.data, width, out.ctypes.data, out_lens.ctypes.data)
+        longest = int(out_lens.max()) if count else 0
+        return out[:, :longest], out_lens
+
+    def finish(self, request_id: str) -> None:
+        """Free a request's index (a no-op for an unknown id)."""
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self._lib.specdec_ngram_free(entry[0])
+
+    def close(self) -> None:
+        for request_id in list(self._entries):
+            self.finish(request_id)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
