@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--index", choices=("compiled", "python"), default="compiled",
+                        help="the compiled index (default where a C++ compiler exists) or the Python one")
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
@@ -46,6 +48,10 @@ def main() -> None:
     buffers = [np.concatenate([c, np.zeros(4 * args.steps, np.int64)]) for c in base]
     lengths = [args.context] * args.batch
     proposer = NgramProposer(NgramConfig())
+    if args.index == "python":
+        proposer._compiled = None  # what the proposer falls back to without a compiler
+    elif proposer._compiled is None:
+        raise SystemExit("the compiled ngram index is not available here (no C++ compiler?)")
 
     def batch() -> specdec.ProposalBatch:
         return specdec.ProposalBatch([
@@ -71,7 +77,8 @@ def main() -> None:
         times.append(time.perf_counter() - started)
         drafted += int(drafts.lengths.sum())
     times_ms = np.array(times) * 1e3
-    print(f"ngram proposer, batch {args.batch}, {args.context}-token contexts, k={args.k}, {args.steps} steps")
+    print(f"ngram proposer ({args.index} index), batch {args.batch}, {args.context}-token contexts, k={args.k}, "
+          f"{args.steps} steps")
     print(f"{'per step ms (median)':>22} {'p90':>8} {'max':>8} {'per request us':>15} {'drafts/request':>15} "
           f"{'admit ms/request':>17}")
     print(f"{np.median(times_ms):22.2f} {np.percentile(times_ms, 90):8.2f} {times_ms.max():8.2f} "

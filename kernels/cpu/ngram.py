@@ -87,21 +87,20 @@ class CompiledNgramIndexes:
         the longest draft; row i holds ``lengths[i]`` drafts, the rest is padding (-1)."""
         count = len(requests)
         entries = self._entries
-        handles, new_counts, pieces, max_lens = [], [], [], []
+        handles, pieces = [], []
+        add_handle, add_piece = handles.append, pieces.append
         # Only the tokens each index has not seen cross over, in one flat array: asking numpy
         # for 256 arrays' addresses would cost more than the whole lookup.
         for request in requests:
             entry = entries.get(request.request_id) or self._entry(request.request_id)
             piece = request.token_ids[entry[1]:]
             entry[1] += len(piece)
-            handles.append(entry[0])
-            new_counts.append(len(piece))
-            pieces.append(piece)
-            max_lens.append(request.max_draft_len)
+            add_handle(entry[0])
+            add_piece(piece)
         flat = np.concatenate(pieces, dtype=np.int64) if count else np.zeros(0, np.int64)
         handles = np.array(handles, dtype=np.uintp)
-        new_counts = np.array(new_counts, dtype=np.int64)
-        max_lens = np.array(max_lens, dtype=np.int64)
+        new_counts = np.fromiter(map(len, pieces), dtype=np.int64, count=count)
+        max_lens = np.fromiter((r.max_draft_len for r in requests), dtype=np.int64, count=count)
         width = int(max_lens.max()) if count else 0
         out = np.full((count, width), -1, dtype=np.int64)
         out_lens = np.zeros(count, dtype=np.int64)
