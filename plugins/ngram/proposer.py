@@ -19,7 +19,7 @@ class NgramConfig:
     """
 
     max_ngram_size: int = attrs.field(default=4, validator=in_range(1, 64))
-    min_ngram_size: int = attrs.field(default=2, validator=in_range(1, 64))
+    min_ngram_size: int = attrs.field(default=1, validator=in_range(1, 64))
 
     def __attrs_post_init__(self):
         if self.min_ngram_size > self.max_ngram_size:
