@@ -40,13 +40,19 @@ def load_ngram_library() -> ctypes.CDLL:
         # Build beside the target and rename: concurrent builds never load a half-written file.
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            result = subprocess.run([compiler, "-O2", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(built)],
-                                    capture_output=True, text=True)
+            try:
+                result = subprocess.run([compiler, "-O2", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o",
+                                         str(built)], capture_output=True, text=True)
+            except OSError as exc:
+                raise KernelUnavailable(f"running the C++ compiler failed: {exc}") from exc
             if result.returncode != 0:
                 first = (result.stderr.strip().splitlines() or ["(no output)"])[0]
                 raise KernelUnavailable(f"building the ngram index failed: {first}")
             os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise KernelUnavailable(f"loading the ngram index failed: {exc}") from exc
     lib.specdec_ngram_new.restype = ctypes.c_void_p
     lib.specdec_ngram_new.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.specdec_ngram_free.restype = None

@@ -167,3 +167,25 @@ def test_compiled_index_rejects_bad_sizes():
 
     with pytest.raises(ValueError, match="bad ngram sizes"):
         CompiledNgramIndexes(3, 2).draft_batch([specdec.ProposalRequest("a", np.arange(5), 5, 2)])
+
+
+def test_proposer_drafts_the_same_with_either_index():
+    """The proposer's two paths (compiled index, and the Python fallback used without a C++
+    compiler) give the same drafts step after step, including the padded width."""
+    compiled = NgramProposer(NgramConfig(max_ngram_size=3, min_ngram_size=1))
+    fallback = NgramProposer(NgramConfig(max_ngram_size=3, min_ngram_size=1))
+    fallback._compiled = None
+    rng = np.random.default_rng(3)
+    streams = {f"r{i}": list(rng.integers(0, 6, 30)) for i in range(4)}
+    for proposer in (compiled, fallback):
+        for request_id, tokens in streams.items():
+            proposer.on_request_start(specdec.ProposalRequest(request_id, np.array(tokens), len(tokens), 0))
+    for _ in range(20):
+        for tokens in streams.values():
+            tokens.extend(rng.integers(0, 6, int(rng.integers(1, 4))).tolist())
+        batch = specdec.ProposalBatch([specdec.ProposalRequest(request_id, np.array(tokens), 30, int(rng.integers(0, 5)))
+                                       for request_id, tokens in streams.items()])
+        want, got = fallback.propose(batch), compiled.propose(batch)
+        assert got.to_lists() == want.to_lists()
+        assert got.token_ids.shape == want.token_ids.shape
+    assert compiled._compiled is not None  # the compiled path really ran
