@@ -32,9 +32,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def kernel_cache_dir() -> Path:
-    """Where compiled kernels are cached: ``$SPECDEC_KERNEL_CACHE``, else ~/.cache/specdec/kernels."""
-    return Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
+def build_dir_for(source: Path) -> Path:
+    """Where ``source`` is built: one folder per source version (its hash) under
+    ``$SPECDEC_KERNEL_CACHE``, else ~/.cache/specdec/kernels, so that checkouts with different
+    kernels never share a build."""
+    root = Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
+    return root / hashlib.sha256(source.read_bytes()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,9 +54,7 @@ def load_cpu_ops():
     import logging
     import warnings
 
-    # One build folder per source version: checkouts with different kernels never share a build.
-    version = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    build_dir = kernel_cache_dir() / version
+    build_dir = build_dir_for(SOURCE)
     build_dir.mkdir(parents=True, exist_ok=True)
     saved_warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache

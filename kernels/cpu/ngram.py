@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import KernelUnavailable, kernel_cache_dir
+from . import KernelUnavailable, build_dir_for
 
 SOURCE = Path(__file__).with_name("ngram_index.cc")
 _INT64_P = ctypes.POINTER(ctypes.c_int64)
@@ -33,8 +32,7 @@ def load_ngram_library() -> ctypes.CDLL:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set CXX)")
-    version = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    target = kernel_cache_dir() / version / "specdec_ngram_index.so"
+    target = build_dir_for(SOURCE) / "specdec_ngram_index.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: concurrent builds never load a half-written file.

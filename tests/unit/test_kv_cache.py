@@ -117,25 +117,25 @@ def test_grow_takes_nothing_when_the_pool_is_short():
     assert kv.grow(request, 12) and pool.num_free == 0
 
 
-def test_no_prefix_caching_shares_nothing():
-    pool = BlockPool(8, 4, enable_prefix_caching=False)
+def _computed_prefix(pool: BlockPool):
+    """A manager over ``pool`` holding one 9-token request with its 2 full blocks computed."""
     kv = KVCacheManager(pool)
     first = FakeRequest(list(range(9)))
     kv.start(first)
     kv.grow(first, 9)
     first.context_len = 8
     kv.register_computed(first)
+    return kv, first
+
+
+def test_no_prefix_caching_shares_nothing():
+    kv, _ = _computed_prefix(BlockPool(8, 4, enable_prefix_caching=False))
     assert kv.start(FakeRequest(list(range(9)))) == 0
 
 
 def test_reset_prefix_cache_forgets_every_prefix():
     pool = BlockPool(8, 4)
-    kv = KVCacheManager(pool)
-    first = FakeRequest(list(range(9)))
-    kv.start(first)
-    kv.grow(first, 9)
-    first.context_len = 8
-    kv.register_computed(first)
+    kv, first = _computed_prefix(pool)
     kv.free(first)
     pool.reset_prefix_cache()
     assert kv.start(FakeRequest(list(range(9)))) == 0
