@@ -1,13 +1,15 @@
 """Batched throughput: naive vs ngram at several batch sizes on code-edit prompts (greedy).
 
-    python benchmarks/bench_batch.py [--batches 1,8,32,64] [--max-tokens 128] [--k 5]
+    python benchmarks/bench_batch.py [--batches 1,8,32,64] [--max-tokens 128] [--k 5] [--repeats 1]
 
 For batch size B the engine gets B different code-edit prompts at once (``max_num_seqs`` B)
-and generates ``--max-tokens`` tokens for each (EOS ignored); the table shows the total
+and generates ``--max-tokens`` tokens for each (EOS ignored, so that every request is as long
+as every other; ``--stop-at-eos`` lets them end as a user's would); the table shows the total
 generated tokens per second over the whole run (prefill included) and over the decode steps
 alone, plus ngram's speedup over naive at the same batch size. At batch 1 it runs
-``--batch1-prompts`` prompts one after another. Every method's token ids are checked against
-naive's (greedy verification is lossless).
+``--batch1-prompts`` prompts one after another. With ``--repeats N`` the methods take turns N
+times and their times add up, so that this machine's slow spells hit them alike. Every
+method's token ids are checked against naive's (greedy verification is lossless).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("--batch1-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1, help="turns each method takes per batch size")
+    parser.add_argument("--stop-at-eos", action="store_true", help="let requests end at EOS")
     parser.add_argument("--extra", default=None, metavar="JSON", help='more methods as {"name": {config}}')
     args = parser.parse_args()
 
@@ -58,10 +62,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     llm = specdec.LLM(model=args.model, progress=False)
     all_prompts = code_edit_prompts(max(batches + [args.batch1_prompts]))
-    sampling = specdec.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    sampling = specdec.SamplingParams(max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     llm.generate(all_prompts[0], specdec.SamplingParams(max_tokens=8), use_chat_template=True)  # warm-up
 
-    print(f"model {args.model}, greedy, {args.max_tokens} new tokens per request, code-edit prompts, k={args.k}")
+    length = "at most" if args.stop_at_eos else "exactly"
+    print(f"model {args.model}, greedy, {length} {args.max_tokens} new tokens per request, code-edit prompts, "
+          f"k={args.k}, {args.repeats} turn(s) per method")
     header = (f"{'batch':>5} {'method':<8}{'requests':>9}{'tokens':>8}{'time s':>8}{'tok/s':>8}{'vs naive':>9}"
               f"{'decode tok/s':>13}{'vs naive':>9}{'accept len':>11}{'drafts/req/step':>16}{'same ids':>9}")
     print(header)
@@ -70,9 +76,14 @@ def main() -> None:
     for batch in batches:
         prompts = all_prompts[: args.batch1_prompts] if batch == 1 else all_prompts[:batch]
         reference = base = base_decode = None
-        for name, config in methods.items():
-            llm.set_speculative_config(config)
-            outputs, wall, decode = run(llm, prompts, sampling, batch)
+        runs = {name: ([], 0.0, 0.0) for name in methods}
+        for _ in range(args.repeats):
+            for name, config in methods.items():
+                llm.set_speculative_config(config)
+                outputs, wall, decode = run(llm, prompts, sampling, batch)
+                done, wall_sum, decode_sum = runs[name]
+                runs[name] = (done + outputs, wall_sum + wall, decode_sum + decode)
+        for name, (outputs, wall, decode) in runs.items():
             tokens = sum(o.num_generated_tokens for o in outputs)
             metrics = SpecMetrics.total(o.metrics for o in outputs)
             ids = [o.token_ids for o in outputs]

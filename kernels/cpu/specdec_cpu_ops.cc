@@ -387,10 +387,9 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// out[0:D] = softmax(sc[0:visible]) @ values of positions 0 .. visible-1 (sc is overwritten).
-void attend_values(float* sc, int64_t visible, const PagedCache& kv, const int32_t* table, int64_t kvh,
-                   int64_t D, float* out) {
-  const int64_t bs = kv.block_size;
+// Turns sc[0:visible] into softmax probabilities in place and zeroes sc[visible:padded_end], so
+// that a query can share a value pass with queries that see more positions.
+void softmax_row(float* sc, int64_t visible, int64_t padded_end) {
   float best = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) best = std::max(best, sc[j]);
   const __m256 vbest = _mm256_set1_ps(best);
@@ -406,38 +405,56 @@ void attend_values(float* sc, int64_t visible, const PagedCache& kv, const int32
     sc[j] = std::exp(sc[j] - best);
     total += sc[j];
   }
-  const float inv = 1.f / total;
-  if (D == 64) {  // the common head size: eight accumulators that stay in registers
-    __m256 r8[8];
+  const __m256 inv = _mm256_set1_ps(1.f / total);
+  for (j = 0; j + 8 <= visible; j += 8) _mm256_storeu_ps(sc + j, _mm256_mul_ps(_mm256_loadu_ps(sc + j), inv));
+  for (; j < visible; ++j) sc[j] /= total;
+  std::fill(sc + visible, sc + padded_end, 0.f);
+}
+
+// outs[m][c:c+8W] = sum_j probs[m * ld + j] * value_j[c:c+8W] for the N queries of a block, over
+// positions 0 .. visible-1 and the 8W columns from c. Each value row is read once for all N
+// queries (a query's own pass would read the head's whole value page again); N * W accumulators
+// stay in registers.
+template <int N, int W>
+void block_values_pass(const float* probs, int64_t ld, int64_t visible, const PagedCache& kv, const int32_t* table,
+                       int64_t kvh, int64_t c, float* const* outs) {
+  const int64_t bs = kv.block_size, D = kv.D;
+  __m256 acc[N][W];
+#pragma GCC unroll 6
+  for (int m = 0; m < N; ++m)
 #pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) r8[k] = _mm256_setzero_ps();
-    for (int64_t start = 0; start < visible; start += bs) {
-      const float* page = kv.value_page(table[start / bs], kvh);
-      const int64_t stop = std::min(visible, start + bs);
-      for (int64_t jj = start; jj < stop; ++jj) {
-        const __m256 pj = _mm256_set1_ps(sc[jj]);
-        const float* v = page + (jj - start) * 64;
+    for (int w = 0; w < W; ++w) acc[m][w] = _mm256_setzero_ps();
+  for (int64_t start = 0; start < visible; start += bs) {
+    const float* page = kv.value_page(table[start / bs], kvh) + c;
+    const int64_t stop = std::min(visible, start + bs);
+    for (int64_t j = start; j < stop; ++j) {
+      const float* v = page + (j - start) * D;
+      __m256 vw[W];
 #pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) r8[k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * k), r8[k]);
+      for (int w = 0; w < W; ++w) vw[w] = _mm256_loadu_ps(v + 8 * w);
+#pragma GCC unroll 6
+      for (int m = 0; m < N; ++m) {
+        const __m256 p = _mm256_broadcast_ss(probs + m * ld + j);
+#pragma GCC unroll 8
+        for (int w = 0; w < W; ++w) acc[m][w] = _mm256_fmadd_ps(p, vw[w], acc[m][w]);
       }
     }
-    const __m256 vinv = _mm256_set1_ps(inv);
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < N; ++m)
 #pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(r8[k], vinv));
-    return;
-  }
-  std::fill(out, out + D, 0.f);
-  for (int64_t start = 0; start < visible; start += bs) {
-    const float* page = kv.value_page(table[start / bs], kvh);
-    const int64_t stop = std::min(visible, start + bs);
-    for (int64_t jj = start; jj < stop; ++jj) {
-      const __m256 pj = _mm256_set1_ps(sc[jj]);
-      const float* v = page + (jj - start) * D;
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
-    }
-  }
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(outs[m] + c + 8 * w, acc[m][w]);
+}
+
+// All D columns of block_values_pass: passes of 8W columns (W chosen so that N * W <= 12
+// accumulators), then 8-column passes for what is left of D.
+template <int N>
+void block_values(const float* probs, int64_t ld, int64_t visible, const PagedCache& kv, const int32_t* table,
+                  int64_t kvh, float* const* outs) {
+  constexpr int W = N == 1 ? 8 : (N <= 3 ? 4 : 2);
+  int64_t c = 0;
+  for (; c + 8 * W <= kv.D; c += 8 * W) block_values_pass<N, W>(probs, ld, visible, kv, table, kvh, c, outs);
+  for (; c < kv.D; c += 8) block_values_pass<N, 1>(probs, ld, visible, kv, table, kvh, c, outs);
 }
 
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
@@ -530,10 +547,22 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
       case 5: block_scores<5>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
       default: block_scores<6>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
     }
+    // Query i sees positions 0 .. ctx + its row; the block's pass runs to the last row's end.
+    const int64_t ld = tiles_seen * 8, block_visible = ctx[b] + last_row + 1;
+    float* outs[kQueryBlock];
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = (q0 + i) / group, h = kvh * group + (q0 + i) % group;
-      float* o = op + (cu[b] + r) * heads * D + h * D;
-      attend_values(scores.data() + i * tiles_seen * 8, ctx[b] + r + 1, kv, table, kvh, D, o);
+      outs[i] = op + (cu[b] + r) * heads * D + h * D;
+      softmax_row(scores.data() + i * ld, ctx[b] + r + 1, block_visible);
+    }
+    const float* probs = scores.data();
+    switch (n) {
+      case 1: block_values<1>(probs, ld, block_visible, kv, table, kvh, outs); break;
+      case 2: block_values<2>(probs, ld, block_visible, kv, table, kvh, outs); break;
+      case 3: block_values<3>(probs, ld, block_visible, kv, table, kvh, outs); break;
+      case 4: block_values<4>(probs, ld, block_visible, kv, table, kvh, outs); break;
+      case 5: block_values<5>(probs, ld, block_visible, kv, table, kvh, outs); break;
+      default: block_values<6>(probs, ld, block_visible, kv, table, kvh, outs); break;
     }
   });
   return {out};
