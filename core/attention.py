@@ -88,14 +88,17 @@ class AttentionBackend:
 
     def setup(self, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
               dtype: str, rope_cos, rope_sin) -> None:
-        """Remember the model's shape. ``rope_cos``/``rope_sin`` are ``[max_positions, D]``
-        float32 numpy tables: ``rope(x) = x * cos + roll(x, D/2) * sin`` (rotate-half RoPE,
-        the sign folded into ``sin``)."""
+        """Remember the model's shape. ``dtype`` is the cache's storage (``kv_cache_dtype``
+        resolved: ``float32`` or ``float16``); a backend that cannot keep it raises
+        :class:`specdec.errors.SpecdecError` naming ``kv_cache_dtype``. ``rope_cos``/``rope_sin``
+        are ``[max_positions, D]`` float32 numpy tables: ``rope(x) = x * cos + roll(x, D/2) * sin``
+        (rotate-half RoPE, the sign folded into ``sin``)."""
         raise NotImplementedError
 
     def bytes_per_block(self, block_size: int) -> int:
         """Cache memory one block of ``block_size`` positions takes over all layers (the
-        engine sizes the pool from a memory budget with it). Float32 keys and values."""
+        engine sizes the pool from a memory budget with it). This default counts float32 keys
+        and values; a backend that stores them otherwise overrides it."""
         return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * 4
 
     def init_cache(self, num_blocks: int, block_size: int) -> None:

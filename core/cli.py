@@ -35,13 +35,17 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-backend", default=None, help="auto (default), cpu or paddle")
     parser.add_argument("--kernels", default=None, help="auto (default), cpu (the CPU kernels) or paddle (reference)")
-    parser.add_argument("--dtype", default=None, help="weight storage: float32 (default) or float16")
+    parser.add_argument("--dtype", default=None,
+                        help="weight storage: auto (default: float16 with the CPU kernels), float32 or float16")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (batch size, default 256)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token rows per step (default 2048); longer prompts are prefilled in chunks")
     parser.add_argument("--block-size", type=int, default=None, help="positions per KV cache block (default 16)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from --kv-cache-memory-gb)")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget in GiB (default 4)")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="cached keys and values: auto (default: float16 with the cpu attention backend), "
+                             "float32 or float16")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="share the KV blocks of common prompt prefixes (default on)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")

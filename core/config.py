@@ -62,6 +62,7 @@ MAX_NUM_SEQS = 256
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 MTP_STRATEGIES = ("default", "with_ngram")
 KERNELS = ("auto", "cpu", "paddle")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 
 
 # --- values described the way users wrote them ------------------------------------------------
@@ -418,6 +419,9 @@ class EngineConfig:
     :ivar num_kv_blocks: blocks in the KV cache pool; ``None`` sizes the pool from
         ``kv_cache_memory_gb``.
     :ivar kv_cache_memory_gb: the KV cache budget in GiB when ``num_kv_blocks`` is not set.
+    :ivar kv_cache_dtype: how cached keys and values are stored: ``auto`` follows the weights
+        (``float16``) with the ``cpu`` attention backend and is ``float32`` with any other;
+        ``float16`` halves the cache's memory and the bytes attention reads per step.
     :ivar enable_prefix_caching: requests whose prompts share leading full blocks (a common
         system prompt) share those blocks instead of computing them again.
     :ivar speculative: the speculative config.
@@ -434,6 +438,7 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=[in_range(8, 1024), multiple_of(8)])
     num_kv_blocks: int | None = attrs.field(default=None, validator=in_range(1))
     kv_cache_memory_gb: float = attrs.field(default=4.0, validator=in_range(0.001))
+    kv_cache_dtype: str = attrs.field(default="auto", validator=one_of(*KV_CACHE_DTYPES))
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig = attrs.field(factory=SpeculativeConfig)
 
@@ -446,7 +451,7 @@ class EngineConfig:
 
 #: The engine keys of the YAML file (and of the matching CLI flags), in documentation order.
 ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "kernels", "dtype", "seed", "max_num_seqs",
-               "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
+               "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache_dtype",
                "enable_prefix_caching")
 
 

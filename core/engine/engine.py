@@ -37,6 +37,14 @@ def _on_gpu() -> bool:
     return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str, weight_dtype: str) -> str:
+    """The cache dtype ``kv_cache_dtype`` comes to: ``auto`` follows the weights with the
+    ``cpu`` backend (whose kernel reads either) and is float32 with any other."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return weight_dtype if backend == "cpu" else "float32"
+
+
 def resolve_kernels(config: EngineConfig) -> tuple[str, str]:
     """``(kernels, weight dtype)`` that ``config.kernels`` and ``config.dtype`` come to here:
     ``cpu`` when the CPU kernels build (and run on CPU tensors), else ``paddle``; ``auto`` dtype
@@ -98,9 +106,10 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.attention = attention_cls(None, config)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, backend, weight_dtype)
         self.model = LlamaModel(model_config, weights, self.attention,
                                 max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1,
-                                kernels=kernels, weight_dtype=weight_dtype)
+                                kernels=kernels, weight_dtype=weight_dtype, kv_cache_dtype=self.kv_cache_dtype)
         del weights
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or max(

@@ -51,7 +51,8 @@ class LlamaModel:
     """The decoder. Build it from HF-named float32 numpy weights and an attention backend."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], attention: AttentionBackend,
-                 max_positions: int | None = None, kernels: str = "paddle", weight_dtype: str = "float32"):
+                 max_positions: int | None = None, kernels: str = "paddle", weight_dtype: str = "float32",
+                 kv_cache_dtype: str = "float32"):
         paddle = require_paddle()
         self.paddle = paddle
         self.config = config
@@ -60,7 +61,7 @@ class LlamaModel:
         self.linear = make_linear(paddle, config, kernels, weight_dtype)
         cos, sin = rope_tables(config, self.max_positions)
         attention.setup(num_layers=config.num_layers, num_heads=config.num_heads,
-                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype="float32",
+                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=kv_cache_dtype,
                         rope_cos=cos, rope_sin=sin)
         self._load(weights)
 

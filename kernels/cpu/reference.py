@@ -41,10 +41,12 @@ def paged_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np
                     heads: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
     """Returns ``(out [T, heads*D], updated cache)``; the input cache is not modified.
 
-    ``cache`` is one layer, ``[num_blocks, 2*kv_heads, block_size, D]``: in each block the key
-    pages hold keys in transposed tiles of 8 positions (a page read as
-    ``[block_size/8, D, 8]``), the value pages hold values as ``[block_size, D]``.
+    ``cache`` is one layer, ``[num_blocks, 2*kv_heads, block_size, D]`` of float32 or float16:
+    in each block the key pages hold keys in transposed tiles of 8 positions (a page read as
+    ``[block_size/8, D, 8]``), the value pages hold values as ``[block_size, D]``. New keys and
+    values are rounded to the cache's dtype before anything reads them, as the kernel does.
     """
+    store = cache.dtype
     num_blocks, _, block_size, dim = cache.shape
     tiles = cache[:, :kv_heads].reshape(num_blocks, kv_heads, block_size // 8, dim, 8)
     keys = tiles.transpose(0, 1, 2, 4, 3).reshape(num_blocks, kv_heads, block_size, dim).astype(np.float64)
@@ -58,8 +60,8 @@ def paged_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np
         c, s = cos[positions][:, None, :], sin[positions][:, None, :]
         q = rope(rows[:, :heads], c, s)
         blocks, offsets = block_tables[b][positions // block_size], positions % block_size
-        keys[blocks, :, offsets] = rope(rows[:, heads:heads + kv_heads], c, s)
-        values[blocks, :, offsets] = rows[:, heads + kv_heads:]
+        keys[blocks, :, offsets] = rope(rows[:, heads:heads + kv_heads], c, s).astype(np.float32).astype(store)
+        values[blocks, :, offsets] = rows[:, heads + kv_heads:].astype(store)
         seen = np.arange(ctx + end - start)
         seen_blocks, seen_offsets = block_tables[b][seen // block_size], seen % block_size
         k_seq, v_seq = keys[seen_blocks, :, seen_offsets], values[seen_blocks, :, seen_offsets]  # [S, KVH, D]
@@ -71,7 +73,7 @@ def paged_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np
             out[start:end, h] = probs @ v_seq[:, h // group]
     tiles = keys.reshape(num_blocks, kv_heads, block_size // 8, 8, dim).transpose(0, 1, 2, 4, 3)
     updated = np.concatenate([tiles.reshape(num_blocks, kv_heads, block_size, dim), values], axis=1)
-    return out.reshape(qkv.shape[0], heads * dim).astype(np.float32), updated.astype(np.float32)
+    return out.reshape(qkv.shape[0], heads * dim).astype(np.float32), updated.astype(store)
 
 
 def pack_gate_up_panels(gate_in_out: np.ndarray, up_in_out: np.ndarray, dtype=np.float16) -> np.ndarray:

@@ -318,31 +318,35 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, float eps) {
   return {out};
 }
 
-// Paged cache of one layer: [num_blocks, 2*kv_heads, block_size, D]. In each block, the
-// kv_heads key pages are stored in transposed tiles of 8 positions ([block_size/8, D, 8]: the
-// scores of 8 positions come out of 8-wide FMAs over contiguous memory, no horizontal sums),
-// then the kv_heads value pages ([block_size, D]).
+// Paged cache of one layer: [num_blocks, 2*kv_heads, block_size, D] of T (float, or uint16_t
+// holding IEEE half floats). In each block, the kv_heads key pages are stored in transposed tiles
+// of 8 positions ([block_size/8, D, 8]: the scores of 8 positions come out of 8-wide FMAs over
+// contiguous memory, no horizontal sums), then the kv_heads value pages ([block_size, D]).
+template <typename T>
 struct PagedCache {
-  float* data;
+  T* data;
   int64_t kv_heads, block_size, D;
-  const float* key_tile(int32_t block, int64_t kvh, int64_t pos) const {  // pos: a multiple of 8
+  const T* key_tile(int32_t block, int64_t kvh, int64_t pos) const {  // pos: a multiple of 8
     return data + ((block * 2 * kv_heads + kvh) * block_size + (pos % block_size) / 8 * 8) * D;
   }
-  float* key_slot(int32_t block, int64_t kvh, int64_t pos) const {  // element d sits at [d * 8]
+  T* key_slot(int32_t block, int64_t kvh, int64_t pos) const {  // element d sits at [d * 8]
     const int64_t off = pos % block_size;
     return data + ((block * 2 * kv_heads + kvh) * block_size + off / 8 * 8) * D + off % 8;
   }
-  float* value_page(int32_t block, int64_t kvh) const {
+  T* value_page(int32_t block, int64_t kvh) const {
     return data + ((block * 2 * kv_heads + kv_heads + kvh) * block_size) * D;
   }
 };
+
+inline void store_elem(float* p, float x) { *p = x; }
+inline void store_elem(uint16_t* p, float x) { *p = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
 
 constexpr int kQueryBlock = 6;  // queries per attention work item: 12 accumulators over 2 key tiles
 
 // scores[i * tiles * 8 + j] = q_i . key_j for the n queries and every position of `tiles` key
 // tiles (8 positions each, transposed: element d of position j at tile[d * 8 + j % 8]).
-template <int N>
-void block_scores(const float* const* queries, const float* const* tiles, int64_t num_tiles, int64_t D,
+template <int N, typename T>
+void block_scores(const float* const* queries, const T* const* tiles, int64_t num_tiles, int64_t D,
                   float* scores) {
   const int64_t ld = num_tiles * 8;
   int64_t i = 0;
@@ -350,9 +354,9 @@ void block_scores(const float* const* queries, const float* const* tiles, int64_
     __m256 a0[N], a1[N];
 #pragma GCC unroll 6
     for (int m = 0; m < N; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); }
-    const float *t0 = tiles[i], *t1 = tiles[i + 1];
+    const T *t0 = tiles[i], *t1 = tiles[i + 1];
     for (int64_t d = 0; d < D; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(t0 + d * 8), k1 = _mm256_loadu_ps(t1 + d * 8);
+      const __m256 k0 = load8(t0 + d * 8), k1 = load8(t1 + d * 8);
 #pragma GCC unroll 6
       for (int m = 0; m < N; ++m) {
         const __m256 qd = _mm256_broadcast_ss(queries[m] + d);
@@ -371,7 +375,7 @@ void block_scores(const float* const* queries, const float* const* tiles, int64_
 #pragma GCC unroll 6
     for (int m = 0; m < N; ++m) a0[m] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(tiles[i] + d * 8);
+      const __m256 k0 = load8(tiles[i] + d * 8);
 #pragma GCC unroll 6
       for (int m = 0; m < N; ++m) a0[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(queries[m] + d), k0, a0[m]);
     }
@@ -415,8 +419,8 @@ void softmax_row(float* sc, int64_t visible, int64_t padded_end) {
 // positions 0 .. visible-1 and the 8W columns from c. Each value row is read once for all N
 // queries (a query's own pass would read the head's whole value page again); N * W accumulators
 // stay in registers.
-template <int N, int W>
-void block_values_pass(const float* probs, int64_t ld, int64_t visible, const PagedCache& kv, const int32_t* table,
+template <int N, int W, typename T>
+void block_values_pass(const float* probs, int64_t ld, int64_t visible, const PagedCache<T>& kv, const int32_t* table,
                        int64_t kvh, int64_t c, float* const* outs) {
   const int64_t bs = kv.block_size, D = kv.D;
   __m256 acc[N][W];
@@ -425,13 +429,13 @@ void block_values_pass(const float* probs, int64_t ld, int64_t visible, const Pa
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) acc[m][w] = _mm256_setzero_ps();
   for (int64_t start = 0; start < visible; start += bs) {
-    const float* page = kv.value_page(table[start / bs], kvh) + c;
+    const T* page = kv.value_page(table[start / bs], kvh) + c;
     const int64_t stop = std::min(visible, start + bs);
     for (int64_t j = start; j < stop; ++j) {
-      const float* v = page + (j - start) * D;
+      const T* v = page + (j - start) * D;
       __m256 vw[W];
 #pragma GCC unroll 8
-      for (int w = 0; w < W; ++w) vw[w] = _mm256_loadu_ps(v + 8 * w);
+      for (int w = 0; w < W; ++w) vw[w] = load8(v + 8 * w);
 #pragma GCC unroll 6
       for (int m = 0; m < N; ++m) {
         const __m256 p = _mm256_broadcast_ss(probs + m * ld + j);
@@ -448,8 +452,8 @@ void block_values_pass(const float* probs, int64_t ld, int64_t visible, const Pa
 
 // All D columns of block_values_pass: passes of 8W columns (W chosen so that N * W <= 12
 // accumulators), then 8-column passes for what is left of D.
-template <int N>
-void block_values(const float* probs, int64_t ld, int64_t visible, const PagedCache& kv, const int32_t* table,
+template <int N, typename T>
+void block_values(const float* probs, int64_t ld, int64_t visible, const PagedCache<T>& kv, const int32_t* table,
                   int64_t kvh, float* const* outs) {
   constexpr int W = N == 1 ? 8 : (N <= 3 ? 4 : 2);
   int64_t c = 0;
@@ -457,42 +461,18 @@ void block_values(const float* probs, int64_t ld, int64_t visible, const PagedCa
   for (; c < kv.D; c += 8) block_values_pass<N, 1>(probs, ld, visible, kv, table, kvh, c, outs);
 }
 
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
-                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
-                                           const paddle::Tensor& block_tables, const paddle::Tensor& cu_seqlens_q,
-                                           const paddle::Tensor& context_lens, int64_t heads, int64_t kv_heads) {
-  const int64_t T = qkv.shape()[0];
-  const int64_t B = context_lens.shape()[0];
-  const int64_t num_blocks = cache.shape()[0];
-  const int64_t bs = cache.shape()[2];
-  const int64_t D = cache.shape()[3];
-  const int64_t max_blocks = block_tables.shape()[1];
+// The attention of PagedAttention over a cache of T (float or half).
+template <typename T>
+void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, const float* sin_t,
+                          const int32_t* tables, const int32_t* cu, const int32_t* ctx, int64_t T_rows,
+                          int64_t B, int64_t max_blocks, int64_t bs, int64_t D, int64_t heads, int64_t kv_heads,
+                          float* op) {
   const int64_t width = (heads + 2 * kv_heads) * D;
-  PD_CHECK(qkv.numel() == T * width, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
-  PD_CHECK(cache.shape()[1] == 2 * kv_heads, "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
-  PD_CHECK(bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
-  PD_CHECK(block_tables.shape()[0] == B && cu_seqlens_q.shape()[0] == B + 1, "paged_attention: metadata shapes");
-  const int32_t* tables = block_tables.data<int32_t>();
-  const int32_t* cu = cu_seqlens_q.data<int32_t>();
-  const int32_t* ctx = context_lens.data<int32_t>();
-  PD_CHECK(cu[B] == T, "paged_attention: cu_seqlens_q must end at the row count");
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t end = ctx[b] + cu[b + 1] - cu[b];
-    PD_CHECK(end <= max_blocks * bs, "paged_attention: positions exceed the block table");
-    PD_CHECK(end <= cos.shape()[0], "paged_attention: positions exceed the RoPE table");
-    for (int64_t i = 0; i < (end + bs - 1) / bs; ++i)
-      PD_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks,
-               "paged_attention: block id out of range");
-  }
-  const float* in = qkv.data<float>();
-  // The cache is updated in place: it is the backend's own buffer, never part of a graph.
-  const PagedCache kv{const_cast<float*>(cache.data<float>()), kv_heads, bs, D};
-  const float* cos_t = cos.data<float>();
-  const float* sin_t = sin.data<float>();
+  const PagedCache<T> kv{cache_data, kv_heads, bs, D};
   const int64_t group = heads / kv_heads;
 
   // RoPE on the new rows; keys and values into their cache slots.
-  std::vector<float> q(T * heads * D);
+  std::vector<float> q(T_rows * heads * D);
   WorkPool::get().parallel_for(B, [&](int64_t b) {
     std::vector<float> k(D);
     const int32_t* table = tables + b * max_blocks;
@@ -505,15 +485,15 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
       for (int64_t h = 0; h < heads; ++h) rope(row + h * D, c, s, D, q.data() + (t * heads + h) * D);
       for (int64_t h = 0; h < kv_heads; ++h) {
         rope(row + (heads + h) * D, c, s, D, k.data());
-        float* slot = kv.key_slot(block, h, pos);
-        for (int64_t d = 0; d < D; ++d) slot[d * 8] = k[d];
-        std::copy_n(row + (heads + kv_heads + h) * D, D, kv.value_page(block, h) + (pos % bs) * D);
+        T* slot = kv.key_slot(block, h, pos);
+        for (int64_t d = 0; d < D; ++d) store_elem(slot + d * 8, k[d]);
+        const float* value = row + (heads + kv_heads + h) * D;
+        T* value_slot = kv.value_page(block, h) + (pos % bs) * D;
+        for (int64_t d = 0; d < D; ++d) store_elem(value_slot + d, value[d]);
       }
     }
   });
 
-  auto out = paddle::empty({T, heads * D}, paddle::DataType::FLOAT32, qkv.place());
-  float* op = out.data<float>();
   // The queries of one request and one KV head (its rows x the `group` heads that share the
   // head, row-major) go in blocks of up to kQueryBlock: a work item is one block. Its scores
   // come out of one pass over the key tiles, so keys are read once per block (not once per
@@ -531,7 +511,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
     const int32_t* table = tables + b * max_blocks;
     const int64_t last_row = (q0 + n - 1) / group;
     const int64_t tiles_seen = (ctx[b] + last_row + 1 + 7) / 8;  // every position the block can see
-    std::vector<const float*> tiles(tiles_seen);
+    std::vector<const T*> tiles(tiles_seen);
     for (int64_t i = 0; i < tiles_seen; ++i) tiles[i] = kv.key_tile(table[i * 8 / bs], kvh, i * 8);
     const float* queries[kQueryBlock];
     for (int64_t i = 0; i < n; ++i) {
@@ -565,6 +545,48 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
       default: block_values<6>(probs, ld, block_visible, kv, table, kvh, outs); break;
     }
   });
+}
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
+                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                           const paddle::Tensor& block_tables, const paddle::Tensor& cu_seqlens_q,
+                                           const paddle::Tensor& context_lens, int64_t heads, int64_t kv_heads) {
+  const int64_t T = qkv.shape()[0];
+  const int64_t B = context_lens.shape()[0];
+  const int64_t num_blocks = cache.shape()[0];
+  const int64_t bs = cache.shape()[2];
+  const int64_t D = cache.shape()[3];
+  const int64_t max_blocks = block_tables.shape()[1];
+  const int64_t width = (heads + 2 * kv_heads) * D;
+  PD_CHECK(qkv.numel() == T * width, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
+  PD_CHECK(cache.shape()[1] == 2 * kv_heads, "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
+  PD_CHECK(bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
+  PD_CHECK(block_tables.shape()[0] == B && cu_seqlens_q.shape()[0] == B + 1, "paged_attention: metadata shapes");
+  const int32_t* tables = block_tables.data<int32_t>();
+  const int32_t* cu = cu_seqlens_q.data<int32_t>();
+  const int32_t* ctx = context_lens.data<int32_t>();
+  PD_CHECK(cu[B] == T, "paged_attention: cu_seqlens_q must end at the row count");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t end = ctx[b] + cu[b + 1] - cu[b];
+    PD_CHECK(end <= max_blocks * bs, "paged_attention: positions exceed the block table");
+    PD_CHECK(end <= cos.shape()[0], "paged_attention: positions exceed the RoPE table");
+    for (int64_t i = 0; i < (end + bs - 1) / bs; ++i)
+      PD_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks,
+               "paged_attention: block id out of range");
+  }
+  PD_CHECK(cache.dtype() == paddle::DataType::FLOAT32 || cache.dtype() == paddle::DataType::FLOAT16,
+           "paged_attention: the cache must be float32 or float16");
+  auto out = paddle::empty({T, heads * D}, paddle::DataType::FLOAT32, qkv.place());
+  // The cache is updated in place: it is the backend's own buffer, never part of a graph.
+  if (cache.dtype() == paddle::DataType::FLOAT16) {
+    auto* half = reinterpret_cast<uint16_t*>(const_cast<paddle::float16*>(cache.data<paddle::float16>()));
+    paged_attention_impl(qkv.data<float>(), half, cos.data<float>(), sin.data<float>(), tables, cu, ctx, T, B,
+                         max_blocks, bs, D, heads, kv_heads, out.data<float>());
+  } else {
+    paged_attention_impl(qkv.data<float>(), const_cast<float*>(cache.data<float>()), cos.data<float>(),
+                         sin.data<float>(), tables, cu, ctx, T, B, max_blocks, bs, D, heads, kv_heads,
+                         out.data<float>());
+  }
   return {out};
 }
 

@@ -1,7 +1,8 @@
 """``cpu``: RoPE, the paged KV-cache write and causal attention of the whole packed batch in
 one CPU kernel call per layer (``specdec_paged_attention`` in specdec.kernels.cpu).
 
-Each layer's cache is ``[num_blocks, 2*KVH, block_size, D]`` with keys stored in transposed
+Each layer's cache is ``[num_blocks, 2*KVH, block_size, D]`` of float32 or float16
+(``kv_cache_dtype``; the kernel computes in float32 either way) with keys stored in transposed
 tiles of 8 positions (see the kernel and its numpy twin ``reference.paged_attention``); the
 tests compare this backend with the ``paddle`` reference backend.
 """
@@ -24,8 +25,9 @@ class CpuAttention(specdec.AttentionBackend):
             self.ops = load_cpu_ops()
         except KernelUnavailable as exc:
             raise SpecdecError(f"attention_backend 'cpu': {exc}; use 'paddle'") from None
-        if dtype != "float32":
-            raise SpecdecError(f"attention_backend 'cpu': the cache is float32, got {dtype}")
+        if dtype not in ("float32", "float16"):
+            raise SpecdecError(f"kv_cache_dtype: attention_backend 'cpu' keeps float32 or float16, got {dtype}")
+        self.cache_dtype = dtype
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -33,13 +35,17 @@ class CpuAttention(specdec.AttentionBackend):
         self._cos_table = self.paddle.to_tensor(rope_cos)
         self._sin_table = self.paddle.to_tensor(rope_sin)
 
+    def bytes_per_block(self, block_size: int) -> int:
+        element = 2 if self.cache_dtype == "float16" else 4
+        return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * element
+
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         if block_size % 8:
             raise SpecdecError(f"block_size: the cpu attention backend needs a multiple of 8, got {block_size}")
         shape = [num_blocks, 2 * self.num_kv_heads, block_size, self.head_dim]
         # Uninitialised: the kernel reads only positions that a step has written (scores of
         # the padding inside a tile of 8 are computed but never used).
-        self._caches = [self.paddle.empty(shape, dtype="float32") for _ in range(self.num_layers)]
+        self._caches = [self.paddle.empty(shape, dtype=self.cache_dtype) for _ in range(self.num_layers)]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         p = self.paddle

@@ -14,7 +14,7 @@ import numpy as np
 
 import specdec
 from specdec.attention import AttentionMetadata
-from specdec.errors import require_paddle
+from specdec.errors import SpecdecError, require_paddle
 
 
 class PaddleAttention(specdec.AttentionBackend):
@@ -22,6 +22,9 @@ class PaddleAttention(specdec.AttentionBackend):
 
     def setup(self, *, num_layers, num_heads, num_kv_heads, head_dim, dtype, rope_cos, rope_sin):
         self.paddle = require_paddle()
+        if dtype != "float32":
+            raise SpecdecError(f"kv_cache_dtype: attention_backend 'paddle' keeps a float32 cache, got {dtype}; "
+                               "use kv_cache_dtype: float32 (or auto)")
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

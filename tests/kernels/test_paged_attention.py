@@ -27,12 +27,15 @@ def _rope_tables(max_positions: int):
     return cos, sin
 
 
-def _dense_attention(rows: np.ndarray, cos, sin) -> np.ndarray:
-    """Causal attention of a whole sequence ``rows [S, (H + 2*KVH) * D]`` (pre-RoPE)."""
+def _dense_attention(rows: np.ndarray, cos, sin, cache_dtype: str = "float32") -> np.ndarray:
+    """Causal attention of a whole sequence ``rows [S, (H + 2*KVH) * D]`` (pre-RoPE), with keys
+    and values rounded to ``cache_dtype`` as a cache of that dtype holds them."""
     seq = rows.reshape(len(rows), HEADS + 2 * KV_HEADS, DIM).astype(np.float64)
     c, s = cos[: len(rows)][:, None, :], sin[: len(rows)][:, None, :]
     roped = seq * c + np.roll(seq, DIM // 2, axis=-1) * s
     q, k, v = roped[:, :HEADS], roped[:, HEADS:HEADS + KV_HEADS], seq[:, HEADS + KV_HEADS:]
+    k = k.astype(np.float32).astype(cache_dtype).astype(np.float64)
+    v = v.astype(cache_dtype).astype(np.float64)
     out = np.zeros((len(rows), HEADS, DIM))
     causal = np.tril(np.ones((len(rows), len(rows)), dtype=bool))
     for h in range(HEADS):
@@ -42,21 +45,21 @@ def _dense_attention(rows: np.ndarray, cos, sin) -> np.ndarray:
     return out.reshape(len(rows), HEADS * DIM)
 
 
-def _backend(name: str, block_size: int, num_blocks: int, cos, sin):
+def _backend(name: str, block_size: int, num_blocks: int, cos, sin, cache_dtype: str = "float32"):
     if name == "paddle":
         from specdec.plugins.attention.paddle_backend import PaddleAttention as cls
     else:
         from specdec.plugins.attention.cpu_backend import CpuAttention as cls
     backend = cls()
-    backend.setup(num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype="float32",
+    backend.setup(num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=cache_dtype,
                   rope_cos=cos, rope_sin=sin)
     backend.init_cache(num_blocks, block_size)
     return backend
 
 
-@pytest.mark.parametrize("backend_name", ["paddle", "cpu"])
+@pytest.mark.parametrize("backend_name, cache_dtype", [("paddle", "float32"), ("cpu", "float32"), ("cpu", "float16")])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_backend_equals_dense_attention_on_random_varlen_batches(backend_name, seed):
+def test_backend_equals_dense_attention_on_random_varlen_batches(backend_name, cache_dtype, seed):
     import paddle
 
     rng = np.random.default_rng(seed)
@@ -74,7 +77,7 @@ def test_backend_equals_dense_attention_on_random_varlen_batches(backend_name, s
         tables[b, :count] = order[used:used + count]
         used += count
     cos, sin = _rope_tables(int(total.max()) + 1)
-    backend = _backend(backend_name, block_size, num_blocks, cos, sin)
+    backend = _backend(backend_name, block_size, num_blocks, cos, sin, cache_dtype)
     sequences = [rng.normal(size=(int(t), (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32) for t in total]
 
     for step, (context, lens) in enumerate([(np.zeros(batch, np.int64), first_lens), (first_lens, second_lens)]):
@@ -82,12 +85,25 @@ def test_backend_equals_dense_attention_on_random_varlen_batches(backend_name, s
         packed = np.concatenate([seq[c:c + n] for seq, c, n in zip(sequences, context, lens)])
         backend.prepare(meta)
         got = backend.forward(0, paddle.to_tensor(packed), meta).numpy()
-        want = np.concatenate([_dense_attention(seq[:c + n], cos, sin)[c:] for seq, c, n in zip(sequences, context, lens)])
+        want = np.concatenate([_dense_attention(seq[:c + n], cos, sin, cache_dtype)[c:]
+                               for seq, c, n in zip(sequences, context, lens)])
         assert got.shape == want.shape
         assert np.abs(got - want).max() < 1e-4, f"step {step}"
 
 
-def test_paged_kernel_matches_its_numpy_twin():
+def test_float16_cache_differs_from_float32_by_its_rounding_only():
+    """Guard against a vacuous float16 case: the rounding of keys and values shows in the
+    output (well above the 1e-4 bound the comparisons use), and the dense reference with the
+    same rounding accounts for all of it."""
+    rng = np.random.default_rng(3)
+    cos, sin = _rope_tables(40)
+    rows = rng.normal(size=(40, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32) * 4
+    exact, rounded = _dense_attention(rows, cos, sin), _dense_attention(rows, cos, sin, "float16")
+    assert np.abs(exact - rounded).max() > 1e-3
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_paged_kernel_matches_its_numpy_twin(cache_dtype):
     """The CPU kernel and ``reference.paged_attention`` agree on outputs and on the cache."""
     import paddle
 
@@ -100,7 +116,7 @@ def test_paged_kernel_matches_its_numpy_twin():
     context, lens = np.array([0, 20, 5], np.int32), np.array([9, 3, 17], np.int32)
     tables = np.array([[3, 0, 0], [7, 1, 0], [11, 4, 0]], np.int32)
     cu = np.array([0, 9, 12, 29], np.int32)
-    cache = rng.normal(size=(num_blocks, 2 * KV_HEADS, block_size, DIM)).astype(np.float32)
+    cache = rng.normal(size=(num_blocks, 2 * KV_HEADS, block_size, DIM)).astype(cache_dtype)
     qkv = rng.normal(size=(29, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
     want_out, want_cache = reference.paged_attention(qkv, cache, cos, sin, tables, cu, context, HEADS, KV_HEADS)
     cache_tensor = paddle.to_tensor(cache)
@@ -108,7 +124,11 @@ def test_paged_kernel_matches_its_numpy_twin():
                                       paddle.to_tensor(tables), paddle.to_tensor(cu), paddle.to_tensor(context),
                                       HEADS, KV_HEADS)
     np.testing.assert_allclose(got.numpy(), want_out, atol=1e-5)
-    np.testing.assert_allclose(cache_tensor.numpy(), want_cache, atol=1e-6)
+    assert cache_tensor.numpy().dtype == want_cache.dtype == np.dtype(cache_dtype)
+    # float16: the kernel rounds its float32 RoPE result, the twin its float64 one (cast to
+    # float32 first), so an element may sit one half-precision step away.
+    np.testing.assert_allclose(cache_tensor.numpy().astype(np.float32), want_cache.astype(np.float32),
+                               atol=1e-6, rtol=1e-3 if cache_dtype == "float16" else 0)
 
 
 def test_metadata_rows_come_from_the_block_tables():

@@ -465,8 +465,8 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ({"method": "ngram"}, {}, "--config: unknown key 'method' (it belongs under speculative_config)"),
         ({"zzz": 1}, {},
          "--config: unknown key 'zzz'; valid keys: attention_backend, block_size, dtype, enable_prefix_caching, kernels, "
-         "kv_cache_memory_gb, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, seed, "
-         "speculative_config"),
+         "kv_cache_dtype, kv_cache_memory_gb, max_model_len, max_num_batched_tokens, max_num_seqs, model, "
+         "num_kv_blocks, seed, speculative_config"),
         ({"block_size": 12}, {}, "--config.block_size: must be a multiple of 8, got 12"),
         ({}, {"enable_prefix_caching": "yes"}, "--enable-prefix-caching: expected bool, got str 'yes'"),
         ({"num_kv_blocks": 0}, {}, "--config.num_kv_blocks: must be >= 1, got 0"),
@@ -484,7 +484,10 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ([1], {}, "--config: expected a mapping, got list"),
         ({}, {"max_num_seq": 2}, "--max-num-seq: not an engine option; engine options: model, max_model_len, "
          "attention_backend, kernels, dtype, seed, max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks, "
-         "kv_cache_memory_gb, enable_prefix_caching"),
+         "kv_cache_memory_gb, kv_cache_dtype, enable_prefix_caching"),
+        ({"kv_cache_dtype": "fp8"}, {}, "--config.kv_cache_dtype: must be one of auto, float32, float16, got 'fp8'"),
+        ({}, {"kv_cache_dtype": "float61"},
+         "--kv-cache-dtype: must be one of auto, float32, float16, got 'float61'"),
     ],
 )
 def test_engine_errors(plugins, yaml_data, overrides, expected):

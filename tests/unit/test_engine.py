@@ -229,3 +229,44 @@ def test_abort_a_queued_and_a_running_request(llm):
     assert engine.abort_request(running.request_id) and running.finish_reason == "abort"
     assert not engine.abort_request(running.request_id)
     assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache storage
+
+
+def test_kv_cache_dtype_auto_is_float16_and_float32_holds_half_the_blocks(model_session, llm):
+    """The default engine keeps float16 keys and values; an engine asked for float32 gets half
+    the blocks from the same memory budget, and both answer the same question correctly (the
+    cache's rounding is far too small to change a clear answer)."""
+    import specdec
+
+    assert llm.engine.kv_cache_dtype == "float16"
+    assert {str(cache.dtype) for cache in llm.engine.attention._caches} == {"paddle.float16"}
+    wide = specdec.LLM(progress=False, kv_cache_dtype="float32", kv_cache_memory_gb=0.25)
+    narrow = specdec.LLM(progress=False, kv_cache_memory_gb=0.25)
+    assert wide.engine.kv_cache_dtype == "float32"
+    assert {str(cache.dtype) for cache in wide.engine.attention._caches} == {"paddle.float32"}
+    assert narrow.engine.kv.pool.num_blocks == 2 * wide.engine.kv.pool.num_blocks
+    sampling = SamplingParams(max_tokens=24, temperature=0.0)
+    for engine_llm in (wide, narrow):
+        [answer] = engine_llm.generate(FRANCE, sampling, use_chat_template=True)
+        assert "Paris" in answer.text, answer.text
+
+
+def test_engine_resolves_the_kv_cache_dtype():
+    from specdec.engine.engine import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", "cpu", "float16") == "float16"
+    assert resolve_kv_cache_dtype("auto", "cpu", "float32") == "float32"
+    assert resolve_kv_cache_dtype("auto", "paddle", "float16") == "float32"
+    assert resolve_kv_cache_dtype("float32", "cpu", "float16") == "float32"
+
+
+def test_paddle_backend_refuses_a_float16_cache():
+    from specdec.errors import SpecdecError
+    from specdec.plugins.attention.paddle_backend import PaddleAttention
+
+    with pytest.raises(SpecdecError, match="kv_cache_dtype: attention_backend 'paddle' keeps a float32 cache"):
+        PaddleAttention().setup(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, dtype="float16",
+                                rope_cos=np.ones((4, 8), np.float32), rope_sin=np.zeros((4, 8), np.float32))
