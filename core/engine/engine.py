@@ -298,8 +298,14 @@ class Engine:
 
         A seeded sampled request keeps its drafts: its tokens then depend on its seed alone,
         not on what else shares the batch (which drafts are verified changes which samples a
-        lossless strategy draws, though not their distribution)."""
-        base_rows = sum(r.num_uncomputed for r in plan.decodes) + sum(rows for _, rows in plan.chunks)
+        lossless strategy draws, though not their distribution).
+
+        The bar is what this batch earns in a plain decode step: one row per request. Prompt
+        rows (prefill chunks, or a prompt's last chunk before its first token) emit no token
+        this step, but they are work the engine owes anyway: counted as the step's base they
+        made its tokens per second look poor and every draft look cheap, so the steps that
+        prefilled a batch of 64 prompts verified every draft and the run lost 10%."""
+        base_rows = len(plan.decodes)
         fixed, per_row = self.step_costs.costs()
         chosen = choose_draft_lengths(lengths, self.acceptance.estimate([r.request_id for r in batch.requests]),
                                       base_rows, len(batch), fixed, per_row)
