@@ -67,8 +67,8 @@ def choose_draft_lengths(lengths: np.ndarray, acceptance: np.ndarray, base_rows:
 
     :param lengths: ``[B]`` drafts each request has.
     :param acceptance: ``[B]`` estimated per-token acceptance ``q_b`` in [0, 1].
-    :param base_rows: rows the step has without any draft (one per decoding request, plus
-        prefill chunks).
+    :param base_rows: rows the step is measured from before any draft (the engine passes
+        one per decoding request: a plain decode step, whatever prompt rows share the step).
     :param base_tokens: tokens the step emits without any draft.
     :returns: ``[B]`` draft lengths to verify (each at most ``lengths[b]``).
     """
