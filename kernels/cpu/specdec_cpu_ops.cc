@@ -11,7 +11,7 @@
 //       -> [T, heads*D]: for a packed batch of requests, RoPE on the new rows' q/k heads, k/v
 //       written into the paged cache at positions context_lens[b].., then causal attention of
 //       each request's rows over its own positions [0, context + t]. Keys are cached in
-//       transposed tiles of 8 positions.
+//       transposed tiles of 8 positions; the cache is float32 or float16 (computation is float32).
 #include "paddle/extension.h"
 
 #include <immintrin.h>

@@ -16,7 +16,10 @@ from specdec.workloads import code_edit_prompts
 API_KEY = "test-key-123"
 MODEL_NAME = "smollm2-test"
 #: The server's speculative config: greedy verification keeps its output equal to plain greedy.
-SPECULATIVE = {"method": "ngram", "verify_strategy": "greedy"}
+#: Every draft is verified (no adaptive draft length): with requests arriving while others
+#: decode, most steps also prefill, and the adaptive policy may then verify no draft at all,
+#: while these tests check that the speculative counters reach the API and /metrics.
+SPECULATIVE = {"method": "ngram", "verify_strategy": "greedy", "adaptive_draft_length": False}
 MAX_NUM_SEQS = 8
 MAX_PENDING = 96
 #: The code-edit prompt of tests/e2e/test_cli.py, and how many tokens to generate for it.

@@ -231,6 +231,34 @@ def test_abort_a_queued_and_a_running_request(llm):
     assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks
 
 
+def test_adaptive_bar_is_a_plain_decode_step_even_beside_prompt_rows(model_session, monkeypatch):
+    """Steps that also prefill (a prompt chunk, or a prompt's last rows) measure a draft against
+    a plain decode step of the same requests: the prompt rows emit no token this step, and
+    counting them made every draft look cheap (a batch of 64 verified every draft while it
+    prefilled). Small ``max_num_batched_tokens`` makes such mixed steps happen here."""
+    from specdec.engine import engine as engine_module
+
+    engine = model_session.llm.engine
+    calls, mixed_steps = [], []
+    real_choose, real_adapt = engine_module.choose_draft_lengths, engine._adapt_draft_lengths
+
+    def choose(lengths, acceptance, base_rows, base_tokens, fixed, per_row):
+        calls.append((base_rows, base_tokens))
+        return real_choose(lengths, acceptance, base_rows, base_tokens, fixed, per_row)
+
+    def adapt(plan, batch, lengths):
+        mixed_steps.append(bool(plan.chunks) or any(r.num_uncomputed > 1 for r in plan.decodes))
+        return real_adapt(plan, batch, lengths)
+
+    monkeypatch.setattr(engine_module, "choose_draft_lengths", choose)
+    monkeypatch.setattr(engine, "_adapt_draft_lengths", adapt)
+    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 48)
+    spec = {"method": "ngram", "verify_strategy": "greedy", "min_ngram_size": 1}
+    model_session.run(spec, CODE[:3], SamplingParams(max_tokens=24, ignore_eos=True), max_num_seqs=3, cache=False)
+    assert any(mixed_steps), "no step mixed prompt rows with drafting requests"
+    assert calls and all(base_rows == base_tokens for base_rows, base_tokens in calls), calls
+
+
 # ------------------------------------------------------------------------------------------------
 # KV cache storage
 
