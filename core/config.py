@@ -139,7 +139,8 @@ def one_of(*choices: str) -> Callable:
 
     def check(_instance, attribute, value):
         if value is not None and value not in choices:
-            raise InvalidValue(attribute.name, f"must be one of {_join(choices)}, got {value!r}")
+            hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+            raise InvalidValue(attribute.name, f"must be one of {_join(choices)}, got {value!r}{hint}")
 
     return check
 

@@ -93,8 +93,8 @@ def test_backend_equals_dense_attention_on_random_varlen_batches(backend_name, c
 
 def test_float16_cache_differs_from_float32_by_its_rounding_only():
     """Guard against a vacuous float16 case: the rounding of keys and values shows in the
-    output (well above the 1e-4 bound the comparisons use), and the dense reference with the
-    same rounding accounts for all of it."""
+    output, well above the 1e-4 bound of the float16 cases above, which pass only because
+    their dense reference rounds the same way."""
     rng = np.random.default_rng(3)
     cos, sin = _rope_tables(40)
     rows = rng.normal(size=(40, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32) * 4

@@ -487,7 +487,7 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
          "kv_cache_memory_gb, kv_cache_dtype, enable_prefix_caching"),
         ({"kv_cache_dtype": "fp8"}, {}, "--config.kv_cache_dtype: must be one of auto, float32, float16, got 'fp8'"),
         ({}, {"kv_cache_dtype": "float61"},
-         "--kv-cache-dtype: must be one of auto, float32, float16, got 'float61'"),
+         "--kv-cache-dtype: must be one of auto, float32, float16, got 'float61' (did you mean 'float16'?)"),
     ],
 )
 def test_engine_errors(plugins, yaml_data, overrides, expected):
