@@ -343,45 +343,45 @@ inline void store_elem(uint16_t* p, float x) { *p = _cvtss_sh(x, _MM_FROUND_TO_N
 
 constexpr int kQueryBlock = 6;  // queries per attention work item: 12 accumulators over 2 key tiles
 
-// scores[i * tiles * 8 + j] = q_i . key_j for the n queries and every position of `tiles` key
-// tiles (8 positions each, transposed: element d of position j at tile[d * 8 + j % 8]).
+// scores[m * ld + 8 * i + j] = q_m . key_j for the N queries and TT key tiles from tile i (8
+// positions each, transposed: element d of position j at tile[d * 8 + j % 8]). N * TT
+// accumulators stay in registers; every loaded tile feeds N FMAs.
+template <int N, int TT, typename T>
+inline void score_tiles(const float* const* queries, const T* const* tiles, int64_t i, int64_t D, float* scores,
+                        int64_t ld) {
+  __m256 acc[N][TT];
+#pragma GCC unroll 6
+  for (int m = 0; m < N; ++m)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) acc[m][t] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k[TT];
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) k[t] = load8(tiles[i + t] + d * 8);
+#pragma GCC unroll 6
+    for (int m = 0; m < N; ++m) {
+      const __m256 qd = _mm256_broadcast_ss(queries[m] + d);
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) acc[m][t] = _mm256_fmadd_ps(qd, k[t], acc[m][t]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < N; ++m)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) _mm256_storeu_ps(scores + m * ld + 8 * (i + t), acc[m][t]);
+}
+
+// scores[m * tiles * 8 + j] = q_m . key_j for the n queries and every position of `num_tiles`
+// key tiles. Tiles go TT at a time, TT chosen so that the N * TT accumulators, the TT tiles and
+// a broadcast query fit the 16 AVX2 registers (at least 8 accumulators: FMA latency x 2 ports).
 template <int N, typename T>
 void block_scores(const float* const* queries, const T* const* tiles, int64_t num_tiles, int64_t D,
                   float* scores) {
+  constexpr int TT = N == 1 ? 8 : (N == 2 ? 4 : (N == 3 ? 3 : 2));
   const int64_t ld = num_tiles * 8;
   int64_t i = 0;
-  for (; i + 2 <= num_tiles; i += 2) {
-    __m256 a0[N], a1[N];
-#pragma GCC unroll 6
-    for (int m = 0; m < N; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); }
-    const T *t0 = tiles[i], *t1 = tiles[i + 1];
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 k0 = load8(t0 + d * 8), k1 = load8(t1 + d * 8);
-#pragma GCC unroll 6
-      for (int m = 0; m < N; ++m) {
-        const __m256 qd = _mm256_broadcast_ss(queries[m] + d);
-        a0[m] = _mm256_fmadd_ps(qd, k0, a0[m]);
-        a1[m] = _mm256_fmadd_ps(qd, k1, a1[m]);
-      }
-    }
-#pragma GCC unroll 6
-    for (int m = 0; m < N; ++m) {
-      _mm256_storeu_ps(scores + m * ld + 8 * i, a0[m]);
-      _mm256_storeu_ps(scores + m * ld + 8 * i + 8, a1[m]);
-    }
-  }
-  if (i < num_tiles) {
-    __m256 a0[N];
-#pragma GCC unroll 6
-    for (int m = 0; m < N; ++m) a0[m] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 k0 = load8(tiles[i] + d * 8);
-#pragma GCC unroll 6
-      for (int m = 0; m < N; ++m) a0[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(queries[m] + d), k0, a0[m]);
-    }
-#pragma GCC unroll 6
-    for (int m = 0; m < N; ++m) _mm256_storeu_ps(scores + m * ld + 8 * i, a0[m]);
-  }
+  for (; i + TT <= num_tiles; i += TT) score_tiles<N, TT>(queries, tiles, i, D, scores, ld);
+  for (; i < num_tiles; ++i) score_tiles<N, 1>(queries, tiles, i, D, scores, ld);
 }
 
 inline float hsum8(__m256 v) {
