@@ -391,14 +391,24 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
 // Turns sc[0:visible] into softmax probabilities in place and zeroes sc[visible:padded_end], so
 // that a query can share a value pass with queries that see more positions.
 void softmax_row(float* sc, int64_t visible, int64_t padded_end) {
-  float best = -INFINITY;
-  for (int64_t j = 0; j < visible; ++j) best = std::max(best, sc[j]);
+  __m256 max8 = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= visible; j += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(sc + j));
+  float best = hmax8(max8);
+  for (; j < visible; ++j) best = std::max(best, sc[j]);
   const __m256 vbest = _mm256_set1_ps(best);
   __m256 sum8 = _mm256_setzero_ps();
-  int64_t j = 0;
+  j = 0;
   for (; j + 8 <= visible; j += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vbest));
     _mm256_storeu_ps(sc + j, e);
