@@ -77,7 +77,8 @@ class CompiledNgramIndexes:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _entry(self, request_id: str) -> list[int]:
+    def _new_entry(self, request_id: str) -> list[int]:
+        """Create the index of a request seen for the first time."""
         handle = self._lib.specdec_ngram_new(self.min_n, self.max_n)
         if not handle:
             raise ValueError(f"bad ngram sizes {self.min_n}..{self.max_n} (1 <= min <= max <= 64)")
@@ -96,7 +97,7 @@ class CompiledNgramIndexes:
         # Only the tokens each index has not seen cross over, in one flat array: asking numpy
         # for 256 arrays' addresses would cost more than the whole lookup.
         for request in requests:
-            entry = entries.get(request.request_id) or self._entry(request.request_id)
+            entry = entries.get(request.request_id) or self._new_entry(request.request_id)
             piece = request.token_ids[entry[1]:]
             entry[1] += len(piece)
             add_handle(entry[0])

@@ -587,16 +587,15 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
   PD_CHECK(cache.dtype() == paddle::DataType::FLOAT32 || cache.dtype() == paddle::DataType::FLOAT16,
            "paged_attention: the cache must be float32 or float16");
   auto out = paddle::empty({T, heads * D}, paddle::DataType::FLOAT32, qkv.place());
+  const auto run = [&](auto* cache_data) {
+    paged_attention_impl(qkv.data<float>(), cache_data, cos.data<float>(), sin.data<float>(), tables, cu, ctx, T,
+                         B, max_blocks, bs, D, heads, kv_heads, out.data<float>());
+  };
   // The cache is updated in place: it is the backend's own buffer, never part of a graph.
-  if (cache.dtype() == paddle::DataType::FLOAT16) {
-    auto* half = reinterpret_cast<uint16_t*>(const_cast<paddle::float16*>(cache.data<paddle::float16>()));
-    paged_attention_impl(qkv.data<float>(), half, cos.data<float>(), sin.data<float>(), tables, cu, ctx, T, B,
-                         max_blocks, bs, D, heads, kv_heads, out.data<float>());
-  } else {
-    paged_attention_impl(qkv.data<float>(), const_cast<float*>(cache.data<float>()), cos.data<float>(),
-                         sin.data<float>(), tables, cu, ctx, T, B, max_blocks, bs, D, heads, kv_heads,
-                         out.data<float>());
-  }
+  if (cache.dtype() == paddle::DataType::FLOAT16)
+    run(reinterpret_cast<uint16_t*>(const_cast<paddle::float16*>(cache.data<paddle::float16>())));
+  else
+    run(const_cast<float*>(cache.data<float>()));
   return {out};
 }
 
