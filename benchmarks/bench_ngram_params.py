@@ -53,7 +53,7 @@ def main() -> None:
 
     print(f"{len(prompts)} code-edit prompts, {total} greedy tokens")
     print(f"{'max_n':>6}{'min_n':>6}{'k':>4}{'accept len':>12}{'accept rate':>13}")
-    for max_n, min_n, k in itertools.product((2, 3, 4, 5, 6), (1, 2, 3), (3, 5, 8)):
+    for max_n, min_n, k in itertools.product((2, 3, 4, 5, 6, 8), (1, 2, 3), (3, 5, 8)):
         if min_n > max_n:
             continue
         steps = drafted = accepted = 0

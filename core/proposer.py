@@ -61,22 +61,32 @@ class Drafts:
     :ivar probs: optional ``[B, k, V]`` float32, the proposer's distribution each draft was
         sampled from. The ``rejection`` verify strategy uses it; without it, drafts count as
         deterministic (one-hot), which is right for lookup methods such as ngram.
+    :ivar classes: optional ``[B]`` int64, what kind of draft each request got, as a small
+        non-negative label of the proposer's choosing (ngram and suffix: the length of the
+        context suffix they matched). The adaptive draft length learns how often
+        each kind is accepted and verifies weak kinds shorter; without it, every draft is
+        one kind (0).
     """
 
     token_ids: np.ndarray
     lengths: np.ndarray
     probs: Optional[np.ndarray] = None
+    classes: Optional[np.ndarray] = None
 
     @classmethod
-    def from_lists(cls, drafts: Sequence[Sequence[int]], probs: Optional[np.ndarray] = None) -> "Drafts":
-        """Build drafts from one list of token ids per request (lists may differ in length)."""
+    def from_lists(cls, drafts: Sequence[Sequence[int]], probs: Optional[np.ndarray] = None,
+                   classes: Optional[Sequence[int]] = None) -> "Drafts":
+        """Build drafts from one list of token ids per request (lists may differ in length)
+        and, optionally, one class label per request."""
         lengths = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
         width = int(lengths.max()) if len(drafts) else 0
         token_ids = np.full((len(drafts), width), DRAFT_PAD, dtype=np.int64)
         for row, draft in enumerate(drafts):
             if len(draft):
                 token_ids[row, : len(draft)] = draft
-        return cls(token_ids=token_ids, lengths=lengths, probs=probs)
+        if classes is not None:
+            classes = np.asarray(classes, dtype=np.int64)
+        return cls(token_ids=token_ids, lengths=lengths, probs=probs, classes=classes)
 
     @classmethod
     def empty(cls, batch_size: int) -> "Drafts":
@@ -105,7 +115,7 @@ class Drafts:
         token_ids = self.token_ids[:, :width].copy()
         token_ids[np.arange(width)[None, :] >= lengths[:, None]] = DRAFT_PAD
         probs = self.probs[:, :width] if self.probs is not None else None
-        return Drafts(token_ids=token_ids, lengths=lengths, probs=probs)
+        return Drafts(token_ids=token_ids, lengths=lengths, probs=probs, classes=self.classes)
 
 
 class Proposer:

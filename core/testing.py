@@ -72,6 +72,11 @@ def check_drafts(drafts: object, batch: ProposalBatch, vocab_size: int, who: str
             fail(f"probs must be [B, k, V] with [B, k] = {token_ids.shape}, got shape {probs.shape}")
         if not np.all(np.isfinite(probs)) or np.any(probs < 0):
             fail("probs must be finite and non-negative")
+    if drafts.classes is not None:
+        classes = np.asarray(drafts.classes)
+        if classes.shape != (len(batch),) or not np.issubdtype(classes.dtype, np.integer) or np.any(classes < 0):
+            fail(f"classes must be {len(batch)} non-negative integer labels, got {classes.dtype} "
+                 f"{classes.tolist()}")
 
 
 def _check_row(row: np.ndarray, length: int, request: ProposalRequest, vocab_size: int, fail) -> None:
@@ -92,7 +97,8 @@ def check_proposer(cls: type, config: object = None, spec_config: object = None,
     """Run proposer class ``cls`` through its lifecycle on synthetic batches and assert the
     contract: a subclass of :class:`specdec.Proposer` with a ``NAME``; ``propose`` returns
     :class:`specdec.Drafts` with one row per request, lengths within ``max_draft_len``, pads of
-    ``-1`` and token ids in ``[0, vocab_size)``; the lifecycle methods accept their arguments.
+    ``-1``, token ids in ``[0, vocab_size)`` and, if given, one non-negative integer class per
+    request; the lifecycle methods accept their arguments.
 
     ``config`` defaults to ``cls.Config()`` when the class declares a ``Config``.
     """

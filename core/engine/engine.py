@@ -24,7 +24,7 @@ from ..errors import SpecdecError
 from ..proposer import Drafts, ProposalBatch, ProposalRequest
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs
-from .adaptive import AcceptanceTracker, StepCostModel, choose_draft_lengths
+from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
 from .kv_cache import BlockPool, KVCacheManager
 from .request import Request, RequestOutput
 from .scheduler import Scheduler
@@ -123,7 +123,6 @@ class Engine:
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self._ids = itertools.count()
         self.step_costs = StepCostModel()
-        self.acceptance = AcceptanceTracker()
 
     def _spec_plugin_classes(self, spec: SpeculativeConfig):
         return (
@@ -137,6 +136,7 @@ class Engine:
         self.spec = spec
         self.num_speculative_tokens = spec.num_speculative_tokens or 0
         self.proposer = proposer_cls(spec.method_config, spec)
+        self.acceptance = AcceptanceModel()  # draft classes mean what this proposer says
         self.verifier = verify_cls(spec.verify_config, spec)
         self.accept_policy = accept_cls(spec.accept_config, spec)
 
@@ -287,13 +287,20 @@ class Engine:
             raise SpecdecError(
                 f"proposer '{self.spec.method}' returned {drafts.batch_size} drafts for {len(batch)} requests"
             )
+        if drafts.classes is not None:
+            classes = np.asarray(drafts.classes)
+            if classes.shape != (len(batch),) or classes.dtype.kind not in "iu" or (classes < 0).any():
+                raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
+                                   f"{len(batch)} non-negative integer labels")
+            drafts.classes = classes.astype(np.int64, copy=False)
         if self.spec.adaptive_draft_length and drafts.lengths.any():
-            max_lens = self._adapt_draft_lengths(plan, batch, np.minimum(drafts.lengths, max_lens))
+            max_lens = self._adapt_draft_lengths(plan, batch, np.minimum(drafts.lengths, max_lens), drafts.classes)
         if (drafts.lengths > max_lens).any() or drafts.width > max_lens.max():
             drafts = drafts.clipped(max_lens)
         return drafts
 
-    def _adapt_draft_lengths(self, plan, batch: ProposalBatch, lengths: np.ndarray) -> np.ndarray:
+    def _adapt_draft_lengths(self, plan, batch: ProposalBatch, lengths: np.ndarray,
+                             classes: Optional[np.ndarray]) -> np.ndarray:
         """The adaptive policy (``adaptive.py``): cut drafts that would not pay for their rows.
 
         A seeded sampled request keeps its drafts: its tokens then depend on its seed alone,
@@ -307,8 +314,8 @@ class Engine:
         prefilled a batch of 64 prompts verified every draft and the run lost 10%."""
         base_rows = len(plan.decodes)
         fixed, per_row = self.step_costs.costs()
-        chosen = choose_draft_lengths(lengths, self.acceptance.estimate([r.request_id for r in batch.requests]),
-                                      base_rows, len(batch), fixed, per_row)
+        chances = self.acceptance.chances([r.request_id for r in batch.requests], classes, int(lengths.max()))
+        chosen = choose_draft_lengths(lengths, chances, base_rows, len(batch), fixed, per_row)
         keep = np.fromiter((r.sampling.seed is not None and r.sampling.temperature > 0 for r in plan.decodes),
                            dtype=bool, count=len(plan.decodes))
         return np.where(keep, lengths, chosen)
@@ -348,7 +355,9 @@ class Engine:
             # Only decode steps feed the cost model: a prefill row also attends over its
             # whole prompt, which would make every draft row look dearer than it is.
             self.step_costs.observe(meta.num_rows, time.perf_counter() - started)
-        return logits[:, None, :] if width == 0 else logits[padded]
+        if (drafts.lengths == width).all():  # no padding (batch 1 always): a view, not a copy
+            return logits.reshape(len(decodes), width + 1, logits.shape[-1])
+        return logits[padded]
 
     def _sampling(self, running: list[Request], drafts: Drafts) -> BatchSampling:
         batch_size, width = drafts.batch_size, drafts.width
@@ -372,7 +381,7 @@ class Engine:
         finished."""
         accepted = result.accepted_lengths
         counts, reasons = self._emitted_counts(decodes, result.output_tokens, accepted)
-        self.acceptance.record([r.request_id for r in decodes], drafts.lengths, accepted)
+        self.acceptance.record([r.request_id for r in decodes], drafts.classes, drafts.lengths, accepted)
         finished, appended_per_request = [], []
         for b, request in enumerate(decodes):
             count = int(counts[b])

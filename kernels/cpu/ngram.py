@@ -57,7 +57,8 @@ def load_ngram_library() -> ctypes.CDLL:
     lib.specdec_ngram_free.argtypes = [ctypes.c_void_p]
     lib.specdec_ngram_propose.restype = None
     lib.specdec_ngram_propose.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_void_p]
     return lib
 
 
@@ -85,11 +86,12 @@ class CompiledNgramIndexes:
         entry = self._entries[request_id] = [handle, 0]
         return entry
 
-    def draft_batch(self, requests: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    def draft_batch(self, requests: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Catch each request's index up with its tokens and draft for it. ``requests`` are
         :class:`specdec.ProposalRequest`-like (``request_id``, ``token_ids``,
-        ``max_draft_len``). Returns ``(token_ids [n, width], lengths [n])`` with ``width``
-        the longest draft; row i holds ``lengths[i]`` drafts, the rest is padding (-1)."""
+        ``max_draft_len``). Returns ``(token_ids [n, width], lengths [n], matched [n])`` with
+        ``width`` the longest draft; row i holds ``lengths[i]`` drafts, the rest is padding
+        (-1), and ``matched[i]`` is the length of the suffix it matched (0: no match)."""
         count = len(requests)
         entries = self._entries
         handles, pieces = [], []
@@ -109,10 +111,12 @@ class CompiledNgramIndexes:
         width = int(max_lens.max()) if count else 0
         out = np.full((count, width), -1, dtype=np.int64)
         out_lens = np.zeros(count, dtype=np.int64)
+        matched = np.zeros(count, dtype=np.int64)
         self._lib.specdec_ngram_propose(count, handles.ctypes.data, flat.ctypes.data, new_counts.ctypes.data,
-                                        max_lens.ctypes.data, width, out.ctypes.data, out_lens.ctypes.data)
+                                        max_lens.ctypes.data, width, out.ctypes.data, out_lens.ctypes.data,
+                                        matched.ctypes.data)
         longest = int(out_lens.max()) if count else 0
-        return out[:, :longest], out_lens
+        return out[:, :longest], out_lens, matched
 
     def finish(self, request_id: str) -> None:
         """Free a request's index (a no-op for an unknown id)."""

@@ -42,7 +42,10 @@ struct NgramIndex {
     }
   }
 
-  int64_t draft(int64_t max_len, int64_t* out) const {
+  // Writes the draft to out and returns its length; *matched is the length of the matched
+  // suffix (0 when nothing matched).
+  int64_t draft(int64_t max_len, int64_t* out, int64_t* matched) const {
+    *matched = 0;
     const int64_t length = static_cast<int64_t>(tokens.size());
     const int64_t longest = std::min(max_n, length - 1);
     if (max_len <= 0 || longest < min_n) return 0;
@@ -57,6 +60,7 @@ struct NgramIndex {
         continue;  // a hash collision
       const int64_t count = std::min(max_len, length - end - 1);
       std::copy_n(tokens.begin() + end + 1, count, out);
+      *matched = n;
       return count;
     }
     return 0;
@@ -76,14 +80,15 @@ void specdec_ngram_free(void* index) { delete static_cast<NgramIndex*>(index); }
 
 // For request i of n: append its new_counts[i] new tokens (the next ones of the flat array
 // new_tokens) to indexes[i], then write up to max_lens[i] (at most width) draft tokens to
-// out[i * width ...] and their count to out_lens[i].
+// out[i * width ...], their count to out_lens[i] and the matched suffix length to matched[i].
 void specdec_ngram_propose(int64_t n, void* const* indexes, const int64_t* new_tokens, const int64_t* new_counts,
-                           const int64_t* max_lens, int64_t width, int64_t* out, int64_t* out_lens) {
+                           const int64_t* max_lens, int64_t width, int64_t* out, int64_t* out_lens,
+                           int64_t* matched) {
   for (int64_t i = 0; i < n; ++i) {
     NgramIndex* index = static_cast<NgramIndex*>(indexes[i]);
     index->append(new_tokens, new_counts[i]);
     new_tokens += new_counts[i];
-    out_lens[i] = index->draft(std::min(max_lens[i], width), out + i * width);
+    out_lens[i] = index->draft(std::min(max_lens[i], width), out + i * width, matched + i);
   }
 }
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import specdec
 
-from .proposer import NgramConfig, NgramProposer, find_ngram_draft
+from .proposer import NgramConfig, NgramProposer, find_ngram_draft, find_ngram_match
 
-__all__ = ["NgramConfig", "NgramProposer", "find_ngram_draft"]
+__all__ = ["NgramConfig", "NgramProposer", "find_ngram_draft", "find_ngram_match"]
 
 
 @specdec.hookimpl

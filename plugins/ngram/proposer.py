@@ -18,7 +18,7 @@ class NgramConfig:
     Defaults measured on the code-edit benchmark (docs/methods.md).
     """
 
-    max_ngram_size: int = attrs.field(default=4, validator=in_range(1, 64))
+    max_ngram_size: int = attrs.field(default=6, validator=in_range(1, 64))
     min_ngram_size: int = attrs.field(default=1, validator=in_range(1, 64))
 
     def __attrs_post_init__(self):
@@ -35,13 +35,18 @@ def find_ngram_draft(tokens: np.ndarray, max_len: int, max_ngram: int, min_ngram
     tokens occurred (an occurrence must be followed by at least one token), take the most recent
     one, and return the tokens that followed it. Returns an empty array when nothing matches.
     """
+    return find_ngram_match(tokens, max_len, max_ngram, min_ngram)[0]
+
+
+def find_ngram_match(tokens: np.ndarray, max_len: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
+    """:func:`find_ngram_draft`, and the length n of the suffix it matched (0: none)."""
     length = len(tokens)
     if max_len <= 0 or length < 2:
-        return tokens[:0]
+        return tokens[:0], 0
     history = tokens[:-1]  # an occurrence ending at j (j <= length - 2) has a follower at j + 1
     # matches[j] stays True while tokens[j - t] == tokens[length - 1 - t] for t = 0 .. n - 1.
     matches = history == tokens[-1]
-    best_end = -1
+    best_end, best_n = -1, 0
     longest = min(max_ngram, length - 1)
     for n in range(1, longest + 1):
         if n > 1:
@@ -50,10 +55,10 @@ def find_ngram_draft(tokens: np.ndarray, max_len: int, max_ngram: int, min_ngram
         if not matches.any():
             break
         if n >= min_ngram:
-            best_end = int(np.flatnonzero(matches)[-1])
+            best_end, best_n = int(np.flatnonzero(matches)[-1]), n
     if best_end < 0:
-        return tokens[:0]
-    return tokens[best_end + 1: best_end + 1 + max_len]
+        return tokens[:0], 0
+    return tokens[best_end + 1: best_end + 1 + max_len], best_n
 
 
 #: Bits per token in an n-gram key: every token id fits, so keys are exact (no collisions).
@@ -106,14 +111,15 @@ class NgramIndex:
                 if n >= min_n:
                     tables[n][key] = j
 
-    def draft(self, max_len: int) -> list[int]:
+    def draft(self, max_len: int) -> tuple[list[int], int]:
         """The tokens that followed the most recent earlier occurrence of the longest matching
-        suffix (``max_n`` down to ``min_n`` tokens); empty when nothing matches."""
+        suffix (``max_n`` down to ``min_n`` tokens), and that suffix's length; ``([], 0)``
+        when nothing matches."""
         tokens = self.tokens
         length = len(tokens)
         longest = min(self.max_n, length - 1)
         if max_len <= 0 or longest < self.min_n or self.prompt_tables is None:
-            return []
+            return [], 0
         shifts = self.shifts
         key = tokens[-1]
         keys = [0, key]
@@ -126,8 +132,8 @@ class NgramIndex:
             if end is None:
                 end = prompt[n].get(keys[n])
             if end is not None:
-                return tokens[end + 1: end + 1 + max_len]
-        return []
+                return tokens[end + 1: end + 1 + max_len], n
+        return [], 0
 
 
 def _compiled_indexes(config: NgramConfig):
@@ -168,16 +174,21 @@ class NgramProposer(specdec.Proposer):
             self._index(request.request_id).extend(request.token_ids)
 
     def propose(self, batch: specdec.ProposalBatch) -> specdec.Drafts:
+        """Drafts labelled with the length of the suffix they matched (``Drafts.classes``): a
+        longer match is far likelier to be accepted, and the adaptive draft length learns by
+        how much."""
         requests = batch.requests
         if self._compiled is not None:
-            token_ids, lengths = self._compiled.draft_batch(requests)
-            return specdec.Drafts(token_ids=token_ids, lengths=lengths)
-        drafts = []
+            token_ids, lengths, matched = self._compiled.draft_batch(requests)
+            return specdec.Drafts(token_ids=token_ids, lengths=lengths, classes=matched)
+        drafts, matched = [], []
         for request in requests:
             index = self._index(request.request_id)
             index.extend(request.token_ids)
-            drafts.append(index.draft(request.max_draft_len))
-        return specdec.Drafts.from_lists(drafts)
+            draft, n = index.draft(request.max_draft_len)
+            drafts.append(draft)
+            matched.append(n)
+        return specdec.Drafts.from_lists(drafts, classes=matched)
 
     def on_request_finish(self, request_id: str) -> None:
         if self._compiled is not None:

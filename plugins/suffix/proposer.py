@@ -15,6 +15,9 @@ from .tree import Draft, Matcher, SuffixTree, best_node_draft
 
 #: The sequence id of the one sequence (prompt + generated tokens) of a per-request tree.
 _OWN = 0
+#: Drafts are labelled with their match length (``Drafts.classes``) up to this; longer
+#: matches share the label (they are accepted alike, and each label needs its own history).
+MAX_DRAFT_CLASS = 8
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -92,14 +95,19 @@ class SuffixProposer(specdec.Proposer):
     # -- drafting --------------------------------------------------------------------------------
 
     def propose(self, batch: specdec.ProposalBatch) -> specdec.Drafts:
-        drafts = []
+        """Each request's best draft, labelled with the length of the match it came from
+        (capped at :data:`MAX_DRAFT_CLASS`) for the adaptive draft length."""
+        drafts, classes = [], []
         for request in batch.requests:
             if request.max_draft_len <= 0:
                 drafts.append(())
+                classes.append(0)
                 continue
             state = self._sync(request.request_id, request.token_ids, request.num_prompt_tokens)
-            drafts.append(self.speculate(state, request.max_draft_len).token_ids)
-        return specdec.Drafts.from_lists(drafts)
+            draft = self.speculate(state, request.max_draft_len)
+            drafts.append(draft.token_ids)
+            classes.append(min(draft.match_len, MAX_DRAFT_CLASS) if draft.token_ids else 0)
+        return specdec.Drafts.from_lists(drafts, classes=classes)
 
     def speculate(self, state: RequestState, max_tokens: int) -> Draft:
         """The best draft over both trees and all match lengths; ties go to the request's own

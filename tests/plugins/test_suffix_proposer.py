@@ -102,6 +102,19 @@ def test_drafts_from_the_prompt():
     assert propose(make(suffix_decoding_min_token_prob=0.6), request("a", prompt)) == [[]]
 
 
+def test_drafts_are_labelled_with_their_match_length():
+    """``Drafts.classes``: the match length, capped at MAX_DRAFT_CLASS; 0 without a draft."""
+    from specdec.plugins.suffix.proposer import MAX_DRAFT_CLASS
+
+    proposer = make()
+    loop = list(range(20)) * 2  # the second pass matches the whole first one
+    drafts = proposer.propose(specdec.ProposalBatch([
+        request("short", [1, 2, 3, 4, 9, 1, 2]), request("long", loop, 20), request("none", [7, 8, 9]),
+    ]))
+    assert drafts.to_lists()[0] == [3, 4] and drafts.to_lists()[2] == []
+    assert drafts.classes.tolist() == [2, MAX_DRAFT_CLASS, 0]
+
+
 def test_on_step_appends_and_finish_frees():
     proposer = make()
     proposer.on_request_start(request("a", [5, 6, 7]))

@@ -38,6 +38,9 @@ def test_good_proposer_passes():
     (proposer("pads", lambda self, batch: specdec.Drafts(
         token_ids=np.zeros((len(batch), 2), dtype=np.int64), lengths=np.zeros(len(batch), dtype=np.int64))),
      "pads.propose: request 'one-token' has padding [0, 0], expected every entry to be -1"),
+    (proposer("classes", lambda self, batch: specdec.Drafts.from_lists(
+        [[] for _ in batch.requests], classes=[-1] * len(batch))),
+     "classes.propose: classes must be 1 non-negative integer labels, got int64 [-1]"),
 ])
 def test_broken_proposers_fail_with_the_rule_they_break(cls, message):
     with pytest.raises(AssertionError) as excinfo:

@@ -7,15 +7,20 @@ import numpy as np
 from specdec.engine.adaptive import (
     PRIOR_ACCEPTANCE,
     PRIOR_ROW_COST,
-    AcceptanceTracker,
+    AcceptanceModel,
     StepCostModel,
     choose_draft_lengths,
 )
 
 
+def geometric(q, width: int = 5) -> np.ndarray:
+    """``[B, width]`` chances ``q_b ** j``."""
+    return np.asarray(q, dtype=float)[:, None] ** np.arange(1, width + 1)[None, :]
+
+
 def test_batch_one_keeps_likely_drafts_and_drops_unlikely_ones():
     # fixed 1, per row 0.16: draft j is kept while q^j / 0.16 beats tokens / seconds.
-    lengths = choose_draft_lengths(np.array([5]), np.array([0.6]), base_rows=1, base_tokens=1,
+    lengths = choose_draft_lengths(np.array([5]), geometric([0.6]), base_rows=1, base_tokens=1,
                                    fixed=1.0, per_row=0.16)
     # q^j = .6, .36, .216, .13, .078; tokens/seconds after 3 rows: 2.176/1.48 = 1.47 > .13/.16
     assert lengths.tolist() == [3]
@@ -29,7 +34,7 @@ def test_the_exact_rule_on_a_hand_case():
         if v / per_row <= tokens / seconds:
             break
         tokens, seconds, taken = tokens + v, seconds + per_row, taken + 1
-    got = choose_draft_lengths(np.array([5]), np.array([0.9]), 1, 1, fixed, per_row)
+    got = choose_draft_lengths(np.array([5]), geometric([0.9]), 1, 1, fixed, per_row)
     assert got.tolist() == [taken] and 0 < taken < 5
 
 
@@ -37,7 +42,7 @@ def test_large_batches_keep_only_near_certain_drafts():
     batch = 64
     q = np.full(batch, 0.7)
     q[:4] = 0.99
-    lengths = choose_draft_lengths(np.full(batch, 5), q, base_rows=batch, base_tokens=batch,
+    lengths = choose_draft_lengths(np.full(batch, 5), geometric(q), base_rows=batch, base_tokens=batch,
                                    fixed=1.0, per_row=0.16)
     assert lengths[4:].sum() == 0  # 0.7 does not pay for a row when rows dominate the step
     assert (lengths[:4] > 0).all()
@@ -49,7 +54,7 @@ def test_never_more_than_proposed_and_prefixes_only():
         batch = int(rng.integers(1, 20))
         lengths = rng.integers(0, 6, batch)
         q = rng.random(batch)
-        got = choose_draft_lengths(lengths, q, batch, batch, 1.0, float(rng.uniform(0.01, 1)))
+        got = choose_draft_lengths(lengths, geometric(q), batch, batch, 1.0, float(rng.uniform(0.01, 1)))
         assert (got <= lengths).all() and (got >= 0).all()
         # A request with a higher q never gets fewer rows than one with a lower q, when both
         # have drafts to spare.
@@ -77,18 +82,52 @@ def test_cost_model_with_one_step_size_uses_the_prior_ratio():
     assert abs(fixed + 4 * per_row - 0.05) < 1e-9 and abs(per_row / fixed - PRIOR_ROW_COST) < 1e-9
 
 
-def test_acceptance_tracker_learns_and_forgets():
-    tracker = AcceptanceTracker()
-    assert tracker.estimate(["a"]).tolist() == [PRIOR_ACCEPTANCE]
+def test_no_history_means_the_prior():
+    chances = AcceptanceModel().chances(["a", "b"], np.array([0, 3]), 4)
+    assert np.allclose(chances, PRIOR_ACCEPTANCE ** np.arange(1, 5))
+
+
+def test_acceptance_is_learned_per_draft_class():
+    """Long-match drafts accepted whole, one-token matches rejected: after a few steps the
+    first kind is verified whole at batch 1 and the second not at all."""
+    model = AcceptanceModel()
+    for step in range(30):
+        model.record([f"r{step}", f"s{step}"], np.array([4, 1]), np.array([5, 5]), np.array([5, 0]))
+    strong, weak = model.chances(["new1", "new2"], np.array([4, 1]), 5)
+    assert strong[-1] > 0.8 and weak[0] < 0.1  # the prior (0.6, worth 2 drafts) still weighs in
+    unseen = model.chances(["new3"], np.array([2]), 5)[0]
+    assert np.allclose(unseen, PRIOR_ACCEPTANCE ** np.arange(1, 6))  # no history for class 2
+    lengths = choose_draft_lengths(np.array([5, 5]), np.stack([strong, weak]), base_rows=2, base_tokens=2,
+                                   fixed=1.0, per_row=0.06)
+    assert lengths.tolist() == [5, 0]
+    assert model.chances(["x"], None, 5)[0].tolist() == unseen.tolist()  # None: everything is class 0
+
+
+def test_acceptance_is_conditional_per_position_not_geometric():
+    """Drafts whose first token is a coin flip but whose rest follows whenever the first
+    does (a copy either lines up or not): the chance of draft 5 stays near that of draft 1,
+    where a geometric model would give q ** 5."""
+    model = AcceptanceModel()
+    for step in range(200):
+        kept = 5 if step % 2 else 0
+        model.record([f"r{step}"], np.array([1]), np.array([5]), np.array([kept]))
+    chances = model.chances(["new"], np.array([1]), 5)[0]
+    assert 0.4 < chances[0] < 0.6
+    assert chances[4] > 0.9 * chances[0]
+
+
+def test_a_request_own_history_outweighs_the_shared_one_and_is_forgotten():
+    model = AcceptanceModel()
     for _ in range(10):
-        tracker.record(["a", "b"], np.array([4, 4]), np.array([4, 0]))
-    good, bad = tracker.estimate(["a", "b"])
-    assert good > 0.9 and bad < 0.25  # the prior still weighs in
-    for _ in range(30):  # b stops drafting: its history fades back to the prior
-        tracker.record(["b"], np.array([0]), np.array([0]))
-    assert abs(tracker.estimate(["b"])[0] - PRIOR_ACCEPTANCE) < 0.05
-    tracker.forget("a")
-    assert tracker.estimate(["a"]).tolist() == [PRIOR_ACCEPTANCE]
+        model.record(["good", "bad"], np.array([0, 0]), np.array([4, 4]), np.array([4, 0]))
+    good, bad = model.chances(["good", "bad"], np.array([0, 0]), 4)[:, 0]
+    shared = model.chances(["other"], np.array([0]), 4)[0, 0]
+    assert good > 0.85 and bad < 0.2 and bad < shared < good
+    for _ in range(30):  # bad stops drafting: its history fades back to the shared estimate
+        model.record(["bad"], np.array([0]), np.array([0]), np.array([0]))
+    assert abs(model.chances(["bad"], np.array([0]), 4)[0, 0] - shared) < 0.05
+    model.forget("good")
+    assert model.chances(["good"], np.array([0]), 4)[0, 0] == model.chances(["other"], np.array([0]), 4)[0, 0]
 
 
 def test_cost_model_ignores_the_slope_of_a_narrow_row_range():

@@ -242,13 +242,13 @@ def test_adaptive_bar_is_a_plain_decode_step_even_beside_prompt_rows(model_sessi
     calls, mixed_steps = [], []
     real_choose, real_adapt = engine_module.choose_draft_lengths, engine._adapt_draft_lengths
 
-    def choose(lengths, acceptance, base_rows, base_tokens, fixed, per_row):
+    def choose(lengths, chances, base_rows, base_tokens, fixed, per_row):
         calls.append((base_rows, base_tokens))
-        return real_choose(lengths, acceptance, base_rows, base_tokens, fixed, per_row)
+        return real_choose(lengths, chances, base_rows, base_tokens, fixed, per_row)
 
-    def adapt(plan, batch, lengths):
+    def adapt(plan, batch, lengths, classes):
         mixed_steps.append(bool(plan.chunks) or any(r.num_uncomputed > 1 for r in plan.decodes))
-        return real_adapt(plan, batch, lengths)
+        return real_adapt(plan, batch, lengths, classes)
 
     monkeypatch.setattr(engine_module, "choose_draft_lengths", choose)
     monkeypatch.setattr(engine, "_adapt_draft_lengths", adapt)
@@ -257,6 +257,32 @@ def test_adaptive_bar_is_a_plain_decode_step_even_beside_prompt_rows(model_sessi
     model_session.run(spec, CODE[:3], SamplingParams(max_tokens=24, ignore_eos=True), max_num_seqs=3, cache=False)
     assert any(mixed_steps), "no step mixed prompt rows with drafting requests"
     assert calls and all(base_rows == base_tokens for base_rows, base_tokens in calls), calls
+
+
+def test_proposer_draft_classes_are_checked(model_session, monkeypatch):
+    """A proposer's ``Drafts.classes`` must be one non-negative integer label per request:
+    anything else stops the step with a message naming the proposer."""
+    import specdec
+    from specdec.errors import SpecdecError
+
+    engine = model_session.llm.engine
+    model_session.llm.set_speculative_config({"method": "ngram", "min_ngram_size": 1})
+    real_propose = engine.proposer.propose
+
+    def propose(batch):
+        drafts = real_propose(batch)
+        return specdec.Drafts(drafts.token_ids, drafts.lengths, classes=np.full(len(batch) + 1, 2))
+
+    monkeypatch.setattr(engine.proposer, "propose", propose)
+    ids = model_session.llm.encode_prompt(CODE[0], use_chat_template=True)
+    request = engine.add_request(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    try:
+        with pytest.raises(SpecdecError, match="proposer 'ngram' returned draft classes that are not 1 non-negative"):
+            while not request.finished:
+                engine.step()
+    finally:
+        engine.abort_request(request.request_id)
+    assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks
 
 
 # ------------------------------------------------------------------------------------------------

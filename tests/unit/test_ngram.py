@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import specdec
-from specdec.plugins.ngram.proposer import NgramConfig, NgramProposer, find_ngram_draft
+from specdec.plugins.ngram.proposer import NgramConfig, NgramProposer, find_ngram_draft, find_ngram_match
 from specdec.testing import check_proposer
 
 
@@ -100,6 +100,20 @@ def test_proposer_batch_respects_each_max_draft_len():
     assert drafts.token_ids[1].tolist() == [-1, -1, -1, -1]
 
 
+def test_drafts_are_labelled_with_the_matched_suffix_length():
+    """``Drafts.classes`` tells the adaptive draft length how strong each draft is."""
+    proposer = NgramProposer(NgramConfig(max_ngram_size=3, min_ngram_size=1))
+    batch = specdec.ProposalBatch([
+        specdec.ProposalRequest("three", np.array([7, 1, 2, 3, 9, 1, 2, 3]), 8, 2),  # 1 2 3 again
+        specdec.ProposalRequest("one", np.array([5, 6, 4, 8, 6]), 5, 2),  # only "6" again
+        specdec.ProposalRequest("none", np.array([1, 2, 3]), 3, 2),
+    ])
+    drafts = proposer.propose(batch)
+    assert drafts.to_lists() == [[9, 1], [4, 8], []]
+    assert drafts.classes.tolist() == [3, 1, 0]
+    assert find_ngram_match(np.array([7, 1, 2, 3, 9, 1, 2, 3]), 2, 3, 1)[1] == 3
+
+
 def test_incremental_index_equals_the_reference_search():
     """``NgramIndex`` (what the proposer runs) against ``find_ngram_draft`` (its twin), on random
     sequences that grow by a few tokens or by a whole prompt at a time."""
@@ -116,7 +130,8 @@ def test_incremental_index_equals_the_reference_search():
             end = min(length, end + int(rng.integers(1, 100 if rng.random() < 0.2 else 4)))
             index.extend(tokens[:end])
             k = int(rng.integers(0, 7))
-            assert index.draft(k) == find_ngram_draft(tokens[:end], k, max_n, min_n).tolist()
+            want, matched = find_ngram_match(tokens[:end], k, max_n, min_n)
+            assert index.draft(k) == (want.tolist(), matched)
 
 
 def test_proposer_state_is_freed_when_a_request_finishes():
@@ -151,11 +166,12 @@ def test_compiled_index_equals_the_reference_search():
             if len(arrays) > 1:
                 arrays[1] = np.repeat(arrays[1], 2)[::2]  # a strided view
             max_lens = rng.integers(0, 7, len(live))
-            drafts, lengths = indexes.draft_batch([
+            drafts, lengths, matched = indexes.draft_batch([
                 specdec.ProposalRequest(f"r{i}", tokens, 0, int(k)) for i, tokens, k in zip(live, arrays, max_lens)])
             for row, i in enumerate(live):
-                want = find_ngram_draft(streams[i][: ends[i]], int(max_lens[row]), max_n, min_n).tolist()
-                assert drafts[row, : lengths[row]].tolist() == want
+                want, n = find_ngram_match(streams[i][: ends[i]], int(max_lens[row]), max_n, min_n)
+                assert drafts[row, : lengths[row]].tolist() == want.tolist()
+                assert matched[row] == n
                 assert (drafts[row, lengths[row]:] == -1).all()
             assert drafts.shape[1] == (lengths.max() if len(live) else 0)
         indexes.close()
