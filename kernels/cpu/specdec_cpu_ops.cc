@@ -241,10 +241,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y = x * cos + roll(x, D/2) * sin_signed (rotate-half RoPE), for one head vector.
+// y = x * cos + roll(x, D/2) * sin_signed (rotate-half RoPE), for one head vector; 8 lanes at a
+// time while they last.
 inline void rope(const float* x, const float* cos, const float* sin, int64_t D, float* y) {
   const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + i + half);
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(hi, _mm256_loadu_ps(sin + i), _mm256_mul_ps(lo, _mm256_loadu_ps(cos + i))));
+    _mm256_storeu_ps(y + i + half, _mm256_fmadd_ps(lo, _mm256_loadu_ps(sin + i + half),
+                                                   _mm256_mul_ps(hi, _mm256_loadu_ps(cos + i + half))));
+  }
+  for (; i < half; ++i) {
     y[i] = x[i] * cos[i] + x[i + half] * sin[i];
     y[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
   }
@@ -340,6 +348,16 @@ struct PagedCache {
 
 inline void store_elem(float* p, float x) { *p = x; }
 inline void store_elem(uint16_t* p, float x) { *p = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+// out[0:n] = in[0:n], rounded to half floats when T is uint16_t.
+inline void store_row(float* out, const float* in, int64_t n) { std::copy_n(in, n, out); }
+inline void store_row(uint16_t* out, const float* in, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) store_elem(out + i, in[i]);
+}
 
 constexpr int kQueryBlock = 6;  // queries per attention work item: 12 accumulators over 2 key tiles
 
@@ -481,15 +499,19 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   const PagedCache<T> kv{cache_data, kv_heads, bs, D};
   const int64_t group = heads / kv_heads;
 
-  // RoPE on the new rows; keys and values into their cache slots.
+  // RoPE on the new rows; keys and values into their cache slots. Rows go in parallel (not
+  // requests: a verify step's or a prompt's rows all belong to one request).
   std::vector<float> q(T_rows * heads * D);
-  WorkPool::get().parallel_for(B, [&](int64_t b) {
+  std::vector<int64_t> request_of(T_rows);
+  for (int64_t b = 0; b < B; ++b) std::fill(request_of.begin() + cu[b], request_of.begin() + cu[b + 1], b);
+  const int64_t rows_per_chunk = std::max<int64_t>(1, T_rows / 64);
+  WorkPool::get().parallel_for((T_rows + rows_per_chunk - 1) / rows_per_chunk, [&](int64_t chunk) {
     std::vector<float> k(D);
-    const int32_t* table = tables + b * max_blocks;
-    for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+    for (int64_t t = chunk * rows_per_chunk; t < std::min(T_rows, (chunk + 1) * rows_per_chunk); ++t) {
+      const int64_t b = request_of[t];
       const float* row = in + t * width;
       const int64_t pos = ctx[b] + t - cu[b];
-      const int32_t block = table[pos / bs];
+      const int32_t block = tables[b * max_blocks + pos / bs];
       const float* c = cos_t + pos * D;
       const float* s = sin_t + pos * D;
       for (int64_t h = 0; h < heads; ++h) rope(row + h * D, c, s, D, q.data() + (t * heads + h) * D);
@@ -497,9 +519,7 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
         rope(row + (heads + h) * D, c, s, D, k.data());
         T* slot = kv.key_slot(block, h, pos);
         for (int64_t d = 0; d < D; ++d) store_elem(slot + d * 8, k[d]);
-        const float* value = row + (heads + kv_heads + h) * D;
-        T* value_slot = kv.value_page(block, h) + (pos % bs) * D;
-        for (int64_t d = 0; d < D; ++d) store_elem(value_slot + d, value[d]);
+        store_row(kv.value_page(block, h) + (pos % bs) * D, row + (heads + kv_heads + h) * D, D);
       }
     }
   });
