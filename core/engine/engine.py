@@ -117,12 +117,13 @@ class Engine:
         self.attention.init_cache(num_blocks, self.block_size)
         self.kv = KVCacheManager(BlockPool(num_blocks, self.block_size, config.enable_prefix_caching))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self._on_admit)
+        #: What the adaptive draft length has learned, per method (see _build_spec_plugins).
+        self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
         self._build_spec_plugins(spec)
 
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self._ids = itertools.count()
-        self.step_costs = StepCostModel()
 
     def _spec_plugin_classes(self, spec: SpeculativeConfig):
         return (
@@ -136,7 +137,11 @@ class Engine:
         self.spec = spec
         self.num_speculative_tokens = spec.num_speculative_tokens or 0
         self.proposer = proposer_cls(spec.method_config, spec)
-        self.acceptance = AcceptanceModel()  # draft classes mean what this proposer says
+        # The adaptive policy's statistics belong to the method (draft classes mean what its
+        # proposer says; the step-cost fit needs its multi-row steps, which another method's
+        # 1-row steps would drown): switching methods and back resumes them.
+        self.acceptance, self.step_costs = self._adaptive_state.setdefault(
+            spec.method, (AcceptanceModel(), StepCostModel()))
         self.verifier = verify_cls(spec.verify_config, spec)
         self.accept_policy = accept_cls(spec.accept_config, spec)
 

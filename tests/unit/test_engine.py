@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from specdec import SamplingParams
+from specdec.engine.adaptive import StepCostModel
 from specdec.workloads import code_edit_prompts
 
 pytestmark = pytest.mark.slow
@@ -257,6 +258,22 @@ def test_adaptive_bar_is_a_plain_decode_step_even_beside_prompt_rows(model_sessi
     model_session.run(spec, CODE[:3], SamplingParams(max_tokens=24, ignore_eos=True), max_num_seqs=3, cache=False)
     assert any(mixed_steps), "no step mixed prompt rows with drafting requests"
     assert calls and all(base_rows == base_tokens for base_rows, base_tokens in calls), calls
+
+
+def test_adaptive_statistics_are_kept_per_method(model_session):
+    """Switching methods and back resumes what the adaptive policy learned for the method:
+    otherwise a benchmark that alternates naive and ngram prompt by prompt would refit the
+    step cost from naive's 1-row steps (no slope to fit) before every ngram prompt."""
+    llm = model_session.llm
+    engine = llm.engine
+    model_session.run(NGRAM_GREEDY | {"adaptive_draft_length": True}, [CODE[1]], SamplingParams(max_tokens=24),
+                      cache=False)
+    learned = engine.acceptance, engine.step_costs
+    assert learned[1].costs() != StepCostModel().costs()  # it has measured steps
+    model_session.run(None, [FRANCE], SamplingParams(max_tokens=8), cache=False)
+    assert engine.step_costs is not learned[1]
+    llm.set_speculative_config({"method": "ngram"})
+    assert (engine.acceptance, engine.step_costs) == learned
 
 
 def test_proposer_draft_classes_are_checked(model_session, monkeypatch):
