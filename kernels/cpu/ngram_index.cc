@@ -4,11 +4,11 @@
 //
 // A plain C ABI (loaded with ctypes by specdec.kernels.cpu.ngram), no paddle types. The Python
 // NgramIndex in plugins/ngram/proposer.py is the reference twin: tests compare the drafts.
-// Tables hold 64-bit hashes of n-grams; a lookup compares the tokens themselves before it
-// trusts a hit, so a hash collision can only cost a draft, never produce a wrong one.
+// Tables hold 64-bit hashes of n-grams (open addressing, see FlatTable); a lookup compares the
+// tokens themselves before it trusts a hit, so a hash collision can only cost a draft, never
+// produce a wrong one.
 #include <algorithm>
 #include <cstdint>
-#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -20,10 +20,61 @@ inline uint64_t mix(uint64_t hash, int64_t token) {
   return x ^ (x >> 29);
 }
 
+// hash -> position, open addressing with linear probing: one cache miss per insert or lookup
+// in the common case (a node-based map pays two: the bucket, then the node), which is what a
+// batch of 256 long contexts spends its time on. Hash 0 marks an empty slot.
+class FlatTable {
+ public:
+  FlatTable() : slots_(16) {}
+
+  void put(uint64_t hash, int64_t value) {
+    if (2 * (count_ + 1) > slots_.size()) grow();
+    Slot& slot = slots_[index_of(key_of(hash))];
+    if (slot.key == 0) {
+      slot.key = key_of(hash);
+      ++count_;
+    }
+    slot.value = value;
+  }
+
+  // The value stored under hash, or -1.
+  int64_t get(uint64_t hash) const {
+    const Slot& slot = slots_[index_of(key_of(hash))];
+    return slot.key == 0 ? -1 : slot.value;
+  }
+
+ private:
+  struct Slot {
+    uint64_t key = 0;
+    int64_t value = 0;
+  };
+
+  static uint64_t key_of(uint64_t hash) { return hash == 0 ? 1 : hash; }
+
+  // The slot holding key, or the empty slot where it would go (the table is at most half full,
+  // so there is one).
+  size_t index_of(uint64_t key) const {
+    const size_t mask = slots_.size() - 1;
+    size_t i = key & mask;
+    while (slots_[i].key != key && slots_[i].key != 0) i = (i + 1) & mask;
+    return i;
+  }
+
+  void grow() {
+    std::vector<Slot> old(2 * slots_.size());
+    old.swap(slots_);
+    for (const Slot& slot : old)
+      if (slot.key != 0) slots_[index_of(slot.key)] = slot;
+  }
+
+  std::vector<Slot> slots_;
+  size_t count_ = 0;
+};
+
 struct NgramIndex {
   int64_t min_n, max_n;
   std::vector<int64_t> tokens;
-  std::vector<std::unordered_map<uint64_t, int64_t>> tables;  // tables[n]: hash -> last end
+  std::vector<FlatTable> tables;  // tables[n]: hash of an n-gram -> where it last ended
 
   NgramIndex(int64_t min_n_, int64_t max_n_) : min_n(min_n_), max_n(max_n_), tables(max_n_ + 1) {}
 
@@ -37,7 +88,7 @@ struct NgramIndex {
       uint64_t hash = 0;
       for (int64_t n = 1; n <= std::min(max_n, j + 1); ++n) {
         hash = mix(hash, tokens[j - n + 1]);
-        if (n >= min_n) tables[n][hash] = j;
+        if (n >= min_n) tables[n].put(hash, j);
       }
     }
   }
@@ -53,9 +104,8 @@ struct NgramIndex {
     uint64_t hash = 0;
     for (int64_t n = 1; n <= longest; ++n) hashes[n] = hash = mix(hash, tokens[length - n]);
     for (int64_t n = longest; n >= min_n; --n) {
-      const auto found = tables[n].find(hashes[n]);
-      if (found == tables[n].end()) continue;
-      const int64_t end = found->second;
+      const int64_t end = tables[n].get(hashes[n]);
+      if (end < 0) continue;
       if (!std::equal(tokens.begin() + (end - n + 1), tokens.begin() + end + 1, tokens.begin() + (length - n)))
         continue;  // a hash collision
       const int64_t count = std::min(max_len, length - end - 1);
