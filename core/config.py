@@ -347,9 +347,10 @@ class SpeculativeConfig:
     :ivar accept_policy: the accept policy's ``NAME``.
     :ivar mtp_strategy: ``default``, or ``with_ngram`` (MTP drafts, ngram fills up).
     :ivar adaptive_draft_length: verify only the drafts worth their cost: each step the engine
-        keeps a draft when its expected acceptance (from the request's recent acceptance)
-        raises the batch's expected tokens per second, given the measured cost of a verified
-        row; off, every draft up to ``num_speculative_tokens`` is verified.
+        keeps a draft when its expected acceptance (learned per draft class and position,
+        shared across requests and per request) raises the batch's expected tokens per
+        second, given the measured cost of a verified row; off, every draft up to
+        ``num_speculative_tokens`` is verified.
     :ivar method_config: the proposer's structured ``Config`` (``None`` if it declares none).
     :ivar verify_config: the verify strategy's structured ``Config``.
     :ivar accept_config: the accept policy's structured ``Config``.
