@@ -116,14 +116,29 @@ class AcceptanceModel:
       :data:`REQUEST_PRIOR_WEIGHT` drafts): a request whose output copies its prompt
       closely is told apart from one that does not, once it has a history.
 
-    The chance of draft ``j`` is the product ``p(1) ... p(j)``. A step without drafts still
-    decays a request's history, so that a request whose drafts were cut for a poor record
+    The chance of draft ``j`` is the product ``p(1) ... p(j)``. A request's history decays with
+    every step, drafted or not, so that a request whose drafts were cut for a poor record
     drifts back to the shared estimate and gets tried again.
     """
 
     def __init__(self):
         self._shared: dict[int, np.ndarray] = {}  # class -> [2, W]: verified, accepted
         self._own: dict[str, dict[int, np.ndarray]] = {}  # request -> class -> [2, W]
+        # A request's counts are decayed when next touched, by DECAY per step since the last
+        # time: a step costs nothing for the requests that did not draft in it.
+        self._own_step: dict[str, int] = {}
+        self._step = 0
+
+    def _own_counts(self, request_id: str) -> dict[int, np.ndarray] | None:
+        own = self._own.get(request_id)
+        if own is not None:
+            elapsed = self._step - self._own_step[request_id]
+            if elapsed:
+                factor = DECAY ** elapsed
+                for counts in own.values():
+                    counts *= factor
+                self._own_step[request_id] = self._step
+        return own
 
     @staticmethod
     def _grown(counts: np.ndarray | None, width: int) -> np.ndarray:
@@ -150,7 +165,7 @@ class AcceptanceModel:
             prior = shared.get(draft_class)
             if prior is None:
                 prior = shared[draft_class] = self._shared_p(draft_class, width)
-            own = self._own.get(request_id, {}).get(draft_class)
+            own = (self._own_counts(request_id) or {}).get(draft_class)
             if own is None:
                 p = prior
             else:
@@ -166,15 +181,17 @@ class AcceptanceModel:
         classes = _labels(classes, len(request_ids))
         width = int(draft_lengths.max()) if len(draft_lengths) else 0
         positions = np.arange(width)
+        self._step += 1
         for counts in self._shared.values():
             counts *= SHARED_DECAY
         for request_id, draft_class, drafted, kept in zip(
                 request_ids, classes.tolist(), draft_lengths.tolist(), accepted.tolist()):
-            own = self._own.setdefault(request_id, {})
-            for counts in own.values():
-                counts *= DECAY
             if drafted == 0:
                 continue
+            own = self._own_counts(request_id)
+            if own is None:
+                own = self._own[request_id] = {}
+                self._own_step[request_id] = self._step
             # Positions 0 .. kept were verified with all before them accepted (position
             # `kept` only if it exists: it is the first rejected one); 0 .. kept-1 accepted.
             verified = positions < min(kept + 1, drafted)
@@ -186,6 +203,7 @@ class AcceptanceModel:
 
     def forget(self, request_id: str) -> None:
         self._own.pop(request_id, None)
+        self._own_step.pop(request_id, None)
 
 
 def _labels(classes: np.ndarray | None, batch_size: int) -> np.ndarray:
