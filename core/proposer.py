@@ -118,6 +118,15 @@ class Drafts:
         return Drafts(token_ids=token_ids, lengths=lengths, probs=probs, classes=self.classes)
 
 
+def valid_draft_classes(classes, batch_size: int) -> Optional[np.ndarray]:
+    """``classes`` (see :attr:`Drafts.classes`) as an int64 array when it holds one non-negative
+    integer label per request of a batch of ``batch_size``, else ``None``."""
+    classes = np.asarray(classes)
+    if classes.shape != (batch_size,) or not np.issubdtype(classes.dtype, np.integer) or np.any(classes < 0):
+        return None
+    return classes.astype(np.int64, copy=False)
+
+
 class Proposer:
     """Base class of speculative methods.
 

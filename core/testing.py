@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer
+from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer, valid_draft_classes
 
 #: Vocabulary size of the synthetic batches (token ids lie in ``[0, DEFAULT_VOCAB_SIZE)``).
 DEFAULT_VOCAB_SIZE = 512
@@ -72,11 +72,9 @@ def check_drafts(drafts: object, batch: ProposalBatch, vocab_size: int, who: str
             fail(f"probs must be [B, k, V] with [B, k] = {token_ids.shape}, got shape {probs.shape}")
         if not np.all(np.isfinite(probs)) or np.any(probs < 0):
             fail("probs must be finite and non-negative")
-    if drafts.classes is not None:
+    if drafts.classes is not None and valid_draft_classes(drafts.classes, len(batch)) is None:
         classes = np.asarray(drafts.classes)
-        if classes.shape != (len(batch),) or not np.issubdtype(classes.dtype, np.integer) or np.any(classes < 0):
-            fail(f"classes must be {len(batch)} non-negative integer labels, got {classes.dtype} "
-                 f"{classes.tolist()}")
+        fail(f"classes must be {len(batch)} non-negative integer labels, got {classes.dtype} {classes.tolist()}")
 
 
 def _check_row(row: np.ndarray, length: int, request: ProposalRequest, vocab_size: int, fail) -> None:

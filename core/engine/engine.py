@@ -21,7 +21,7 @@ import numpy as np
 from ..attention import AttentionMetadata
 from ..config import MAX_SPECULATIVE_TOKENS, EngineConfig, SpeculativeConfig
 from ..errors import SpecdecError
-from ..proposer import Drafts, ProposalBatch, ProposalRequest
+from ..proposer import Drafts, ProposalBatch, ProposalRequest, valid_draft_classes
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs
 from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
@@ -293,11 +293,11 @@ class Engine:
                 f"proposer '{self.spec.method}' returned {drafts.batch_size} drafts for {len(batch)} requests"
             )
         if drafts.classes is not None:
-            classes = np.asarray(drafts.classes)
-            if classes.shape != (len(batch),) or classes.dtype.kind not in "iu" or (classes < 0).any():
+            classes = valid_draft_classes(drafts.classes, len(batch))
+            if classes is None:
                 raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
                                    f"{len(batch)} non-negative integer labels")
-            drafts.classes = classes.astype(np.int64, copy=False)
+            drafts.classes = classes
         if self.spec.adaptive_draft_length and drafts.lengths.any():
             max_lens = self._adapt_draft_lengths(plan, batch, np.minimum(drafts.lengths, max_lens), drafts.classes)
         if (drafts.lengths > max_lens).any() or drafts.width > max_lens.max():

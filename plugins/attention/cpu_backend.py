@@ -36,8 +36,8 @@ class CpuAttention(specdec.AttentionBackend):
         self._sin_table = self.paddle.to_tensor(rope_sin)
 
     def bytes_per_block(self, block_size: int) -> int:
-        element = 2 if self.cache_dtype == "float16" else 4
-        return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * element
+        float32_bytes = super().bytes_per_block(block_size)
+        return float32_bytes // 2 if self.cache_dtype == "float16" else float32_bytes
 
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         if block_size % 8:
