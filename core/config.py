@@ -363,7 +363,7 @@ class SpeculativeConfig:
     num_model_steps: int = attrs.field(default=1, validator=in_range(1, MAX_MODEL_STEPS))
     model: str | None = None
     quantization: str | None = None
-    verify_strategy: str = "topp"
+    verify_strategy: str = "rejection"
     accept_policy: str = "normal"
     mtp_strategy: str = attrs.field(default="default", validator=one_of(*MTP_STRATEGIES))
     adaptive_draft_length: bool = True

@@ -30,7 +30,7 @@ def run_demo(args) -> int:
 
     plugins = get_plugins()
     if not args.speculative_config:
-        args.speculative_config = '{"method": "ngram", "num_speculative_tokens": 5, "verify_strategy": "greedy"}'
+        args.speculative_config = '{"method": "ngram", "num_speculative_tokens": 5}'
     config = build_engine_config_from_args(args, plugins)
     llm = LLM(config=config, plugins=plugins, progress=args.progress)
     prompt = code_edit_prompts(1)[0]

@@ -54,6 +54,10 @@ class Greedy:
     NAME = "greedy"
 
 
+class Rejection:
+    NAME = "rejection"
+
+
 class Normal:
     NAME = "normal"
 
@@ -92,7 +96,7 @@ def _registry(kind: str, *classes: type) -> Registry:
 def plugins() -> FakePlugins:
     return FakePlugins(
         proposers=_registry("proposer", Naive, Ngram),
-        verify_strategies=_registry("verify strategy", Topp, Greedy),
+        verify_strategies=_registry("verify strategy", Topp, Greedy, Rejection),
         accept_policies=_registry("accept policy", Normal, AcceptAll),
         attention_backends=_registry("attention backend", PaddleBackend),
     )
@@ -116,9 +120,9 @@ def test_defaults_are_naive_with_zero_drafts(plugins):
     assert config.num_speculative_tokens == 0
     assert config.num_model_steps == 1
     assert config.model is None and config.quantization is None
-    assert (config.verify_strategy, config.accept_policy, config.mtp_strategy) == ("topp", "normal", "default")
+    assert (config.verify_strategy, config.accept_policy, config.mtp_strategy) == ("rejection", "normal", "default")
     assert config.method_config is None
-    assert config.verify_config == Topp.Config()
+    assert config.verify_config is None
     assert config.accept_config is None
     assert config.notices == ()
 
@@ -132,7 +136,8 @@ def test_drafting_method_defaults_to_five_tokens_and_its_config(plugins):
 def test_flat_plugin_keys_reach_their_configs(plugins):
     config = build_speculative_config(
         {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 5, "min_ngram_size": 2,
-         "max_candidate_len": 8, "verify_window": 3, "accept_policy": "accept_all", "mode": "first"},
+         "verify_strategy": "topp", "max_candidate_len": 8, "verify_window": 3, "accept_policy": "accept_all",
+         "mode": "first"},
         plugins,
     )
     assert config.num_speculative_tokens == 4
@@ -199,7 +204,7 @@ def test_naive_still_type_checks_num_speculative_tokens(plugins):
          "--speculative-config.method: unknown proposer 'ngarm' (did you mean 'ngram'?); installed: naive, ngram"),
         ({"verify_strategy": "gredy"},
          "--speculative-config.verify_strategy: unknown verify strategy 'gredy' (did you mean 'greedy'?); "
-         "installed: greedy, topp"),
+         "installed: greedy, rejection, topp"),
         ({"accept_policy": "xyz"},
          "--speculative-config.accept_policy: unknown accept policy 'xyz'; installed: accept_all, normal"),
         ({"method": 1}, "--speculative-config.method: expected str, got int 1"),
@@ -259,8 +264,8 @@ def test_key_of_a_verify_strategy_not_selected(plugins):
 def test_unknown_key_without_a_close_match_lists_the_valid_keys(plugins):
     assert config_error(build_speculative_config, {"method": "ngram", "zzz": 1}, plugins) == (
         "--speculative-config: unknown key 'zzz'; valid keys: accept_policy, adaptive_draft_length, banned_ids, "
-        "match_ratio, max_candidate_len, max_ngram_size, method, min_ngram_size, model, mtp_strategy, num_model_steps, "
-        "num_speculative_tokens, quantization, verify_strategy, verify_window"
+        "match_ratio, max_ngram_size, method, min_ngram_size, model, mtp_strategy, num_model_steps, "
+        "num_speculative_tokens, quantization, verify_strategy"
     )
 
 
@@ -278,7 +283,8 @@ def test_unknown_key_without_a_close_match_lists_the_valid_keys(plugins):
         ({"method": "ngram", "banned_ids": "12"}, "--speculative-config.banned_ids: expected list, got str '12'"),
         ({"method": "ngram", "match_ratio": "high"}, "--speculative-config.match_ratio: expected float, got str 'high'"),
         ({"method": "ngram", "banned_ids": [1, "x"]}, "--speculative-config.banned_ids[1]: expected int, got str 'x'"),
-        ({"max_candidate_len": True}, "--speculative-config.max_candidate_len: expected int, got bool True"),
+        ({"verify_strategy": "topp", "max_candidate_len": True},
+         "--speculative-config.max_candidate_len: expected int, got bool True"),
         ({"accept_policy": "accept_all", "mode": "some"},
          "--speculative-config.mode: must be one of all, first, got 'some'"),
     ],
@@ -478,8 +484,7 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
          "--config.speculative_config.num_speculative_tokens: expected int, got float 2.9"),
         ({"speculative_config": {"max_ngram_sise": 2}}, {},
          "--config.speculative_config: unknown key 'max_ngram_sise'; valid keys: accept_policy, adaptive_draft_length, "
-         "max_candidate_len, method, model, mtp_strategy, num_model_steps, num_speculative_tokens, quantization, "
-         "verify_strategy, verify_window"),
+         "method, model, mtp_strategy, num_model_steps, num_speculative_tokens, quantization, verify_strategy"),
         ({"speculative_config": ["ngram"]}, {}, "--config.speculative_config: expected a mapping, got list"),
         ([1], {}, "--config: expected a mapping, got list"),
         ({}, {"max_num_seq": 2}, "--max-num-seq: not an engine option; engine options: model, max_model_len, "
@@ -507,7 +512,8 @@ def test_speculative_config_errors_name_the_flag(plugins):
     "data",
     [
         {},
-        {"method": "ngram", "num_speculative_tokens": 7, "max_ngram_size": 6, "verify_window": 1},
+        {"method": "ngram", "num_speculative_tokens": 7, "max_ngram_size": 6, "verify_strategy": "topp",
+         "verify_window": 1},
         {"method": "ngram", "verify_strategy": "greedy", "accept_policy": "accept_all", "mode": "first",
          "banned_ids": [1, 2], "model": "/m", "quantization": "wint8", "mtp_strategy": "with_ngram",
          "num_model_steps": 3},
@@ -526,10 +532,9 @@ def test_speculative_to_dict_is_flat(plugins):
     flat = build_speculative_config({"method": "ngram"}, plugins).to_dict()
     assert flat == {
         "method": "ngram", "num_speculative_tokens": 5, "num_model_steps": 1, "model": None,
-        "quantization": None, "verify_strategy": "topp", "accept_policy": "normal", "mtp_strategy": "default",
+        "quantization": None, "verify_strategy": "rejection", "accept_policy": "normal", "mtp_strategy": "default",
         "adaptive_draft_length": True,
         "max_ngram_size": 3, "min_ngram_size": 1, "match_ratio": 0.5, "banned_ids": [],
-        "max_candidate_len": 5, "verify_window": 2,
     }
 
 
