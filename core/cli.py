@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import SpecdecError
+from .errors import RequestError, SpecdecError
 
 EXIT_USAGE = 2
 
@@ -48,6 +48,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "float32 or float16")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="share the KV blocks of common prompt prefixes (default on)")
+    parser.add_argument("--max-stop-strings", type=int, default=None, metavar="N",
+                        help="the most stop strings a request may give (default 16)")
+    parser.add_argument("--max-stop-string-length", type=int, default=None, metavar="CHARS",
+                        help="the most characters of one stop string (default 256)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
@@ -123,8 +127,15 @@ def _warn_plugin_errors(plugins) -> None:
         print(f"warning: {message}", file=sys.stderr)
 
 
-_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                   "top_k": "--top-k", "seed": "--seed"}
+#: The flag of each sampling field, for error messages (``--top-k: must be ...``).
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                  "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}
+
+
+def as_flag_error(exc: RequestError) -> SpecdecError:
+    """A request error worded for the command line: the field replaced by its flag."""
+    flag = SAMPLING_FLAGS.get(exc.param)
+    return SpecdecError(f"{flag}: {exc.problem}") if flag else exc
 
 
 def sampling_from_args(args):
@@ -134,12 +145,8 @@ def sampling_from_args(args):
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                               ignore_eos=args.ignore_eos)
-    except ValueError as exc:
-        message = str(exc)
-        for field, flag in _SAMPLING_FLAGS.items():
-            if message.startswith(field + " "):
-                raise SpecdecError(f"{flag}: {message[len(field) + 1:]}") from None
-        raise SpecdecError(message) from None
+    except RequestError as exc:
+        raise as_flag_error(exc) from None
 
 
 def read_prompts(args) -> list[str]:
@@ -189,7 +196,10 @@ def run_generate(args) -> int:
     llm = LLM(config=config, plugins=plugins, progress=args.progress)
     use_chat = llm.tokenizer.has_chat_template if args.chat is None else args.chat
     start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling, use_chat_template=use_chat, progress=args.progress)
+    try:
+        outputs = llm.generate(prompts, sampling, use_chat_template=use_chat, progress=args.progress)
+    except RequestError as exc:  # checked against the engine: top_k within the vocabulary, the context
+        raise as_flag_error(exc) from None
     elapsed = time.perf_counter() - start
     total_tokens = sum(o.num_generated_tokens for o in outputs)
     metrics = SpecMetrics.total(o.metrics for o in outputs)

@@ -426,6 +426,9 @@ class EngineConfig:
         ``float16`` halves the cache's memory and the bytes attention reads per step.
     :ivar enable_prefix_caching: requests whose prompts share leading full blocks (a common
         system prompt) share those blocks instead of computing them again.
+    :ivar max_stop_strings: the most stop strings one request may give.
+    :ivar max_stop_string_length: the most characters of one stop string (each step searches
+        the new text for every stop string, so these bound what one request costs the others).
     :ivar speculative: the speculative config.
     """
 
@@ -442,6 +445,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = attrs.field(default=4.0, validator=in_range(0.001))
     kv_cache_dtype: str = attrs.field(default="auto", validator=one_of(*KV_CACHE_DTYPES))
     enable_prefix_caching: bool = True
+    max_stop_strings: int = attrs.field(default=16, validator=in_range(0, 1 << 16))
+    max_stop_string_length: int = attrs.field(default=256, validator=in_range(1, 1 << 16))
     speculative: SpeculativeConfig = attrs.field(factory=SpeculativeConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -454,7 +459,7 @@ class EngineConfig:
 #: The engine keys of the YAML file (and of the matching CLI flags), in documentation order.
 ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "kernels", "dtype", "seed", "max_num_seqs",
                "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache_dtype",
-               "enable_prefix_caching")
+               "enable_prefix_caching", "max_stop_strings", "max_stop_string_length")
 
 
 # --- reading JSON and YAML --------------------------------------------------------------------

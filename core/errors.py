@@ -41,3 +41,18 @@ def require_paddle():
             "paddle is not installed: pip install 'specdec[cpu]' (or 'specdec[gpu]' on a CUDA machine)"
         ) from exc
     return paddle
+
+
+class RequestError(SpecdecError, ValueError):
+    """A request the engine refuses (bad sampling values, a prompt that does not fit).
+
+    The message starts with ``param``, the offending field as the OpenAI API names it
+    (``top_k: must be ...``); the server answers 400 with ``param`` and ``code`` (``invalid_value``,
+    or ``context_length_exceeded``), the CLI prints it with the matching flag.
+    """
+
+    def __init__(self, param: str, problem: str, code: str = "invalid_value"):
+        super().__init__(f"{param}: {problem}")
+        self.param = param
+        self.problem = problem
+        self.code = code

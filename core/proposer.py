@@ -105,6 +105,13 @@ class Drafts:
         """``k``, the padded draft width (the longest draft of the batch)."""
         return self.token_ids.shape[1]
 
+    def select(self, rows: Sequence[int]) -> "Drafts":
+        """The drafts of the requests at ``rows`` (in that order), at the same width."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return Drafts(token_ids=self.token_ids[rows], lengths=self.lengths[rows],
+                      probs=None if self.probs is None else self.probs[rows],
+                      classes=None if self.classes is None else self.classes[rows])
+
     def to_lists(self) -> list[list[int]]:
         return [self.token_ids[b, : self.lengths[b]].tolist() for b in range(self.batch_size)]
 

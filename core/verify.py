@@ -36,6 +36,10 @@ class BatchSampling:
     def all_greedy(self) -> bool:
         return bool(np.all(self.temperature <= 0.0))
 
+    def select(self, rows) -> "BatchSampling":
+        """The settings of the requests at ``rows`` (in that order)."""
+        return BatchSampling(self.temperature[rows], self.top_p[rows], self.top_k[rows], self.uniforms[rows])
+
 
 @attrs.define(slots=True)
 class VerifyInputs:
@@ -68,6 +72,10 @@ class VerifyResult:
     accepted_lengths: np.ndarray
     output_tokens: np.ndarray
     target_tokens: np.ndarray
+
+    def select(self, rows) -> "VerifyResult":
+        """The results of the requests at ``rows`` (in that order)."""
+        return VerifyResult(self.accepted_lengths[rows], self.output_tokens[rows], self.target_tokens[rows])
 
     def emitted(self, b: int) -> np.ndarray:
         """The tokens request ``b`` appends this step."""

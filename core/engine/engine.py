@@ -12,22 +12,27 @@ logits. Rejected rows are dropped by length: the next step overwrites them.
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
+import attrs
 import numpy as np
 
 from ..attention import AttentionMetadata
 from ..config import MAX_SPECULATIVE_TOKENS, EngineConfig, SpeculativeConfig
-from ..errors import SpecdecError
+from ..errors import RequestError, SpecdecError
 from ..proposer import Drafts, ProposalBatch, ProposalRequest, valid_draft_classes
 from ..sampling import SamplingParams
-from ..verify import BatchSampling, VerifyInputs
+from ..verify import BatchSampling, VerifyInputs, VerifyResult
 from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
 from .kv_cache import BlockPool, KVCacheManager
 from .request import Request, RequestOutput
-from .scheduler import Scheduler
+from .scheduler import ScheduledStep, Scheduler
+
+logger = logging.getLogger("specdec.engine")
+T = TypeVar("T")
 
 
 def _on_gpu() -> bool:
@@ -76,6 +81,31 @@ def resolve_kernels(config: EngineConfig) -> tuple[str, str]:
     return kernels, dtype
 
 
+@attrs.define(slots=True)
+class _StepState:
+    """What one step has computed so far, row-aligned with ``plan.decodes``; :meth:`only`
+    narrows it to some of its requests (when others failed)."""
+
+    plan: ScheduledStep
+    batch: ProposalBatch
+    drafts: Optional[Drafts] = None
+    logits: Optional[np.ndarray] = None
+    sampling: Optional[BatchSampling] = None
+    result: Optional[VerifyResult] = None
+
+    def only(self, keep: Callable[[Request], bool]) -> "_StepState":
+        rows = [i for i, request in enumerate(self.plan.decodes) if keep(request)]
+        pick = np.asarray(rows, dtype=np.int64)
+        return _StepState(
+            plan=self.plan.keeping(keep),
+            batch=ProposalBatch([self.batch.requests[i] for i in rows]),
+            drafts=None if self.drafts is None else self.drafts.select(pick),
+            logits=None if self.logits is None else self.logits[pick],
+            sampling=None if self.sampling is None else self.sampling.select(pick),
+            result=None if self.result is None else self.result.select(pick),
+        )
+
+
 class Engine:
     """Owns the model, the plugins chosen by the config, the KV pool and the requests."""
 
@@ -121,6 +151,8 @@ class Engine:
         self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
         self._build_spec_plugins(spec)
 
+        #: Requests whose ``proposer.on_request_start`` raised during scheduling, with the error.
+        self._failed_admissions: list[tuple[Request, Exception]] = []
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self._ids = itertools.count()
@@ -173,19 +205,8 @@ class Engine:
         """Queue a request; it joins the running batch at the next step that has room."""
         from ..model.tokenizer import DetokenizeStream
 
-        prompt_ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        if prompt_ids.ndim != 1 or len(prompt_ids) == 0:
-            raise SpecdecError("prompt: must hold at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise SpecdecError(
-                f"prompt: {len(prompt_ids)} tokens do not fit the context of {self.max_model_len} tokens"
-            )
-        if prompt_ids.min() < 0 or prompt_ids.max() >= self.model_config.vocab_size:
-            raise SpecdecError(f"prompt: token ids must lie in [0, {self.model_config.vocab_size})")
-        blocks = -(-(len(prompt_ids) + 1) // self.block_size)
-        if blocks > self.kv.pool.num_blocks:
-            raise SpecdecError(f"prompt: {len(prompt_ids)} tokens need {blocks} KV blocks; the pool has "
-                               f"{self.kv.pool.num_blocks} (raise num_kv_blocks or kv_cache_memory_gb)")
+        prompt_ids = self._checked_prompt(prompt_token_ids)
+        self.check_sampling(sampling, len(prompt_ids))
         number = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else self.config.seed * 1_000_003 + number
         capacity = min(len(prompt_ids) + sampling.max_tokens, self.max_model_len)
@@ -201,11 +222,53 @@ class Engine:
             rng=np.random.default_rng(seed),
             detokenizer=DetokenizeStream(self.tokenizer),
         )
-        if sampling.max_tokens == 0:
-            self._finish(request, "length")
-        else:
-            self.scheduler.waiting.append(request)
+        self.scheduler.waiting.append(request)
         return request
+
+    def _checked_prompt(self, prompt_token_ids: Sequence[int]) -> np.ndarray:
+        """The prompt as an int64 array, or a :class:`RequestError` naming what is wrong."""
+        vocab = self.model_config.vocab_size
+        try:
+            prompt_ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})") from None
+        if prompt_ids.ndim != 1 or len(prompt_ids) == 0:
+            raise RequestError("prompt", "must hold at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError("prompt", f"{len(prompt_ids)} tokens do not fit the context of {self.max_model_len} "
+                                         f"tokens", code="context_length_exceeded")
+        if prompt_ids.min() < 0 or prompt_ids.max() >= vocab:
+            raise RequestError("prompt", f"token ids must lie in [0, {vocab})")
+        blocks = -(-(len(prompt_ids) + 1) // self.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            raise RequestError("prompt", f"{len(prompt_ids)} tokens need {blocks} KV blocks; the pool has "
+                                         f"{self.kv.pool.num_blocks} (raise num_kv_blocks or kv_cache_memory_gb)")
+        return prompt_ids
+
+    def check_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
+        """Check ``sampling`` against this engine (``SamplingParams`` checked the rest when it
+        was built): ``top_k`` within the vocabulary, the stop-string limits, and the context,
+        as the OpenAI API counts it (the prompt plus ``max_tokens`` must fit).
+
+        :raises RequestError: naming the field."""
+        vocab = self.model_config.vocab_size
+        if sampling.top_k > vocab:
+            raise RequestError("top_k", f"must be between 0 and {vocab} (the vocabulary size), or -1, "
+                                        f"got {sampling.top_k}")
+        stops = sampling.stop
+        if len(stops) > self.config.max_stop_strings:
+            raise RequestError("stop", f"at most {self.config.max_stop_strings} stop strings (max_stop_strings), "
+                                       f"got {len(stops)}")
+        longest = max(stops, key=len, default="")
+        if len(longest) > self.config.max_stop_string_length:
+            raise RequestError("stop", f"a stop string may have at most {self.config.max_stop_string_length} "
+                                       f"characters (max_stop_string_length), got {len(longest)}")
+        if num_prompt_tokens + sampling.max_tokens > self.max_model_len:
+            raise RequestError(
+                "max_tokens", f"the context holds {self.max_model_len} tokens, but the prompt's {num_prompt_tokens} "
+                              f"plus max_tokens {sampling.max_tokens} would need {num_prompt_tokens + sampling.max_tokens};"
+                              f" lower max_tokens to at most {self.max_model_len - num_prompt_tokens}",
+                code="context_length_exceeded")
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a queued or running request now (finish reason ``abort``) and free its KV
@@ -238,16 +301,64 @@ class Engine:
     def _on_admit(self, request: Request) -> None:
         if not request.started:
             request.started = True
-            self.proposer.on_request_start(ProposalRequest(
-                request.request_id, request.tokens[: request.num_prompt_tokens], request.num_prompt_tokens, 0))
+            try:
+                self.proposer.on_request_start(ProposalRequest(
+                    request.request_id, request.tokens[: request.num_prompt_tokens], request.num_prompt_tokens, 0))
+            except Exception as exc:  # noqa: BLE001 - fails this request alone, after scheduling
+                self._failed_admissions.append((request, exc))
 
     def _retire(self, request: Request, reason: Optional[str]) -> None:
         """Take a request out of the engine for good: blocks, proposer state, final text."""
         self.scheduler.remove(request)
         if request.started:
-            self.proposer.on_request_finish(request.request_id)
+            try:
+                self.proposer.on_request_finish(request.request_id)
+            except Exception:  # noqa: BLE001 - the request is over either way
+                logger.exception("proposer '%s': on_request_finish(%s) failed", self.spec.method, request.request_id)
         self.acceptance.forget(request.request_id)
         self._finish(request, reason or request.finish_reason)
+
+    def _fail(self, request: Request, phase: str, exc: Exception) -> None:
+        """End ``request`` with finish reason ``error``: ``phase`` raised ``exc`` for it."""
+        message = " ".join(str(exc).split())
+        request.error = f"{phase} failed: {type(exc).__name__}: {message}" if message else \
+            f"{phase} failed: {type(exc).__name__}"
+        logger.error("request %s: %s", request.request_id, request.error, exc_info=exc)
+        self._retire(request, "error")
+
+    def _isolated(self, phase: str, state: _StepState, call: Callable[[_StepState], T],
+                  members: Callable[[_StepState], list[Request]], repeat: bool = True) -> tuple[_StepState, Optional[T]]:
+        """``call(state)``, so that a plugin or model failure ends only the requests it concerns.
+
+        When the call raises, it is tried for each of ``members(state)`` alone; those that
+        raise alone fail (finish reason ``error``), every one of them if none does (a failure
+        of the combination), and the call runs again for the rest. Returns the state of the
+        requests left and the call's result for them. With ``repeat`` the call must be safe
+        to repeat: the proposals, the forward pass (it rewrites the same KV rows) and
+        verification are; without it, the calls for single requests stand as the result.
+        """
+        try:
+            return state, call(state)
+        except Exception as batch_error:  # noqa: BLE001 - sorted out below, request by request
+            failing = []
+            for request in members(state):
+                try:
+                    call(state.only(lambda r: r is request))
+                except Exception as exc:  # noqa: BLE001
+                    failing.append((request, exc))
+            if not failing:
+                failing = [(request, batch_error) for request in members(state)]
+        for request, exc in failing:
+            self._fail(request, phase, exc)
+        state = state.only(lambda r: r.error is None)
+        if not state.plan.num_requests or not repeat:
+            return state, None
+        try:
+            return state, call(state)
+        except Exception as exc:  # noqa: BLE001 - fails again without the culprits: end them all
+            for request in state.plan.requests:
+                self._fail(request, phase, exc)
+            return state.only(lambda r: False), None
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -260,28 +371,67 @@ class Engine:
         return max(0, min(k, room))
 
     def step(self) -> list[Request]:
-        """Run one step for the scheduled requests; return the requests that finished."""
+        """Run one step for the scheduled requests; return the requests that finished.
+
+        Every plugin and model call runs isolated (:meth:`_isolated`): one that raises ends
+        only the requests it raises for, with finish reason ``error`` and ``Request.error``
+        saying why; the rest of the batch goes on."""
         plan = self.scheduler.schedule(self._draft_limit)
         for request in plan.exhausted:
             self._retire(request, "length")
-        if not plan.num_requests:
-            return plan.exhausted
-        decodes = plan.decodes
-        batch = ProposalBatch([
+        touched = [*plan.exhausted, *(request for request, _ in self._failed_admissions)]
+        for request, exc in self._failed_admissions:
+            self._fail(request, f"proposer '{self.spec.method}' on_request_start", exc)
+        self._failed_admissions.clear()
+        plan = plan.keeping(lambda r: not r.finished)
+        touched += plan.requests
+        if plan.num_requests:
+            self._run_step(plan)
+        return [request for request in touched if request.finished]
+
+    def _run_step(self, plan: ScheduledStep) -> None:
+        """Propose, forward, verify, accept and update for the requests of ``plan``."""
+        state = _StepState(plan, ProposalBatch([
             ProposalRequest(r.request_id, r.token_ids, r.num_prompt_tokens, room)
-            for r, room in zip(decodes, plan.draft_room)
-        ])
-        drafts = self._propose(batch, plan)
-        logits = self._forward(plan, drafts)
-        finished = list(plan.exhausted)
-        for request, rows in plan.chunks:
+            for r, room in zip(plan.decodes, plan.draft_room)
+        ]))
+        decoding = lambda s: s.plan.decodes  # noqa: E731 - the members of the decode-only phases
+        state, state.drafts = self._isolated(f"proposer '{self.spec.method}'", state,
+                                             lambda s: self._propose(s.batch, s.plan), decoding)
+        if not state.plan.num_requests:
+            return
+        state, state.logits = self._isolated("model forward", state, lambda s: self._forward(s.plan, s.drafts),
+                                             lambda s: s.plan.requests)
+        for request, rows in state.plan.chunks:
             request.context_len += rows
             self.kv.register_computed(request)
-        if decodes:
-            result = self.verifier.verify(VerifyInputs(logits, drafts, self._sampling(decodes, drafts)))
-            result = self.accept_policy.apply(result, drafts)
-            finished += self._update(decodes, batch, drafts, result)
-        return finished
+        if state.plan.decodes:
+            state.sampling = self._sampling(state.plan.decodes, state.drafts)
+            state, state.result = self._isolated(
+                f"verify strategy '{self.spec.verify_strategy}'", state,
+                lambda s: self._checked_result(self.verifier.verify(VerifyInputs(s.logits, s.drafts, s.sampling)), s),
+                decoding)
+            state, state.result = self._isolated(
+                f"accept policy '{self.spec.accept_policy}'", state,
+                lambda s: self._checked_result(self.accept_policy.apply(s.result, s.drafts), s), decoding)
+            self._update(state)
+
+    def _checked_result(self, result: VerifyResult, state: _StepState) -> VerifyResult:
+        """``result`` when it has the shapes and values of the contract, else a SpecdecError
+        (a bad token id would otherwise reach the embedding lookup next step)."""
+        drafts = state.drafts
+        shape = (drafts.batch_size, drafts.width + 1)
+        accepted = np.asarray(result.accepted_lengths)
+        tokens = np.asarray(result.output_tokens)
+        if accepted.shape != shape[:1] or tokens.shape != shape:
+            raise SpecdecError(f"returned accepted_lengths {accepted.shape} and output_tokens {tokens.shape}; "
+                               f"expected {shape[:1]} and {shape}")
+        if (accepted < 0).any() or (accepted > drafts.lengths).any():
+            raise SpecdecError("returned accepted_lengths outside [0, the draft length]")
+        emitted = np.arange(shape[1])[None, :] <= accepted[:, None]
+        if ((tokens < 0) | (tokens >= self.model_config.vocab_size))[emitted].any():
+            raise SpecdecError(f"returned token ids outside [0, {self.model_config.vocab_size})")
+        return result
 
     def _propose(self, batch: ProposalBatch, plan) -> Drafts:
         max_lens = np.fromiter((r.max_draft_len for r in batch.requests), dtype=np.int64, count=len(batch))
@@ -380,28 +530,35 @@ class Engine:
             uniforms=uniforms,
         )
 
-    def _update(self, decodes, batch, drafts, result) -> list[Request]:
+    def _update(self, state: _StepState) -> None:
         """Append each request's emitted tokens (cut at EOS and limits, for the whole batch at
-        once), move its KV length past the accepted rows, check stop strings, retire the
-        finished."""
+        once), move its KV length past the accepted rows, check stop strings, tell the
+        proposer, retire the finished."""
+        decodes, drafts, result = state.plan.decodes, state.drafts, state.result
         accepted = result.accepted_lengths
         counts, reasons = self._emitted_counts(decodes, result.output_tokens, accepted)
         self.acceptance.record([r.request_id for r in decodes], drafts.classes, drafts.lengths, accepted)
-        finished, appended_per_request = [], []
+        appended_by_request = {}
         for b, request in enumerate(decodes):
-            count = int(counts[b])
-            request.context_len = request.num_tokens + int(accepted[b])
-            appended = self._append(request, result.output_tokens[b, :count], reasons[b])
-            self.kv.register_computed(request)
-            request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
-            appended_per_request.append(appended)
-            self._check_stop_strings(request)
-            if request.finished:
-                finished.append(request)
-        self.proposer.on_step(batch, appended_per_request)
-        for request in finished:
-            self._retire(request, request.finish_reason)
-        return finished
+            try:
+                count = int(counts[b])
+                request.context_len = request.num_tokens + int(accepted[b])
+                appended = self._append(request, result.output_tokens[b, :count], reasons[b])
+                self.kv.register_computed(request)
+                request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
+                appended_by_request[id(request)] = appended
+                self._check_stop_strings(request)
+            except Exception as exc:  # noqa: BLE001 - a detokenizer failure, say: this request only
+                self._fail(request, "update", exc)
+        state = state.only(lambda r: id(r) in appended_by_request and r.error is None)
+        done = [r for r in state.plan.decodes if r.finished]  # finished this step, not yet retired
+        # on_step is not safe to repeat: after a failure the calls for single requests are the update.
+        self._isolated(f"proposer '{self.spec.method}' on_step", state,
+                       lambda s: self.proposer.on_step(s.batch, [appended_by_request[id(r)] for r in s.plan.decodes]),
+                       lambda s: s.plan.decodes, repeat=False)
+        for request in done:
+            if request.error is None:
+                self._retire(request, request.finish_reason)
 
     def _emitted_counts(self, decodes, output_tokens: np.ndarray, accepted: np.ndarray):
         """How many of each request's ``accepted + 1`` output tokens it keeps, and why it stops

@@ -27,6 +27,8 @@ class RequestOutput:
     metrics: SpecMetrics
     #: Seconds from arrival to the first generated token (prefill included); not in to_dict().
     first_token_s: float = 0.0
+    #: Why the request failed (``finish_reason`` ``error``): which phase raised what.
+    error: Optional[str] = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -35,7 +37,7 @@ class RequestOutput:
         return (self.num_generated_tokens - 1) / decode_time if decode_time > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "prompt": self.prompt,
             "text": self.text,
             "token_ids": self.token_ids,
@@ -45,6 +47,9 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.to_dict(),
         }
+        if self.error is not None:
+            data["error"] = self.error
+        return data
 
 
 @attrs.define(slots=True, eq=False)
@@ -76,7 +81,10 @@ class Request:
     started: bool = False
     #: Times the request lost its KV cache to make room, and was recomputed.
     num_preemptions: int = 0
+    #: ``stop``, ``length``, ``abort``, or ``error`` (then ``error`` says why); None while running.
     finish_reason: Optional[str] = None
+    #: Why the request failed: the phase of the step and the exception it raised.
+    error: Optional[str] = None
     text: str = ""
     metrics: SpecMetrics = attrs.field(factory=SpecMetrics)
     finish_time: float = 0.0
@@ -119,4 +127,5 @@ class Request:
             finish_reason=self.finish_reason or "",
             metrics=self.metrics,
             first_token_s=(self.first_token_time - self.arrival_time) if self.first_token_time else 0.0,
+            error=self.error,
         )

@@ -49,6 +49,18 @@ class ScheduledStep:
     def num_requests(self) -> int:
         return len(self.decodes) + len(self.chunks)
 
+    @property
+    def requests(self) -> list[Request]:
+        """Every request that feeds rows this step: the decodes, then the prefill chunks."""
+        return [*self.decodes, *(request for request, _ in self.chunks)]
+
+    def keeping(self, keep: Callable[[Request], bool]) -> "ScheduledStep":
+        """The same step without the requests ``keep`` refuses (failed ones)."""
+        kept = [i for i, request in enumerate(self.decodes) if keep(request)]
+        return ScheduledStep(decodes=[self.decodes[i] for i in kept], draft_room=[self.draft_room[i] for i in kept],
+                             chunks=[(r, rows) for r, rows in self.chunks if keep(r)],
+                             preempted=self.preempted, exhausted=self.exhausted)
+
 
 class Scheduler:
     """Owns the waiting queue and the running batch; see the module docstring."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import time
 import typing
@@ -38,6 +39,8 @@ from .protocol import (
     ModelList,
 )
 from .responses import ChatShape, CompletionShape, Shape, event_stream, sse_events
+
+logger = logging.getLogger("specdec.server")
 
 #: The request model of each endpoint (for did-you-mean on unknown fields).
 _BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
@@ -88,7 +91,10 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        # The exception's text is for the log: it may hold internals, and it is no help to a client.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return await api_error(request, APIError(500, "internal error; the server log has the details",
+                                                 code="internal_error"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -138,23 +144,27 @@ class _Handlers:
     async def completion(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = await asyncio.to_thread(self.engine_loop.tokenizer.encode, body.prompt)
+            prompt_ids = await _tokenize("prompt", self.engine_loop.tokenizer.encode, body.prompt)
         else:
             prompt_ids = body.prompt
-        sampling = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS, self.engine_loop.num_speculative_tokens)
+        # Without max_tokens a completion gets OpenAI's 16 tokens, or what room the context has.
+        default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, self._room(prompt_ids))
+        sampling = body.sampling_params(default_max_tokens, self.engine_loop.num_speculative_tokens)
         return await self._generate(body, request, prompt_ids, sampling, CompletionShape(self.model_name))
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self._check_model(body.model)
         body.resolve_max_tokens()
         messages = [message.to_template() for message in body.messages]
-        try:
-            prompt_ids = await asyncio.to_thread(self.engine_loop.tokenizer.encode_chat, messages)
-        except SpecdecError as exc:  # no chat template, or the template rejected the messages
-            raise APIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
-        room = max(1, self.engine_loop.max_model_len - len(prompt_ids))
-        sampling = body.sampling_params(room, self.engine_loop.num_speculative_tokens)
+        prompt_ids = await _tokenize("messages", self.engine_loop.tokenizer.encode_chat, messages)
+        # Without max_tokens the answer may run to the end of the context.
+        sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens)
         return await self._generate(body, request, prompt_ids, sampling, ChatShape(self.model_name))
+
+    def _room(self, prompt_ids) -> int:
+        """The most tokens the context has room for after the prompt (at least 1: a prompt that
+        fills the context is refused by the engine, with its own message)."""
+        return max(1, self.engine_loop.max_model_len - len(prompt_ids))
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -185,15 +195,30 @@ class _Handlers:
         try:
             await stream.admitted()
         except RequestRejected as exc:
-            too_long = len(prompt_ids) >= self.engine_loop.max_model_len
-            raise APIError(400, str(exc), param=prompt_param,
-                           code="context_length_exceeded" if too_long else "invalid_value") from None
+            param = exc.param or "prompt"
+            message = str(exc)
+            if param == "prompt" and prompt_param != "prompt":  # a chat's prompt is its messages
+                param, message = prompt_param, prompt_param + message[len("prompt"):]
+            raise APIError(400, message, param=param, code=exc.code or "invalid_value") from None
         except EngineStopped as exc:
             raise APIError(503, str(exc), code="unavailable") from None
         except asyncio.CancelledError:
             stream.abort()
             raise
         return stream
+
+
+async def _tokenize(param: str, encode, text):
+    """``encode(text)`` in a worker thread; a tokenizer or chat-template failure is a 400
+    naming ``param`` (the exception's text goes to the log, not to the client)."""
+    try:
+        return await asyncio.to_thread(encode, text)
+    except SpecdecError as exc:  # no chat template, or the template rejected the messages
+        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the tokenizer chokes on is the input's fault
+        logger.warning("tokenizing %s failed", param, exc_info=exc)
+        raise APIError(400, f"{param}: the tokenizer cannot encode this text", param=param,
+                       code="invalid_value") from None
 
 
 async def _wait_final(stream: RequestStream, request: Request) -> Optional[Finished]:

@@ -23,11 +23,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
-from ..errors import SpecdecError
+from ..errors import RequestError, SpecdecError
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams
 
 logger = logging.getLogger("specdec.server")
+
+#: What a client is told when the engine failed on its request; the log has the exception.
+ENGINE_ERROR_MESSAGE = "the engine failed while running this request; the server log has the details"
 
 
 class QueueFull(SpecdecError):
@@ -35,7 +38,15 @@ class QueueFull(SpecdecError):
 
 
 class RequestRejected(SpecdecError):
-    """The engine refused the request (a prompt that does not fit the context, say)."""
+    """The engine refused the request (a prompt that does not fit the context, say).
+
+    ``param`` and ``code`` are those of the engine's :class:`~specdec.errors.RequestError`
+    (None for another refusal)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class EngineStopped(SpecdecError):
@@ -54,9 +65,12 @@ class Admitted:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """The engine refused the request; ``message`` is one line for the client."""
+    """The engine refused the request; ``message`` is one line for the client, ``param`` the
+    field it is about and ``code`` the OpenAI error code, when the engine named them."""
 
     message: str
+    param: Optional[str] = None
+    code: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +86,9 @@ class Finished:
     """The end of a request: the text not yet sent, and the final counts.
 
     ``finish_reason`` is ``stop`` (EOS or a stop string), ``length`` (max_tokens or the end of
-    the context), or ``abort`` (cancelled, or the server shut down). ``error`` is set when the
-    engine failed while running the request.
+    the context), ``abort`` (cancelled, or the server shut down), or ``error``: the engine
+    failed while running the request, and ``error`` says so in one line for the client (the
+    details, exception included, go to the server log only).
     """
 
     text: str
@@ -122,7 +137,7 @@ class RequestStream:
         event = await self._queue.get()
         if isinstance(event, Rejected):
             self.finished = True
-            raise RequestRejected(event.message)
+            raise RequestRejected(event.message, event.param, event.code)
         if isinstance(event, Finished):  # stopped before it started (shutdown)
             self.finished = True
             raise EngineStopped(event.error or "the server is shutting down")
@@ -294,9 +309,9 @@ class EngineLoop:
                     continue
                 try:
                     engine.step()
-                except Exception as exc:  # an engine bug: fail what is running, keep serving
+                except Exception:  # an engine bug outside any request's phases: fail what runs, keep serving
                     logger.exception("engine step failed")
-                    self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+                    self._fail_all(ENGINE_ERROR_MESSAGE)
                     continue
                 self._publish()
         except Exception:  # pragma: no cover - a bug in this loop itself
@@ -328,11 +343,16 @@ class EngineLoop:
         request_id = tracked.stream.request_id
         try:
             request = self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id)
+        except RequestError as exc:  # the app answers 400 (and counts it)
+            self._release()
+            tracked.send(Rejected(_one_line(exc), exc.param, exc.code))
+            return
         except Exception as exc:  # noqa: BLE001 - whatever the engine refuses, the loop goes on
             if not isinstance(exc, SpecdecError):
                 logger.exception("add_request failed")
             self._release()
-            tracked.send(Rejected(_one_line(exc)))  # the app answers 400 (and counts it)
+            tracked.send(Rejected(_one_line(exc) if isinstance(exc, SpecdecError) else
+                                  "the request could not be added (see the server log)"))
             return
         tracked.request = request
         self._tracked[request_id] = tracked
@@ -357,8 +377,9 @@ class EngineLoop:
             self._record_progress(tracked, request, now)
             if request.finished:
                 text = request.text[tracked.emitted_chars:]
+                error = ENGINE_ERROR_MESSAGE if request.finish_reason == "error" else None
                 tracked.send(Finished(text, request.num_generated, request.num_prompt_tokens,
-                                      request.finish_reason, _copy(request.metrics)))
+                                      request.finish_reason, _copy(request.metrics), error))
                 self._record_finish(tracked, request, now)
                 done.append(request_id)
                 continue
@@ -416,6 +437,8 @@ class EngineLoop:
         error_message = message if error else None
         for request_id, tracked in list(self._tracked.items()):
             request = tracked.request
+            if error:
+                request.finish_reason = "error"
             tracked.send(Finished(request.text[tracked.emitted_chars:], request.num_generated,
                                   request.num_prompt_tokens, request.finish_reason or "abort",
                                   _copy(request.metrics), error_message))

@@ -50,7 +50,7 @@ class ServerMetrics:
             metric = Gauge(PREFIX + name, doc, labels, registry=self.registry)
             metric.labels(model_name).set_function(function)
 
-        self._requests = counter("requests", "Requests finished, by finish reason (stop, length, abort).",
+        self._requests = counter("requests", "Requests finished, by finish reason (stop, length, abort, error).",
                                  ["finish_reason"])
         self._rejected = counter("requests_rejected", "Requests refused with an HTTP error, by status code.",
                                  ["status"])

@@ -8,11 +8,23 @@ did-you-mean), and a value must have the field's type (``"5"`` is no int, ``2.0`
   this request, a smaller k limits it. Validated with the config's strict converter.
 - ``ignore_eos``: generate past EOS (as vLLM has it), for benchmarks and exact token counts.
 
+Every other field of the OpenAI request schemas is accepted at its default value (``null``,
+or the value OpenAI documents as the default: ``presence_penalty: 0``, ``logit_bias: {}``,
+``tools: []``, ...), because common clients send them on every request; any other value is a 400
+naming the field (``unsupported_value``), since specdec would ignore it. ``UNSUPPORTED_FIELDS``
+lists them.
+
+The sampling values (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``)
+are checked by :class:`specdec.SamplingParams` and the engine, the same rules as the CLI and
+the Python API. Text fields must be valid Unicode (JSON's ``\\ud800`` escapes can make a lone
+surrogate, which no tokenizer can encode).
+
 Responses carry the speculative figures of each request in ``usage.speculative``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal, Optional
 
@@ -20,7 +32,7 @@ import attrs
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import MAX_SPECULATIVE_TOKENS, describe, in_range, structure
-from ..errors import ConfigError
+from ..errors import ConfigError, RequestError
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams
 from .errors import APIError
@@ -31,6 +43,76 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def check_text(value: str) -> str:
+    """``value`` when it is valid Unicode, else ValueError naming where (a lone surrogate)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return value
+
+
+#: Fields of the OpenAI request schemas that specdec does not act on, with the values it
+#: accepts for them: the defaults (``None``, JSON null, is always accepted). Any other value is
+#: a 400 ``unsupported_value`` naming the field.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),  # completions: an int or null; chat: a bool
+    "top_logprobs": (0,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # without tools, "auto" means no tool call either
+    "parallel_tool_calls": (True, False),  # no effect without tools
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "verbosity": (),
+    "store": (False,),
+}
+#: Fields that only describe the request to the provider (tracking, caching, routing hints):
+#: accepted with any value of their type, with no effect on the output.
+INFORMATIONAL_FIELDS = ("user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
+
+
+#: The same for the fields of a chat message.
+MESSAGE_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tool_calls": ([],),
+    "tool_call_id": (),
+    "function_call": (),
+    "audio": (),
+}
+
+
+def _check_default(param: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    """A 400 ``unsupported_value`` naming ``param`` unless ``value`` is one of its defaults."""
+    if not _is_default(value, allowed):
+        accepted = " or ".join(["null", *(json.dumps(v) for v in allowed)])
+        raise APIError(400, f"{param}: not supported by this server; accepted only at its default "
+                            f"({accepted}), got {describe(value)}", param=param, code="unsupported_value")
+
+
+def _is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """``value`` is null or one of ``allowed``, of the same JSON type (``false`` is not ``0``)."""
+    if value is None:
+        return True
+    for default in allowed:
+        numbers = isinstance(default, (int, float)) and not isinstance(default, bool)
+        same_type = (isinstance(value, (int, float)) and not isinstance(value, bool)) if numbers \
+            else type(value) is type(default)
+        if same_type and value == default:
+            return True
+    return False
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -52,29 +134,43 @@ class RequestSpeculation:
 
 
 class GenerationRequest(_Strict):
-    """The fields both endpoints share."""
+    """The fields both endpoints share (the bounds of the sampling values are
+    :class:`~specdec.SamplingParams`' and the engine's)."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=0)
-    temperature: Optional[float] = Field(None, ge=0)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1)
-    seed: Optional[int] = Field(None, ge=0, lt=2 ** 64)
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
     stop: Optional[Any] = None
     n: Optional[int] = Field(None, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
     ignore_eos: bool = False
     speculative: Optional[dict[str, Any]] = None
+    # Informational: any value of the type is fine.
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    # Accepted at their defaults only (UNSUPPORTED_FIELDS): checked in sampling_params().
+    frequency_penalty: Optional[Any] = None
+    presence_penalty: Optional[Any] = None
+    logit_bias: Optional[Any] = None
+    logprobs: Optional[Any] = None
+    store: Optional[Any] = None
 
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
+        if value is None:
             return value
+        if isinstance(value, str):
+            return check_text(value)
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return value
+            return [check_text(s) for s in value]
         raise ValueError(f"expected a string or a list of strings, got {describe(value)}")
 
     @property
@@ -91,6 +187,7 @@ class GenerationRequest(_Strict):
             raise APIError(400, f"n: only n=1 is supported, got {self.n}", param="n", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
+        self._check_unsupported_fields()
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         stop = () if self.stop is None else self.stop
         try:
@@ -98,14 +195,21 @@ class GenerationRequest(_Strict):
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k in (None, -1) else self.top_k,
+                top_k=0 if self.top_k is None else self.top_k,
                 seed=self.seed,
                 stop=stop,
                 ignore_eos=self.ignore_eos,
                 num_speculative_tokens=self._num_speculative_tokens(max_speculative_tokens),
             )
-        except ValueError as exc:  # pragma: no cover - the field constraints above catch these
-            raise APIError(400, str(exc)) from None
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+
+    def _check_unsupported_fields(self) -> None:
+        for name, allowed in UNSUPPORTED_FIELDS.items():
+            if name in type(self).model_fields:
+                _check_default(name, getattr(self, name), allowed)
+        for i, message in enumerate(getattr(self, "messages", ())):
+            message.check_unsupported_fields(i)
 
     def _num_speculative_tokens(self, server_k: int) -> Optional[int]:
         if self.speculative is None:
@@ -126,6 +230,9 @@ class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is a string, or a list of token ids (one prompt)."""
 
     prompt: Any
+    best_of: Optional[Any] = None
+    echo: Optional[Any] = None
+    suffix: Optional[Any] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -133,7 +240,7 @@ class CompletionRequest(GenerationRequest):
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
             value = value[0]  # a batch of one
         if isinstance(value, str):
-            return value
+            return check_text(value)
         if isinstance(value, list) and value and all(type(t) is int for t in value):
             return value
         if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
@@ -148,21 +255,39 @@ class ChatMessage(_Strict):
     role: str
     content: Optional[Any] = None
     name: Optional[str] = None
+    refusal: Optional[str] = None
+    # Tool use and audio, which specdec does not do: accepted at their defaults only.
+    tool_calls: Optional[Any] = None
+    tool_call_id: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+
+    @field_validator("role", "name", "refusal")
+    @classmethod
+    def _check_unicode(cls, value: Optional[str]) -> Optional[str]:
+        return value if value is None else check_text(value)
 
     @field_validator("content", mode="before")
     @classmethod
     def _check_content(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
+        if value is None:
             return value
+        if isinstance(value, str):
+            return check_text(value)
         if isinstance(value, list):
             texts = []
             for i, part in enumerate(value):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError(f"part {i}: only text parts are supported: "
                                      '{"type": "text", "text": "..."}')
-                texts.append(part["text"])
+                texts.append(check_text(part["text"]))
             return "".join(texts)
         raise ValueError(f"expected a string or a list of text parts, got {describe(value)}")
+
+    def check_unsupported_fields(self, index: int) -> None:
+        """A 400 naming ``messages[index].<field>`` for a tool-use or audio field that is set."""
+        for name, allowed in MESSAGE_UNSUPPORTED_FIELDS.items():
+            _check_default(f"messages[{index}].{name}", getattr(self, name), allowed)
 
     def to_template(self) -> dict:
         """The message as the chat template takes it."""
@@ -177,7 +302,20 @@ class ChatCompletionRequest(GenerationRequest):
     ``max_tokens``; without either, the answer may run to the end of the context."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = None
+    top_logprobs: Optional[Any] = None
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[Any] = None
+    modalities: Optional[Any] = None
+    audio: Optional[Any] = None
+    prediction: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    verbosity: Optional[Any] = None
 
     def resolve_max_tokens(self) -> None:
         """Fold ``max_completion_tokens`` into ``max_tokens``."""

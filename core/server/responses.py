@@ -139,7 +139,9 @@ def _sse(chunk: BaseModel) -> str:
 
 
 def _sse_error(message: str) -> str:
-    return f"data: {json.dumps(APIError(500, message).body())}\n\n"
+    """The error event that ends a stream whose request failed in the engine (a client cannot
+    get a 500 once the 200 and the first chunks are sent)."""
+    return f"data: {json.dumps(APIError(500, message, code='engine_error').body())}\n\n"
 
 
 def usage_of(final: Finished) -> Usage:

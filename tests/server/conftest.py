@@ -12,49 +12,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
-from server_harness import (API_KEY, MAX_NUM_SEQS, MAX_PENDING, MAX_TOKENS, MODEL_NAME, PROMPT, SPECULATIVE,
-                            RunningServer, require_model)
+from server_harness import MAX_TOKENS, PROMPT, SPECULATIVE, require_model, running_server
 
 
 @pytest.fixture(scope="session")
 def server():
     """The real model behind a real HTTP server on a free loopback port (one per session)."""
-    require_model()
-    import uvicorn
-
-    from specdec.config import build_engine_config
-    from specdec.engine import Engine
-    from specdec.plugin_manager import get_plugins
-    from specdec.server import EngineLoop, build_app
-    from specdec.server.serve import Server, bind_socket
-
-    plugins = get_plugins()
-    config = build_engine_config(None, {"max_num_seqs": MAX_NUM_SEQS}, SPECULATIVE, plugins)
-    engine = Engine(config, plugins=plugins, progress=False)
-    engine_loop = EngineLoop(engine, max_pending=MAX_PENDING)
-    app = build_app(engine_loop, served_model_name=MODEL_NAME, api_key=API_KEY)
-    sock = bind_socket("127.0.0.1", 0)
-    host, port = sock.getsockname()[:2]
-    uvicorn_server = Server(uvicorn.Config(app, log_config=None), engine_loop, drain_timeout=1.0)
-    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, name="test-uvicorn",
-                              daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uvicorn_server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            pytest.fail("the test server did not start")
-        time.sleep(0.02)
-    running = RunningServer(f"http://{host}:{port}", engine_loop, uvicorn_server)
-    yield running
-    running.http.close()
-    uvicorn_server.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive(), "the test server did not shut down"
-    assert not engine_loop.running, "the engine loop outlived the server"
+    with running_server(SPECULATIVE) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

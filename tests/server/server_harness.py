@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import threading
 import time
+from typing import Iterator
 
 import httpx
 import pytest
@@ -76,3 +79,44 @@ class RunningServer:
             if time.monotonic() > deadline:
                 pytest.fail(f"the server did not become idle within {timeout} s: {health}")
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running_server(speculative: dict, *, max_num_seqs: int = MAX_NUM_SEQS, max_pending: int = MAX_PENDING,
+                   api_key: str = API_KEY) -> Iterator[RunningServer]:
+    """The real default model behind a real HTTP server (uvicorn in a background thread) on a
+    free loopback port, with ``speculative`` as its ``--speculative-config``."""
+    require_model()
+    import uvicorn
+
+    from specdec.config import build_engine_config
+    from specdec.engine import Engine
+    from specdec.plugin_manager import get_plugins
+    from specdec.server import EngineLoop, build_app
+    from specdec.server.serve import Server, bind_socket
+
+    plugins = get_plugins()
+    config = build_engine_config(None, {"max_num_seqs": max_num_seqs}, speculative, plugins)
+    engine = Engine(config, plugins=plugins, progress=False)
+    engine_loop = EngineLoop(engine, max_pending=max_pending)
+    app = build_app(engine_loop, served_model_name=MODEL_NAME, api_key=api_key)
+    sock = bind_socket("127.0.0.1", 0)
+    host, port = sock.getsockname()[:2]
+    uvicorn_server = Server(uvicorn.Config(app, log_config=None), engine_loop, drain_timeout=1.0)
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, name="test-uvicorn",
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uvicorn_server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            pytest.fail("the test server did not start")
+        time.sleep(0.02)
+    running = RunningServer(f"http://{host}:{port}", engine_loop, uvicorn_server)
+    try:
+        yield running
+    finally:
+        running.http.close()
+        uvicorn_server.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive(), "the test server did not shut down"
+    assert not engine_loop.running, "the engine loop outlived the server"

@@ -9,7 +9,9 @@ import time
 
 import httpx
 import pytest
-from server_harness import API_KEY, MODEL_NAME, PROMPT
+from server_harness import API_KEY, MODEL_NAME
+
+from specdec.workloads import code_edit_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +25,8 @@ class Case:
 
     def __init__(self, name, status, param=None, code=None, *, path="/v1/completions", json=None, content=None,
                  headers=None, method="POST", message=None):
+        if json is not None and "max_tokens" in json and json["max_tokens"] is None:
+            json = {k: v for k, v in json.items() if k != "max_tokens"}
         self.name, self.status, self.param, self.code = name, status, param, code
         self.path, self.json, self.content, self.method, self.message = path, json, content, method, message
         self.headers = {"Authorization": f"Bearer {API_KEY}", **(headers or {})}
@@ -36,10 +40,21 @@ def chat(**fields):
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **fields}
 
 
+def raw(text: str) -> dict:
+    """A body written as JSON text (NaN, Infinity and lone surrogates, which json= cannot send)."""
+    return {"content": text.encode(), "headers": {"Content-Type": "application/json"}}
+
+
+def raw_completion(fields: str) -> dict:
+    return raw(f'{{"model": "{MODEL_NAME}", "prompt": "Hello", "max_tokens": 4, {fields}}}')
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
 CHAT = "/v1/chat/completions"
 CASES = [
     Case("negative max_tokens", 400, "max_tokens", "invalid_value", json=completion(max_tokens=-1),
-         message="max_tokens: must be >= 0, got -1"),
+         message="max_tokens: must be an integer >= 1, got -1"),
     Case("temperature below 0", 400, "temperature", "invalid_value", json=chat(temperature=-0.5), path=CHAT),
     Case("top_p above 1", 400, "top_p", "invalid_value", json=completion(top_p=1.5)),
     Case("negative seed", 400, "seed", "invalid_value", json=completion(seed=-1)),
@@ -74,6 +89,74 @@ CASES = [
          json=completion(speculative={"num_speculative_tokens": 9})),
     Case("speculative: negative k", 400, "speculative.num_speculative_tokens", "invalid_value",
          json=chat(speculative={"num_speculative_tokens": -1}), path=CHAT),
+    # Sampling values: SamplingParams' bounds, then the engine's (vocabulary, stop limits, context).
+    Case("top_k 2**63", 400, "top_k", "invalid_value", json=completion(top_k=2**63)),
+    Case("top_k 1e30", 400, "top_k", "invalid_type", json=completion(top_k=1e30)),
+    Case("top_k above the vocabulary", 400, "top_k", "invalid_value", json=completion(top_k=49153)),
+    Case("top_k -2", 400, "top_k", "invalid_value", json=completion(top_k=-2)),
+    Case("temperature NaN", 400, "temperature", "invalid_value", **raw_completion('"temperature": NaN')),
+    Case("temperature Infinity", 400, "temperature", "invalid_value", **raw_completion('"temperature": Infinity')),
+    Case("temperature -Infinity", 400, "temperature", "invalid_value",
+         **raw_completion('"temperature": -Infinity')),
+    Case("temperature 1e-40", 400, "temperature", "invalid_value", json=completion(temperature=1e-40)),
+    Case("temperature 1000", 400, "temperature", "invalid_value", json=chat(temperature=1000), path=CHAT),
+    Case("temperature a string", 400, "temperature", "invalid_type", json=completion(temperature="hot")),
+    Case("top_p 0", 400, "top_p", "invalid_value", json=completion(top_p=0)),
+    Case("top_p NaN", 400, "top_p", "invalid_value", **raw_completion('"top_p": NaN')),
+    Case("seed 2**64", 400, "seed", "invalid_value", json=completion(seed=2**64)),
+    Case("seed a float", 400, "seed", "invalid_type", json=completion(seed=1.5)),
+    Case("empty stop string", 400, "stop", "invalid_value", json=completion(stop=[""])),
+    Case("empty stop", 400, "stop", "invalid_value", json=chat(stop=""), path=CHAT),
+    Case("17 stop strings", 400, "stop", "invalid_value", json=completion(stop=[f"s{i}" for i in range(17)])),
+    Case("257-character stop", 400, "stop", "invalid_value", json=completion(stop=["x" * 257])),
+    Case("200k stop strings", 400, "stop", "invalid_value", json=completion(stop=["ab"] * 200_000)),
+    Case("stop of ints", 400, "stop", "invalid_value", json=completion(stop=[1])),
+    Case("max_tokens 1e30", 400, "max_tokens", "invalid_type", json=completion(max_tokens=1e30)),
+    Case("max_tokens 10**30", 400, "max_tokens", "context_length_exceeded", json=completion(max_tokens=10**30)),
+    Case("max_tokens 0", 400, "max_tokens", "invalid_value", json=completion(max_tokens=0)),
+    Case("prompt + max_tokens over the context", 400, "max_tokens", "context_length_exceeded",
+         json=completion(max_tokens=8192)),
+    Case("chat + max_completion_tokens over the context", 400, "max_tokens", "context_length_exceeded",
+         json=chat(max_tokens=None, max_completion_tokens=9000), path=CHAT),
+    # Text that is no valid Unicode (a lone surrogate from a JSON escape), token ids out of range.
+    Case("surrogate in the prompt", 400, "prompt", "invalid_value",
+         **raw(f'{{"model": "{MODEL_NAME}", "prompt": "a\\ud800b", "max_tokens": 4}}')),
+    Case("surrogate in a message", 400, "messages[0].content", "invalid_value", path=CHAT,
+         **raw(f'{{"model": "{MODEL_NAME}", "messages": [{{"role": "user", "content": "a\\udfffb"}}]}}')),
+    Case("surrogate in a stop string", 400, "stop", "invalid_value", **raw_completion('"stop": ["\\ud800"]')),
+    Case("token id above the vocabulary", 400, "prompt", "invalid_value", json=completion(prompt=[1, 49152])),
+    Case("token id 2**70", 400, "prompt", "invalid_value", json=completion(prompt=[1, 2**70])),
+    Case("negative token id", 400, "prompt", "invalid_value", json=completion(prompt=[-1])),
+    Case("empty prompt", 400, "prompt", "invalid_value", json=completion(prompt="")),
+    Case("empty token list", 400, "prompt", "invalid_value", json=completion(prompt=[])),
+    Case("n 0", 400, "n", "invalid_value", json=completion(n=0)),
+    Case("role not a string", 400, "messages[0].role", "invalid_type", path=CHAT,
+         json=chat(messages=[{"role": 5, "content": "hi"}])),
+    Case("image part", 400, "messages[0].content", "invalid_value", path=CHAT,
+         json=chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),
+    Case("speculative not an object", 400, "speculative", "invalid_type", json=completion(speculative="x")),
+    Case("include_usage not a bool", 400, "stream_options.include_usage", "invalid_type",
+         json=completion(stream=True, stream_options={"include_usage": "yes"})),
+    Case("user not a string", 400, "user", "invalid_type", json=completion(user=5)),
+    # OpenAI fields specdec does not act on: accepted at their defaults only.
+    Case("presence_penalty 0.5", 400, "presence_penalty", "unsupported_value", json=completion(presence_penalty=0.5)),
+    Case("frequency_penalty 1", 400, "frequency_penalty", "unsupported_value", path=CHAT,
+         json=chat(frequency_penalty=1)),
+    Case("presence_penalty false", 400, "presence_penalty", "unsupported_value",
+         json=completion(presence_penalty=False)),
+    Case("logit_bias", 400, "logit_bias", "unsupported_value", json=completion(logit_bias={"1": 5})),
+    Case("completion logprobs", 400, "logprobs", "unsupported_value", json=completion(logprobs=2)),
+    Case("chat logprobs", 400, "logprobs", "unsupported_value", path=CHAT, json=chat(logprobs=True)),
+    Case("best_of 2", 400, "best_of", "unsupported_value", json=completion(best_of=2)),
+    Case("echo", 400, "echo", "unsupported_value", json=completion(echo=True)),
+    Case("suffix", 400, "suffix", "unsupported_value", json=completion(suffix="}")),
+    Case("tools", 400, "tools", "unsupported_value", path=CHAT, json=chat(tools=[TOOL])),
+    Case("tool_choice required", 400, "tool_choice", "unsupported_value", path=CHAT,
+         json=chat(tool_choice="required")),
+    Case("response_format json", 400, "response_format", "unsupported_value", path=CHAT,
+         json=chat(response_format={"type": "json_object"})),
+    Case("message tool_calls", 400, "messages[0].tool_calls", "unsupported_value", path=CHAT,
+         json=chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])),
     Case("unknown model", 404, "model", "model_not_found", json=completion(model="gpt-4")),
     Case("unknown route", 404, path="/v1/embeddings", json={}),
     Case("missing API key", 401, None, "invalid_api_key", json=completion(), headers={"Authorization": ""}),
@@ -114,56 +197,79 @@ def _check_error(response: httpx.Response, case: Case) -> list[str]:
     return problems
 
 
-def _stream(server, out: dict, first_chunk: threading.Event) -> None:
-    """A greedy streaming chat request, run in a thread; its chunks go to ``out``."""
-    chunks = []
+#: The requests that stream while the bad ones are sent: two chats, two completions.
+STREAM_PROMPTS = [code_edit_prompts(5)[i] for i in (2, 0, 1, 3)]
+
+
+def _stream_kwargs(i: int) -> dict:
+    common = dict(model=MODEL_NAME, max_tokens=STREAM_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    if i % 2 == 0:
+        return dict(common, messages=[{"role": "user", "content": STREAM_PROMPTS[i]}])
+    return dict(common, prompt=STREAM_PROMPTS[i])
+
+
+def _solo_text(server, i: int) -> str:
+    client = server.openai()
+    if i % 2 == 0:
+        return client.chat.completions.create(**_stream_kwargs(i)).choices[0].message.content
+    return client.completions.create(**_stream_kwargs(i)).choices[0].text
+
+
+def _stream(server, i: int, out: dict, first_chunk: threading.Event) -> None:
+    """Stream request ``i``, run in a thread; its text, finish reason and usage go to ``out``."""
+    texts, finish, usage = [], None, None
     try:
-        stream = server.openai().chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=STREAM_TOKENS,
-            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        for chunk in stream:
-            chunks.append(chunk)
-            if chunk.choices and chunk.choices[0].delta.content:
-                first_chunk.set()
+        client = server.openai()
+        create = client.chat.completions.create if i % 2 == 0 else client.completions.create
+        for chunk in create(**_stream_kwargs(i), stream=True, stream_options={"include_usage": True}):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text = choice.delta.content if i % 2 == 0 else choice.text
+                if text:
+                    texts.append(text)
+                    first_chunk.set()
+                finish = choice.finish_reason or finish
     except Exception as exc:  # reported by the test
         out["error"] = exc
     finally:
         first_chunk.set()
-        out["chunks"] = chunks
+        out.update(text="".join(texts), finish_reason=finish, usage=usage)
 
 
-def test_errors_leave_a_running_stream_undisturbed(server):
-    alone = server.openai().chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=STREAM_TOKENS, temperature=0,
-        extra_body={"ignore_eos": True})
+def test_bad_input_leaves_running_streams_undisturbed(server):
+    """Every bad request gets its 4xx in the OpenAI schema while four streams run; the streams
+    then hold exactly the text they give alone."""
+    assert len(CASES) >= 49
+    alone = [_solo_text(server, i) for i in range(len(STREAM_PROMPTS))]
     rejected_before = server.metrics()
 
-    out, first_chunk = {}, threading.Event()
-    thread = threading.Thread(target=_stream, args=(server, out, first_chunk))
-    thread.start()
-    assert first_chunk.wait(120), "the stream produced nothing"
+    outs = [{} for _ in STREAM_PROMPTS]
+    started = [threading.Event() for _ in STREAM_PROMPTS]
+    threads = [threading.Thread(target=_stream, args=(server, i, outs[i], started[i]))
+               for i in range(len(STREAM_PROMPTS))]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(120) for event in started), "a stream produced nothing"
     problems = []
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for case in CASES:
             problems += _check_error(_send(http, case), case)
-        # The bounded queue: with room for one request only, the next one is refused.
-        assert server.health()["num_pending"] == 1, "the stream ended before the error cases ran"
-        saved, server.engine_loop.max_pending = server.engine_loop.max_pending, 1
+        # The bounded queue: with room for the streams only, the next request is refused.
+        assert server.health()["num_pending"] == len(STREAM_PROMPTS), "a stream ended before the error cases ran"
+        saved, server.engine_loop.max_pending = server.engine_loop.max_pending, len(STREAM_PROMPTS)
         try:
             full = Case("queue full", 503, None, "queue_full", json=completion())
             problems += _check_error(_send(http, full), full)
         finally:
             server.engine_loop.max_pending = saved
-    thread.join(300)
+    for thread in threads:
+        thread.join(300)
     assert not problems, "\n".join(problems)
-    assert "error" not in out, out.get("error")
-
-    *content, usage_chunk = out["chunks"]
-    text = "".join(c.choices[0].delta.content or "" for c in content)
-    assert text == alone.choices[0].message.content
-    assert content[-1].choices[0].finish_reason == "length"
-    assert usage_chunk.usage.completion_tokens == STREAM_TOKENS == alone.usage.completion_tokens
-    assert usage_chunk.usage.prompt_tokens == alone.usage.prompt_tokens
+    for i, out in enumerate(outs):
+        assert "error" not in out, out.get("error")
+        assert out["text"] == alone[i], f"stream {i} differs from its solo run"
+        assert out["finish_reason"] == "length" and out["usage"].completion_tokens == STREAM_TOKENS
     server.wait_idle()
 
     after = server.metrics()
@@ -171,6 +277,22 @@ def test_errors_leave_a_running_stream_undisturbed(server):
                 for name, labels in after if name == "specdec_requests_rejected_total"}
     assert rejected.get((("status", "400"),)) == sum(c.status == 400 for c in CASES)
     assert rejected.get((("status", "401"),)) == 3 and rejected.get((("status", "503"),)) == 1
+
+
+@pytest.mark.parametrize("path, fields", [
+    ("/v1/completions", {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u-1",
+                         "logprobs": None, "best_of": 1, "echo": False, "suffix": None, "n": 1, "top_k": -1,
+                         "metadata": {"trace": "x"}, "store": False, "service_tier": "auto"}),
+    (CHAT, {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "logprobs": False,
+            "top_logprobs": 0, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+            "response_format": {"type": "text"}, "modalities": ["text"], "user": "u-2", "seed": 2**64 - 1}),
+], ids=["completions", "chat"])
+def test_openai_fields_at_their_defaults_are_accepted(server, path, fields):
+    """Clients send these on every request (the official SDKs' defaults, LangChain's, ...)."""
+    body = (completion if path != CHAT else chat)(**fields)
+    response = server.http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
 
 
 def _aborts(server) -> float:

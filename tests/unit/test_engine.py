@@ -64,10 +64,112 @@ def test_max_tokens_is_exact(model_session, spec, max_tokens):
     assert out.token_ids == longest.token_ids[:max_tokens]
 
 
-def test_max_tokens_zero(model_session):
-    [out] = model_session.run(NGRAM_GREEDY, [FRANCE], SamplingParams(max_tokens=0))
-    assert out.token_ids == [] and out.text == "" and out.finish_reason == "length"
-    assert out.metrics.num_steps == 0
+@pytest.mark.parametrize("fields, param, code", [
+    ({"top_k": 49153}, "top_k", "invalid_value"),
+    ({"top_k": 2**63}, "top_k", "invalid_value"),
+    ({"stop": tuple(f"s{i}" for i in range(17))}, "stop", "invalid_value"),
+    ({"stop": ("x" * 257,)}, "stop", "invalid_value"),
+    ({"max_tokens": 8192}, "max_tokens", "context_length_exceeded"),
+], ids=["top_k-above-vocab", "top_k-2**63", "17-stops", "long-stop", "prompt+max_tokens"])
+def test_requests_are_checked_against_the_engine(llm, fields, param, code):
+    """What SamplingParams cannot know is checked when the request is added: a one-line
+    RequestError naming the field, and nothing queued."""
+    from specdec.errors import RequestError
+
+    engine = llm.engine
+    with pytest.raises(RequestError) as info:
+        engine.add_request(llm.encode_prompt(FRANCE), SamplingParams(**fields))
+    assert (info.value.param, info.value.code) == (param, code), str(info.value)
+    assert str(info.value).startswith(f"{param}: ") and "\n" not in str(info.value)
+    assert not engine.has_unfinished()
+
+
+def test_prompt_plus_max_tokens_may_fill_the_context_exactly(llm):
+    engine = llm.engine
+    ids = llm.encode_prompt(FRANCE)
+    request = engine.add_request(ids, SamplingParams(max_tokens=engine.max_model_len - len(ids)))
+    assert engine.abort_request(request.request_id)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": 1e-40}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": 101.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": float("nan")}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"), ({"stop": ("",)}, "stop"),
+])
+def test_sampling_params_check_their_fields(fields, param):
+    from specdec.errors import RequestError
+
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**fields)
+    assert info.value.param == param and str(info.value).startswith(f"{param}: ")
+
+
+def test_sampling_params_bounds_that_pass():
+    assert SamplingParams(top_k=-1).top_k == 0  # -1 is "off", as 0 is
+    SamplingParams(temperature=1e-3, seed=2**64 - 1, max_tokens=1)
+    SamplingParams(temperature=100.0, top_p=1.0, stop=("x" * 300,))  # the engine bounds the length
+
+
+def test_a_failing_plugin_ends_only_its_own_request(model_session, monkeypatch):
+    """A proposer whose propose() or on_step() raises for one request, and a verify strategy
+    that raises for another, end those requests (finish reason ``error``, the phase named);
+    the rest of the batch finishes with exactly its solo output."""
+    engine = model_session.llm.engine
+    spec = {"method": "ngram", "min_ngram_size": 1, "adaptive_draft_length": False}
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    # The verify strategy finds its victim by a top_p no other request has (greedy ignores it).
+    victim_sampling = SamplingParams(max_tokens=24, ignore_eos=True, top_p=0.999)
+    healthy = [CODE[0], CODE[1], FRANCE]
+    solo = [model_session.run(spec, [p], sampling)[0] for p in healthy]
+
+    model_session.llm.set_speculative_config(spec)
+    proposer, verifier = engine.proposer, engine.verifier
+    real_propose, real_on_step, real_verify = proposer.propose, proposer.on_step, verifier.verify
+    victims = {}
+
+    def propose(batch):
+        if any(r.request_id == victims["propose"] and r.num_generated_tokens >= 3 for r in batch.requests):
+            raise ValueError("proposer broke")
+        return real_propose(batch)
+
+    def on_step(batch, appended):
+        if any(r.request_id == victims["on_step"] and r.num_generated_tokens >= 5 for r in batch.requests):
+            raise KeyError("on_step broke")
+        return real_on_step(batch, appended)
+
+    def verify(inputs):
+        if np.any(np.isclose(inputs.sampling.top_p, 0.999)):
+            raise OverflowError("verify broke")
+        return real_verify(inputs)
+
+    monkeypatch.setattr(proposer, "propose", propose)
+    monkeypatch.setattr(proposer, "on_step", on_step)
+    monkeypatch.setattr(verifier, "verify", verify)
+    add = lambda prompt, sp: engine.add_request(model_session.prompt_ids(prompt), sp)  # noqa: E731
+    requests = [add(healthy[0], sampling)]
+    victims["propose"] = add(CODE[2], sampling).request_id
+    requests.append(add(healthy[1], sampling))
+    victims["on_step"] = add(CODE[3], sampling).request_id
+    verify_victim = add(CODE[4], victim_sampling)
+    requests.append(add(healthy[2], sampling))
+    by_id = {r.request_id: r for r in [*engine.waiting]}
+    outputs = engine.run(by_id.values())
+
+    failed = {o.request_id: o for o in outputs if o.finish_reason == "error"}
+    assert set(failed) == {victims["propose"], victims["on_step"], verify_victim.request_id}, \
+        [(o.request_id, o.finish_reason) for o in outputs]
+    assert "proposer 'ngram' failed: ValueError: proposer broke" == failed[victims["propose"]].error
+    assert failed[victims["on_step"]].error.startswith("proposer 'ngram' on_step failed: KeyError")
+    assert failed[verify_victim.request_id].error == "verify strategy 'rejection' failed: OverflowError: verify broke"
+    for prompt, request, reference in zip(healthy, requests, solo):
+        out = request.output()
+        assert out.finish_reason == "length" and out.error is None
+        message = model_session.describe_divergence(prompt, reference.token_ids, out.token_ids,
+                                                    label="a healthy request beside failing ones")
+        assert message is None, message
+    assert sum(r.metrics.num_accepted_tokens for r in requests) > 0
+    assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks
 
 
 def _stop_string(text: str) -> str:
@@ -278,7 +380,7 @@ def test_adaptive_statistics_are_kept_per_method(model_session):
 
 def test_proposer_draft_classes_are_checked(model_session, monkeypatch):
     """A proposer's ``Drafts.classes`` must be one non-negative integer label per request:
-    anything else stops the step with a message naming the proposer."""
+    anything else ends the request with a message naming the proposer."""
     import specdec
     from specdec.errors import SpecdecError
 
@@ -294,11 +396,13 @@ def test_proposer_draft_classes_are_checked(model_session, monkeypatch):
     ids = model_session.llm.encode_prompt(CODE[0], use_chat_template=True)
     request = engine.add_request(ids, SamplingParams(max_tokens=8, ignore_eos=True))
     try:
-        with pytest.raises(SpecdecError, match="proposer 'ngram' returned draft classes that are not 1 non-negative"):
-            while not request.finished:
-                engine.step()
+        while not request.finished:
+            engine.step()
     finally:
         engine.abort_request(request.request_id)
+    assert request.finish_reason == "error"
+    assert request.error.startswith(f"proposer 'ngram' failed: {SpecdecError.__name__}: proposer 'ngram' returned "
+                                    "draft classes that are not 1 non-negative"), request.error
     assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks
 
 
