@@ -300,7 +300,7 @@ def test_load_tiny_llama_with_an_unsupported_tensor(tmp_path):
     _, size = gguf.GGML_QUANT_SIZES[qtype]
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in (("block_count", 1), ("embedding_length", 256), ("feed_forward_length", 256),
-                       ("head_count", 4), ("context_length", 64)):
+                       ("head_count", 4), ("context_length", 64), ("layer_norm_rms_eps", 1e-5)):
         getattr(writer, f"add_{key}")(value)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b"])
