@@ -351,14 +351,14 @@ class Engine:
         for request, exc in failing:
             self._fail(request, phase, exc)
         state = state.only(lambda r: r.error is None)
-        if not state.plan.num_requests or not repeat:
+        if not members(state) or not repeat:
             return state, None
         try:
             return state, call(state)
         except Exception as exc:  # noqa: BLE001 - fails again without the culprits: end them all
-            for request in state.plan.requests:
+            for request in members(state):
                 self._fail(request, phase, exc)
-            return state.only(lambda r: False), None
+            return state.only(lambda r: r.error is None), None
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -398,22 +398,26 @@ class Engine:
         decoding = lambda s: s.plan.decodes  # noqa: E731 - the members of the decode-only phases
         state, state.drafts = self._isolated(f"proposer '{self.spec.method}'", state,
                                              lambda s: self._propose(s.batch, s.plan), decoding)
-        if not state.plan.num_requests:
-            return
+        if state.drafts is None:  # every decoding request failed; prefill chunks go on
+            state.drafts = Drafts.empty(0)
         state, state.logits = self._isolated("model forward", state, lambda s: self._forward(s.plan, s.drafts),
                                              lambda s: s.plan.requests)
         for request, rows in state.plan.chunks:
             request.context_len += rows
             self.kv.register_computed(request)
+        if not state.plan.decodes:
+            return
+        state.sampling = self._sampling(state.plan.decodes, state.drafts)
+        state, state.result = self._isolated(
+            f"verify strategy '{self.spec.verify_strategy}'", state,
+            lambda s: self._checked_result(self.verifier.verify(VerifyInputs(s.logits, s.drafts, s.sampling)), s),
+            decoding)
+        if not state.plan.decodes:
+            return
+        state, state.result = self._isolated(
+            f"accept policy '{self.spec.accept_policy}'", state,
+            lambda s: self._checked_result(self.accept_policy.apply(s.result, s.drafts), s), decoding)
         if state.plan.decodes:
-            state.sampling = self._sampling(state.plan.decodes, state.drafts)
-            state, state.result = self._isolated(
-                f"verify strategy '{self.spec.verify_strategy}'", state,
-                lambda s: self._checked_result(self.verifier.verify(VerifyInputs(s.logits, s.drafts, s.sampling)), s),
-                decoding)
-            state, state.result = self._isolated(
-                f"accept policy '{self.spec.accept_policy}'", state,
-                lambda s: self._checked_result(self.accept_policy.apply(s.result, s.drafts), s), decoding)
             self._update(state)
 
     def _checked_result(self, result: VerifyResult, state: _StepState) -> VerifyResult:

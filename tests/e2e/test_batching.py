@@ -96,15 +96,21 @@ def small_pool_llm():
     return specdec.LLM(num_kv_blocks=40, block_size=16, enable_prefix_caching=False, progress=False)
 
 
-def test_preemption_keeps_outputs(model_session, small_pool_llm):
+@pytest.mark.parametrize("spec", [None, {"method": "ngram"}, {"method": "suffix"}],
+                         ids=["naive", "default ngram", "default suffix"])
+def test_preemption_keeps_outputs(model_session, small_pool_llm, spec):
+    """Preempted and recomputed requests, under the default speculative config of each method,
+    give plain decoding's tokens from a roomy pool."""
     prompts = [CODE[i][:400] for i in range(6)]  # each ~110-150 tokens + 32 new: ~6x too many for the pool
     sampling = SamplingParams(max_tokens=32, ignore_eos=True)
-    roomy = model_session.run(None, prompts, sampling, max_num_seqs=6, cache=False)
+    roomy = model_session.run(None, prompts, sampling, max_num_seqs=6)
+    small_pool_llm.set_speculative_config(spec)
     engine = small_pool_llm.engine
     requests = [engine.add_request(small_pool_llm.encode_prompt(p, use_chat_template=True), sampling, prompt=p)
                 for p in prompts]
     while engine.has_unfinished():
         engine.step()
+    small_pool_llm.set_speculative_config(None)
     assert sum(r.num_preemptions for r in requests) > 0, "the pool was meant to run out"
     _assert_same_tokens(model_session, prompts, roomy, [r.output() for r in requests], "preempted request")
     assert engine.num_free_kv_blocks == engine.num_kv_blocks

@@ -1,5 +1,7 @@
-"""Every error case returns its status and the OpenAI error schema, while a stream runs
-undisturbed; a client that goes away frees its request's KV blocks."""
+"""Every bad input returns its status and the OpenAI error schema while four streams run
+undisturbed (the table of docs/server.md, "Limits and bad input"); OpenAI fields at their
+defaults are accepted; a request the engine fails on gets ``engine_error`` and fails alone; a
+client that goes away frees its request's KV blocks."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from server_harness import API_KEY, MODEL_NAME
 
@@ -331,3 +334,41 @@ def test_a_client_gone_before_a_plain_response_frees_its_blocks(server):
     server.wait_idle(timeout=15)
     assert _aborts(server) == aborts + 1
     assert time.monotonic() - start < 15  # aborted, not run to its 2000 tokens
+
+
+def test_a_request_the_engine_fails_on_gets_engine_error_and_the_others_go_on(server, monkeypatch):
+    """A verify strategy that raises for one request (found by its top_p): that request gets a
+    500 ``engine_error`` (plain) or an error event with the code (streamed), no exception text,
+    and finish reason ``error`` in /metrics; a request beside it finishes with its solo text."""
+    verifier = server.engine_loop.engine.verifier
+    real_verify = verifier.verify
+
+    def verify(inputs):
+        if np.any(np.isclose(inputs.sampling.top_p, 0.999)):
+            raise OverflowError("Python int too large to convert to C long")
+        return real_verify(inputs)
+
+    healthy = dict(model=MODEL_NAME, prompt=STREAM_PROMPTS[1], max_tokens=STREAM_TOKENS, temperature=0,
+                   extra_body={"ignore_eos": True})
+    alone = server.openai().completions.create(**healthy).choices[0].text
+    errors_before = server.metrics().get(("specdec_requests_total", (("finish_reason", "error"),)), 0)
+    monkeypatch.setattr(verifier, "verify", verify)
+
+    out = {}
+    beside = threading.Thread(target=lambda: out.update(text=server.openai().completions.create(**healthy)
+                                                        .choices[0].text))
+    beside.start()
+    plain = server.http.post("/v1/completions", json=completion(top_p=0.999, temperature=0))
+    assert plain.status_code == 500
+    assert plain.json()["error"]["code"] == "engine_error"
+    assert "Overflow" not in plain.text and "C long" not in plain.text
+    with server.http.stream("POST", "/v1/completions", json=completion(top_p=0.999, stream=True)) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "engine_error" and error["type"] == "server_error"
+    assert "Overflow" not in error["message"]
+    beside.join(300)
+    assert out["text"] == alone
+    after = server.metrics().get(("specdec_requests_total", (("finish_reason", "error"),)), 0)
+    assert after == errors_before + 2

@@ -112,9 +112,10 @@ def test_sampling_params_bounds_that_pass():
 
 
 def test_a_failing_plugin_ends_only_its_own_request(model_session, monkeypatch):
-    """A proposer whose propose() or on_step() raises for one request, and a verify strategy
-    that raises for another, end those requests (finish reason ``error``, the phase named);
-    the rest of the batch finishes with exactly its solo output."""
+    """A proposer whose propose() or on_step() raises for one request, a verify strategy that
+    raises for another and a model forward that raises for a third end those requests (finish
+    reason ``error``, the phase named); the rest of the batch finishes with exactly its solo
+    output."""
     engine = model_session.llm.engine
     spec = {"method": "ngram", "min_ngram_size": 1, "adaptive_draft_length": False}
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -143,10 +144,21 @@ def test_a_failing_plugin_ends_only_its_own_request(model_session, monkeypatch):
             raise OverflowError("verify broke")
         return real_verify(inputs)
 
+    # The model "fails" on a token only one prompt holds: its prefill rows.
+    marker = engine.model_config.vocab_size - 1
+    real_forward = engine.model.forward
+
+    def forward(ids, meta, rows):
+        if np.any(ids == marker):
+            raise MemoryError("forward broke")
+        return real_forward(ids, meta, rows)
+
     monkeypatch.setattr(proposer, "propose", propose)
     monkeypatch.setattr(proposer, "on_step", on_step)
     monkeypatch.setattr(verifier, "verify", verify)
+    monkeypatch.setattr(engine.model, "forward", forward)
     add = lambda prompt, sp: engine.add_request(model_session.prompt_ids(prompt), sp)  # noqa: E731
+    forward_victim = engine.add_request(model_session.prompt_ids(CODE[1])[:-1] + [marker], sampling)
     requests = [add(healthy[0], sampling)]
     victims["propose"] = add(CODE[2], sampling).request_id
     requests.append(add(healthy[1], sampling))
@@ -157,11 +169,13 @@ def test_a_failing_plugin_ends_only_its_own_request(model_session, monkeypatch):
     outputs = engine.run(by_id.values())
 
     failed = {o.request_id: o for o in outputs if o.finish_reason == "error"}
-    assert set(failed) == {victims["propose"], victims["on_step"], verify_victim.request_id}, \
+    assert set(failed) == {victims["propose"], victims["on_step"], verify_victim.request_id,
+                           forward_victim.request_id}, \
         [(o.request_id, o.finish_reason) for o in outputs]
     assert "proposer 'ngram' failed: ValueError: proposer broke" == failed[victims["propose"]].error
     assert failed[victims["on_step"]].error.startswith("proposer 'ngram' on_step failed: KeyError")
     assert failed[verify_victim.request_id].error == "verify strategy 'rejection' failed: OverflowError: verify broke"
+    assert failed[forward_victim.request_id].error == "model forward failed: MemoryError: forward broke"
     for prompt, request, reference in zip(healthy, requests, solo):
         out = request.output()
         assert out.finish_reason == "length" and out.error is None
