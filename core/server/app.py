@@ -51,7 +51,7 @@ logger = logging.getLogger("specdec.server")
 #: The request model of each endpoint (for did-you-mean on unknown fields).
 _BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 #: Prompts longer than this (characters) tokenize at most ``_BIG_PROMPTS`` at a time: a maximal
-#: prompt takes up to ~1.5 s of a core and a few hundred MB while it is tokenized.
+#: prompt takes up to about a second of a core, and a few hundred MB, while it is tokenized.
 _BIG_PROMPT_CHARS = 65536
 _BIG_PROMPTS = 2
 

@@ -173,7 +173,7 @@ def _content_length(headers) -> Optional[int]:
 
 
 class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with three additions (:func:`limited_protocol` makes the class
+    """uvicorn's h11 protocol, with four additions (:func:`limited_protocol` makes the class
     for given limits; pass it to ``uvicorn.Config(http=...)``):
 
     - **Request-head timeout.** A timer starts when the connection opens, and when the first
@@ -189,6 +189,8 @@ class LimitedH11Protocol(H11Protocol):
       reads and drops what still arrives for up to ``read_timeout`` seconds before closing.
       Closing at once would make the kernel answer the unread data with a reset, and the
       client would see a broken connection instead of the response.
+    - **Unparsable requests** (not HTTP/1.1, or a head over h11's 16 KiB) get their 400 in the
+      error schema, ``invalid_http_request``, rather than uvicorn's plain text.
     """
 
     read_timeout: float = DEFAULT_READ_TIMEOUT
@@ -235,6 +237,22 @@ class LimitedH11Protocol(H11Protocol):
             self.transport.force_close()
             return
         super().shutdown()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer when h11 cannot parse the request, in the error schema."""
+        if self.on_reject is not None:
+            self.on_reject(400)
+        payload = json.dumps(APIError(400, "the request is not valid HTTP/1.1, or its head is larger than 16 KiB",
+                                      code="invalid_http_request").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                   (b"connection", b"close")]
+        try:
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=payload),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:  # the app's response had begun already
+            pass
+        self.transport.close()
 
     # -- the head timer ------------------------------------------------------------------------
 

@@ -246,6 +246,24 @@ def test_a_stalled_body_gets_408(limited):
     assert error["message"] == "the request body: nothing arrived for 1 s (--read-timeout)"
 
 
+def test_unparsable_requests_get_400_in_the_error_schema(limited, server):
+    rejected_before = _rejected(server, 400)
+    garbage, huge_head = limited.connect(), limited.connect()
+    try:
+        garbage.sendall(b"HELLO THERE\r\n\r\n")
+        # h11 refuses a head that grows past 16 KiB before it is complete.
+        huge_head.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"x" * 20000)
+        received, closed = _read_until_closed([garbage, huge_head], SLACK)
+    finally:
+        garbage.close()
+        huge_head.close()
+    for sock in (garbage, huge_head):
+        error = _raw_error(received[sock], 400, "invalid_http_request")
+        assert sock in closed
+    assert error["message"] == "the request is not valid HTTP/1.1, or its head is larger than 16 KiB"
+    assert _rejected(server, 400) - rejected_before == 2
+
+
 # -- request bodies ----------------------------------------------------------------------------
 
 
