@@ -172,8 +172,8 @@ def test_half_open_connections_are_closed_and_others_served(limited, server):
     a time (the timeout counts the whole head), and a keep-alive connection whose next head
     stops halfway."""
     rejected_before = _rejected(server, 408)
+    start = time.monotonic()  # no timer starts before this
     half_open = [limited.connect() for _ in range(200)]
-    start = time.monotonic()
     for sock in half_open:
         sock.sendall(HALF_HEAD)
     silent = limited.connect()
@@ -198,13 +198,11 @@ def test_half_open_connections_are_closed_and_others_served(limited, server):
     try:
         _wait_connections(limited, 203)
         # While they are open, a real client is served.
-        served_at = time.monotonic()
         response = _completion(limited.url)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 2
         assert httpx.get(limited.url + "/health", timeout=10).status_code == 200
-        assert time.monotonic() - start < READ_TIMEOUT, "the real request was not served while they were open"
-        assert served_at - start < READ_TIMEOUT
+        assert limited.num_connections >= 203, "the real request was not served while they were all open"
 
         socks = [*half_open, silent, keep_alive, trickler]
         received, closed = _read_until_closed(socks, READ_TIMEOUT + SLACK + 1)
