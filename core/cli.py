@@ -88,12 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $SPECDEC_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $SPECDEC_API_KEY; "
+                            "prefer that: a flag is visible to every user in ps)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument("--max-pending-requests", type=int, default=None, metavar="N",
                        help="requests in flight (running or waiting) before new ones get 503 (default 1024)")
     serve.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
                        help="on SIGINT/SIGTERM, how long requests in flight may finish (default 5)")
+    serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                       help="the largest request body; a larger one gets 413 (default 4194304, 4 MiB)")
+    serve.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                       help="the longest prompt in characters, checked before tokenizing; a longer one gets 400 "
+                            "(default: the context length times the longest token, 663552 for the default model)")
+    serve.add_argument("--max-connections", type=int, default=None, metavar="N",
+                       help="open connections; a request on one beyond them gets 503 (default 2048)")
+    serve.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long a client may take to send a request head, and pause while sending a "
+                            "body; then 408 and the connection closes (default 10)")
+    serve.add_argument("--enable-docs", action="store_true",
+                       help="serve /docs, /redoc and /openapi.json (default: off, 404)")
+    serve.add_argument("--metrics-require-key", action="store_true",
+                       help="/metrics needs the API key too (default: open, like /health)")
     serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
     serve.set_defaults(func=run_serve)
 
@@ -242,6 +257,13 @@ def run_serve(args) -> int:
     _check_range("--port", args.port, 0, 65535)
     _check_range("--max-pending-requests", args.max_pending_requests, 1)
     _check_range("--shutdown-timeout", args.shutdown_timeout, 0)
+    limits = _server_limits(args)
+    api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
+    if args.metrics_require_key and not api_key:
+        raise SpecdecError("--metrics-require-key: needs an API key (--api-key, or $SPECDEC_API_KEY)")
+    if args.api_key:
+        print("warning: --api-key: the key is visible to every user of this machine (ps, /proc); "
+              "set SPECDEC_API_KEY instead", file=sys.stderr)
     plugins = get_plugins()
     _warn_plugin_errors(plugins)
     config = build_engine_config_from_args(args, plugins)
@@ -250,12 +272,27 @@ def run_serve(args) -> int:
     serve.run_server(
         engine, sock,
         served_model_name=args.served_model_name or config.model,
-        api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None,
+        api_key=api_key,
         max_pending=args.max_pending_requests or serve.DEFAULT_MAX_PENDING,
         shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
+        limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
         log_level=args.log_level,
     )
     return 0
+
+
+def _server_limits(args):
+    """The ``ServerLimits`` of the serve flags (their defaults where not given)."""
+    from .server import limits
+
+    _check_range("--max-body-bytes", args.max_body_bytes, 1)
+    _check_range("--max-prompt-chars", args.max_prompt_chars, 1)
+    _check_range("--max-connections", args.max_connections, 1)
+    if args.read_timeout is not None and not args.read_timeout > 0:
+        raise SpecdecError(f"--read-timeout: must be > 0, got {args.read_timeout:g}")
+    given = {"max_body_bytes": args.max_body_bytes, "max_prompt_chars": args.max_prompt_chars,
+             "max_connections": args.max_connections, "read_timeout": args.read_timeout}
+    return limits.ServerLimits(**{name: value for name, value in given.items() if value is not None})
 
 
 def run_demo(args) -> int:

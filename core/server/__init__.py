@@ -8,6 +8,8 @@
 - :mod:`~specdec.server.responses`: a request's events as OpenAI responses, whole or streamed.
 - :mod:`~specdec.server.errors`: the OpenAI error schema.
 - :mod:`~specdec.server.metrics`: the Prometheus metrics.
+- :mod:`~specdec.server.limits`: the server's limits (request bodies, prompt length, connections,
+  the read timeout against slow and half-open connections).
 - :mod:`~specdec.server.app`: the FastAPI app (``build_app``).
 - :mod:`~specdec.server.serve`: running it with uvicorn, as ``specdec serve`` does.
 
@@ -16,5 +18,6 @@ docs/server.md documents the endpoints, fields, errors and metrics.
 
 from .app import build_app
 from .engine_loop import EngineLoop, QueueFull
+from .limits import ServerLimits
 
-__all__ = ["EngineLoop", "QueueFull", "build_app"]
+__all__ = ["EngineLoop", "QueueFull", "ServerLimits", "build_app"]

@@ -4,6 +4,10 @@
 thread and, at shutdown, stops it (aborting whatever still runs). Handlers tokenize in a worker
 thread, submit to the engine loop, and wait on the request's queue: the event loop never runs
 the model. A client that disconnects cancels its request, which frees its KV cache.
+
+The app enforces the limits of :class:`~specdec.server.limits.ServerLimits` that an app can
+see (the request body, the prompt's characters, the capacity before tokenizing); the
+connection limits are uvicorn's part (``specdec.server.serve.uvicorn_config``).
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import SpecdecError
+from ..model.tokenizer import TooManyTokens
 from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
 from .errors import APIError, validation_error
+from .limits import BodyLimitMiddleware, ServerLimits, default_max_prompt_chars
 from .metrics import ServerMetrics
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -44,21 +50,36 @@ logger = logging.getLogger("specdec.server")
 
 #: The request model of each endpoint (for did-you-mean on unknown fields).
 _BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+#: Prompts longer than this (characters) tokenize at most ``_BIG_PROMPTS`` at a time: a maximal
+#: prompt takes up to about a second of a core, and a few hundred MB, while it is tokenized.
+_BIG_PROMPT_CHARS = 65536
+_BIG_PROMPTS = 2
 
 
-def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optional[str] = None) -> FastAPI:
+def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optional[str] = None,
+              limits: Optional[ServerLimits] = None, enable_docs: bool = False,
+              metrics_require_key: bool = False) -> FastAPI:
     """The server's FastAPI app.
 
     :param engine_loop: runs the engine; the app's lifespan starts and stops it. Its
         ``metrics`` (created here when None) feed ``GET /metrics``.
     :param served_model_name: the one model name requests may ask for (``model``).
     :param api_key: when set, every ``/v1/`` request needs ``Authorization: Bearer <api_key>``.
+    :param limits: the server's limits (default: ``ServerLimits()``); kept as ``app.state.limits``
+        for the connection limits of ``serve.uvicorn_config``.
+    :param enable_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json`` (off: 404).
+    :param metrics_require_key: ``/metrics`` needs the API key too (``api_key`` must be set).
     """
+    if metrics_require_key and not api_key:
+        raise ValueError("metrics_require_key needs an api_key")
+    limits = limits or ServerLimits()
     if engine_loop.metrics is None:
         engine_loop.metrics = ServerMetrics(served_model_name)
     metrics: ServerMetrics = engine_loop.metrics
     metrics.watch(engine_loop.snapshot)
-    handlers = _Handlers(engine_loop, served_model_name)
+    max_prompt_chars = limits.max_prompt_chars or default_max_prompt_chars(engine_loop.max_model_len,
+                                                                           engine_loop.tokenizer)
+    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -68,10 +89,18 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
         finally:
             await asyncio.to_thread(engine_loop.stop)
 
-    app = FastAPI(title="specdec", version=__version__, lifespan=lifespan)
+    docs = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"}
+    app = FastAPI(title="specdec", version=__version__, lifespan=lifespan,
+                  **(docs if enable_docs else dict.fromkeys(docs)))
     app.state.engine_loop = engine_loop
+    app.state.limits = limits
+    app.state.max_prompt_chars = max_prompt_chars
+    # The last added runs first: the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes, read_timeout=limits.read_timeout,
+                       on_reject=metrics.request_rejected)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=metrics.request_rejected)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=metrics.request_rejected,
+                           also=("/metrics",) if metrics_require_key else ())
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -130,10 +159,13 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
 class _Handlers:
     """What the two generation endpoints do, apart from FastAPI's plumbing."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str):
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int):
         self.engine_loop = engine_loop
         self.model_name = served_model_name
+        self.max_prompt_chars = max_prompt_chars
         self.created = int(time.time())
+        self._tokenizing = 0  # requests between the capacity check and submit
+        self._big_prompts = asyncio.Semaphore(_BIG_PROMPTS)
 
     def model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
@@ -144,7 +176,8 @@ class _Handlers:
     async def completion(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = await _tokenize("prompt", self.engine_loop.tokenizer.encode, body.prompt)
+            prompt_ids = await self._tokenize_prompt(self.engine_loop.tokenizer.encode, body.prompt,
+                                                     len(body.prompt), "prompt")
         else:
             prompt_ids = body.prompt
         # Without max_tokens a completion gets OpenAI's 16 tokens, or what room the context has.
@@ -156,7 +189,9 @@ class _Handlers:
         self._check_model(body.model)
         body.resolve_max_tokens()
         messages = [message.to_template() for message in body.messages]
-        prompt_ids = await _tokenize("messages", self.engine_loop.tokenizer.encode_chat, messages)
+        num_chars = sum(len(message["content"]) for message in messages)
+        prompt_ids = await self._tokenize_prompt(self.engine_loop.tokenizer.encode_chat, messages, num_chars,
+                                                 "messages")
         # Without max_tokens the answer may run to the end of the context.
         sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens)
         return await self._generate(body, request, prompt_ids, sampling, ChatShape(self.model_name))
@@ -165,6 +200,32 @@ class _Handlers:
         """The most tokens the context has room for after the prompt (at least 1: a prompt that
         fills the context is refused by the engine, with its own message)."""
         return max(1, self.engine_loop.max_model_len - len(prompt_ids))
+
+    # -- tokenizing --------------------------------------------------------------------------
+
+    async def _tokenize_prompt(self, encode, prompt, num_chars: int, param: str) -> list[int]:
+        """``encode(prompt)`` (see :func:`_tokenize`), checked first against
+        ``--max-prompt-chars`` (400) and the capacity (503: a full server tokenizes nothing;
+        requests being tokenized count towards ``max_pending`` with those in the engine loop).
+        At most ``_BIG_PROMPTS`` prompts over ``_BIG_PROMPT_CHARS`` are tokenized at once.
+        """
+        loop = self.engine_loop
+        if num_chars > self.max_prompt_chars:
+            what = "characters" if param == "prompt" else "characters in all contents"
+            raise APIError(400, f"{param}: {num_chars} {what} is more than this server takes ({self.max_prompt_chars}, "
+                                f"--max-prompt-chars; the context holds {loop.max_model_len} tokens)",
+                           param=param, code="context_length_exceeded")
+        if loop.num_pending + self._tokenizing >= loop.max_pending:
+            raise APIError(503, f"the server is at capacity ({loop.max_pending} requests in flight); retry later",
+                           code="queue_full")
+        self._tokenizing += 1
+        try:
+            if num_chars <= _BIG_PROMPT_CHARS:
+                return await _tokenize(param, encode, prompt, loop.max_model_len)
+            async with self._big_prompts:
+                return await _tokenize(param, encode, prompt, loop.max_model_len)
+        finally:
+            self._tokenizing -= 1
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -208,11 +269,20 @@ class _Handlers:
         return stream
 
 
-async def _tokenize(param: str, encode, text):
+async def _tokenize(param: str, encode, text, max_model_len: int):
     """``encode(text)`` in a worker thread; a tokenizer or chat-template failure is a 400
-    naming ``param`` (the exception's text goes to the log, not to the client)."""
+    naming ``param`` (the exception's text goes to the log, not to the client).
+
+    The tokenizer releases the GIL, so the event loop and the engine go on meanwhile. A prompt
+    of more tokens than the context holds is a 400 without its ids ever being built (for a
+    maximal prompt that list, and the engine's check of it, would hold the GIL for tens of
+    milliseconds).
+    """
     try:
-        return await asyncio.to_thread(encode, text)
+        return await asyncio.to_thread(encode, text, max_tokens=max_model_len - 1)
+    except TooManyTokens as exc:
+        raise APIError(400, f"{param}: {exc.num_tokens} tokens do not fit the context of {max_model_len} tokens",
+                       param=param, code="context_length_exceeded") from None
     except SpecdecError as exc:  # no chat template, or the template rejected the messages
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
     except Exception as exc:  # noqa: BLE001 - whatever the tokenizer chokes on is the input's fault
@@ -252,16 +322,18 @@ async def _disconnected(request: Request) -> None:
 
 
 class APIKeyMiddleware:
-    """Refuses ``/v1/`` requests without ``Authorization: Bearer <api_key>`` (401), before the
-    body is read. ``/health``, ``/version`` and ``/metrics`` stay open."""
+    """Refuses ``/v1/`` requests, and those to the paths in ``also`` (``/metrics`` with
+    ``--metrics-require-key``), without ``Authorization: Bearer <api_key>`` (401), before the
+    body is read. ``/health`` and ``/version`` stay open."""
 
-    def __init__(self, app, api_key: str, on_reject=None):
+    def __init__(self, app, api_key: str, on_reject=None, also: tuple[str, ...] = ()):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.on_reject = on_reject
+        self.also = frozenset(also)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in self.also):
             given = dict(scope["headers"]).get(b"authorization")
             if given is None or not secrets.compare_digest(given, self.expected):
                 problem = "missing" if given is None else "wrong"

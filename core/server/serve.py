@@ -2,7 +2,9 @@
 
 The listening socket is bound before the model loads, so a port in use is a one-line error at
 once rather than after the load. SIGINT and SIGTERM stop the server gracefully (see
-:class:`Server`); the process then exits with code 0.
+:class:`Server`); the process then exits with code 0. :func:`uvicorn_config` runs the app on
+the h11 protocol of :mod:`~specdec.server.limits` (the request-head timeout, the connection
+limit).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import uvicorn
 from ..errors import SpecdecError
 from .app import build_app
 from .engine_loop import EngineLoop
+from .limits import ServerLimits, limited_protocol
 
 #: ``--max-pending-requests``: requests in flight (running or waiting) before 503.
 DEFAULT_MAX_PENDING = 1024
@@ -78,6 +81,38 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def uvicorn_config(app, **kwargs) -> uvicorn.Config:
+    """uvicorn's config for an app of :func:`~specdec.server.app.build_app`: the h11 protocol
+    with the connection limits of the app's :class:`~specdec.server.limits.ServerLimits`
+    (``app.state.limits``), counting its refusals in the app's metrics. ``kwargs`` go to
+    ``uvicorn.Config``."""
+    metrics = app.state.engine_loop.metrics
+    protocol = limited_protocol(app.state.limits, on_reject=metrics.request_rejected if metrics else None)
+    return uvicorn.Config(app, http=protocol, **kwargs)
+
+
+def raise_open_file_limit(max_connections: int) -> Optional[str]:
+    """Raise the soft limit on open files to fit ``max_connections`` (up to the hard limit);
+    return a warning when it still does not fit, else None."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Unix
+        return None
+    needed = max_connections + 128  # the model's files, the listening socket, the rest
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        target = soft
+    if target >= needed:
+        return None
+    return (f"--max-connections {max_connections} needs about {needed} open files, but the limit is {target} "
+            "(ulimit -n); raise it, or lower --max-connections")
+
+
 @contextlib.contextmanager
 def _graceful_exit() -> Iterator[None]:
     """Let uvicorn handle SIGINT/SIGTERM, and make its re-raise of the signal after a graceful
@@ -94,12 +129,21 @@ def _graceful_exit() -> Iterator[None]:
 
 def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: Optional[str] = None,
                max_pending: int = DEFAULT_MAX_PENDING, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+               limits: Optional[ServerLimits] = None, enable_docs: bool = False, metrics_require_key: bool = False,
                log_level: str = "info") -> None:
-    """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown."""
+    """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
+
+    ``limits``, ``enable_docs`` and ``metrics_require_key`` are those of
+    :func:`~specdec.server.app.build_app`."""
+    limits = limits or ServerLimits()
+    warning = raise_open_file_limit(limits.max_connections)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     engine_loop = EngineLoop(engine, max_pending=max_pending)
-    app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key)
+    app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key, limits=limits,
+                    enable_docs=enable_docs, metrics_require_key=metrics_require_key)
     # uvicorn's own timeout is the last resort: by then the engine loop has ended every request.
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5.0)
+    config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5.0)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     ready = (f"specdec serve: listening on http://{shown}:{port} (model '{served_model_name}', "

@@ -87,13 +87,11 @@ def running_server(speculative: dict, *, max_num_seqs: int = MAX_NUM_SEQS, max_p
     """The real default model behind a real HTTP server (uvicorn in a background thread) on a
     free loopback port, with ``speculative`` as its ``--speculative-config``."""
     require_model()
-    import uvicorn
-
     from specdec.config import build_engine_config
     from specdec.engine import Engine
     from specdec.plugin_manager import get_plugins
     from specdec.server import EngineLoop, build_app
-    from specdec.server.serve import Server, bind_socket
+    from specdec.server.serve import Server, bind_socket, uvicorn_config
 
     plugins = get_plugins()
     config = build_engine_config(None, {"max_num_seqs": max_num_seqs}, speculative, plugins)
@@ -102,7 +100,7 @@ def running_server(speculative: dict, *, max_num_seqs: int = MAX_NUM_SEQS, max_p
     app = build_app(engine_loop, served_model_name=MODEL_NAME, api_key=api_key)
     sock = bind_socket("127.0.0.1", 0)
     host, port = sock.getsockname()[:2]
-    uvicorn_server = Server(uvicorn.Config(app, log_config=None), engine_loop, drain_timeout=1.0)
+    uvicorn_server = Server(uvicorn_config(app, log_config=None), engine_loop, drain_timeout=1.0)
     thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, name="test-uvicorn",
                               daemon=True)
     thread.start()

@@ -1,9 +1,11 @@
 """``specdec serve`` run as users run it: a subprocess, talked to over loopback HTTP.
 
-Bad flags end with one ``error:`` line and exit code 2 before the model loads. One real server
-(API key, a bound of one request in flight, batch of one) answers the openai client, refuses a
-request without the key (401) and one beyond its bound (503), and on SIGTERM ends the stream in
-flight with its last chunk and exits 0 within seconds.
+Bad flags end with one ``error:`` line and exit code 2 before the model loads; a key given with
+``--api-key`` is warned about (it shows in ``ps``). One real server (API key from
+``SPECDEC_API_KEY``, ``--enable-docs``, ``--metrics-require-key``, a bound of one request in
+flight, batch of one) answers the openai client, refuses a request without the key (401) and
+one beyond its bound (503), serves its docs, keeps /metrics behind the key, and on SIGTERM ends
+the stream in flight with its last chunk and exits 0 within seconds.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ def test_serve_flag_errors_are_one_line_and_fast():
         (["--speculative-config", '{"method": "ngarm"}'],
          "--speculative-config.method: unknown proposer 'ngarm' (did you mean 'ngram'?); installed: "),
         (["--max-num-seqs", "300"], "--max-num-seqs: must be between 1 and 256, got 300"),
+        (["--max-body-bytes", "0"], "--max-body-bytes: must be >= 1, got 0"),
+        (["--max-connections", "0"], "--max-connections: must be >= 1, got 0"),
+        (["--read-timeout", "0"], "--read-timeout: must be > 0, got 0"),
+        (["--metrics-require-key"], "--metrics-require-key: needs an API key (--api-key, or $SPECDEC_API_KEY)"),
     ]
 
     def run(args):
@@ -66,16 +72,34 @@ def test_serve_flag_errors_are_one_line_and_fast():
         assert elapsed < FAST_S, f"{args}: took {elapsed:.1f} s: did the model load before the error?"
 
 
+def test_an_api_key_on_the_command_line_is_warned_about():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        result = subprocess.run([*CLI, "--api-key", KEY, "--port", str(taken.getsockname()[1])], capture_output=True,
+                                text=True, timeout=120, env=_env(), check=False)
+    finally:
+        taken.close()
+    assert result.returncode == 2  # the port is taken: it stops before loading the model
+    warning, error = result.stderr.splitlines()
+    assert warning == ("warning: --api-key: the key is visible to every user of this machine (ps, /proc); "
+                       "set SPECDEC_API_KEY instead")
+    assert error.startswith("error: --port: cannot listen on")
+    assert KEY not in result.stderr
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """``specdec serve`` on a free port; yields ``(process, url, log path)``."""
+    """``specdec serve`` on a free port, its key in ``SPECDEC_API_KEY``; yields ``(process, url, log path)``."""
     require_model()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as stderr:
         process = subprocess.Popen(
-            [*CLI, "--port", "0", "--api-key", KEY, "--served-model-name", "tiny", "--max-num-seqs", "1",
-             "--max-pending-requests", "1", "--shutdown-timeout", "1", "--no-progress", "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=stderr, env=_env())
+            [*CLI, "--port", "0", "--served-model-name", "tiny", "--max-num-seqs", "1", "--enable-docs",
+             "--metrics-require-key", "--max-pending-requests", "1", "--shutdown-timeout", "1", "--no-progress",
+             "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=stderr, env={**_env(), "SPECDEC_API_KEY": KEY})
     deadline = time.monotonic() + 300
     url = None
     while url is None:
@@ -108,6 +132,11 @@ def test_serve_subprocess(served, generate_reference):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(url + "/health").json()["max_pending"] == 1  # /health needs no key
+    assert httpx.get(url + "/metrics").status_code == 401  # --metrics-require-key
+    assert "specdec_requests_total" in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert httpx.get(url + "/openapi.json").json()["info"]["title"] == "specdec"  # --enable-docs
+    assert httpx.get(url + "/docs").status_code == 200
+    assert "warning: --api-key" not in log.read_text()  # the key came from the environment
 
     # A long stream holds the one place; another request gets 503. Then SIGTERM mid-stream.
     chunks, started = [], threading.Event()
