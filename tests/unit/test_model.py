@@ -318,8 +318,14 @@ def test_engine_model_matches_reference(real_checkpoint, llm):
     weight_dtype = getattr(llm.engine, "weight_dtype", "float32")
     tolerance = TOLERANCE if weight_dtype == "float32" else FLOAT16_TOLERANCE
     sequence = _real_sequence(tokenizer, 18)
-    check_against_reference(llm.engine.model, config, weights, sequence, prefill=12, vocab_junk=1000,
-                            tolerance=tolerance)
+    try:
+        check_against_reference(llm.engine.model, config, weights, sequence, prefill=12, vocab_junk=1000,
+                                tolerance=tolerance)
+    finally:
+        # The check wrote into blocks of the engine's cache behind the engine's back: prompt
+        # prefixes cached there by earlier tests are gone, and a later request that reused
+        # one would attend over these rows instead.
+        llm.engine.reset_prefix_cache()
 
 
 # ------------------------------------------------------------------------------------------------
