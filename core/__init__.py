@@ -2,12 +2,15 @@
 
 The public API: :class:`LLM` and :class:`SamplingParams` to generate; :class:`Proposer`,
 :class:`ProposalBatch`, :class:`Drafts`, :class:`VerifyStrategy`, :class:`AcceptPolicy`,
-:class:`AttentionBackend` and the ``hookimpl`` marker to write plugins.
+:class:`AttentionBackend` and the ``hookimpl`` marker to write plugins. :mod:`specdec.sdk` holds
+everything else a plugin may use (the sampling math, the verify result builders, the config
+validators); :mod:`specdec.testing` the conformance checks of each plugin kind.
 """
 
 from .attention import AttentionBackend, AttentionMetadata
 from .errors import ConfigError, PluginError, SpecdecError
 from .hookspecs import hookimpl
+from .plugin import Plugin
 from .proposer import Drafts, ProposalBatch, ProposalRequest, Proposer
 from .sampling import SamplingParams
 from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
@@ -15,7 +18,7 @@ from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, Ver
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "SamplingParams", "SpeculativeConfig", "Proposer", "ProposalBatch", "ProposalRequest",
+    "LLM", "SamplingParams", "SpeculativeConfig", "Plugin", "Proposer", "ProposalBatch", "ProposalRequest",
     "Drafts", "VerifyStrategy", "AcceptPolicy", "VerifyInputs", "VerifyResult", "BatchSampling",
     "AttentionBackend", "AttentionMetadata", "hookimpl", "SpecdecError", "ConfigError", "PluginError",
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from .config import EngineConfig, SpeculativeConfig, build_engine_config, parse_json_text
+import attrs
+
+from .config import EngineConfig, SpeculativeConfig, build_engine_config, build_speculative_config, parse_json_text
 from .engine import Engine, RequestOutput
 from .model.resolve import DEFAULT_MODEL
 from .sampling import SamplingParams
@@ -34,7 +36,11 @@ class LLM:
         plugins = plugins if plugins is not None else get_plugins()
         if config is None:
             overrides = {"model": model, **engine_options}
-            config = build_engine_config(None, overrides, _spec_data(speculative_config), plugins)
+            config = build_engine_config(None, overrides, None, plugins)
+            if speculative_config is not None:
+                config = attrs.evolve(config, speculative=_speculative(speculative_config, plugins))
+        elif not config.speculative.is_resolved(plugins):
+            config = attrs.evolve(config, speculative=config.speculative.resolved(plugins))
         self.engine = Engine(config, plugins=plugins, progress=progress)
 
     @property
@@ -46,11 +52,9 @@ class LLM:
         return self.engine.spec
 
     def set_speculative_config(self, speculative_config) -> None:
-        """Switch the speculative method (dict, JSON or SpeculativeConfig) keeping the model."""
-        from .config import build_speculative_config
-
-        data = _spec_data(speculative_config) or {}
-        self.engine.set_speculative_config(build_speculative_config(data, self.engine.plugins))
+        """Switch the speculative method (dict, JSON or SpeculativeConfig; ``None`` for
+        ``naive``) keeping the model."""
+        self.engine.set_speculative_config(_speculative(speculative_config, self.engine.plugins))
 
     def reset_prefix_cache(self) -> None:
         """Forget the KV blocks cached for shared prompt prefixes (between runs only)."""
@@ -89,11 +93,13 @@ class LLM:
         return self.engine.run([request])[0]
 
 
-def _spec_data(speculative_config) -> Optional[dict]:
-    if speculative_config is None:
-        return None
+def _speculative(speculative_config, plugins) -> SpeculativeConfig:
+    """The resolved config for what ``LLM`` takes: a ``SpeculativeConfig`` (resolved as is, or
+    validated if built by hand), a JSON string (or ``@file``), a dict, or ``None``."""
     if isinstance(speculative_config, SpeculativeConfig):
-        return speculative_config.to_dict()
+        if speculative_config.is_resolved(plugins):
+            return speculative_config
+        return speculative_config.resolved(plugins)
     if isinstance(speculative_config, str):
-        return parse_json_text(speculative_config, "speculative_config")
-    return dict(speculative_config)
+        speculative_config = parse_json_text(speculative_config, "speculative_config")
+    return build_speculative_config(speculative_config or {}, plugins)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import attrs
 import numpy as np
+
+from .plugin import Plugin
+
+#: Bytes per cached value of each ``kv_cache_dtype`` a backend may keep.
+CACHE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
 
 @attrs.define(slots=True, kw_only=True)
@@ -67,39 +70,51 @@ class AttentionMetadata:
         return int(self.cu_seqlens_q[-1])
 
 
-class AttentionBackend:
+class AttentionBackend(Plugin):
     """Base class of attention backends: owns the paged KV cache memory and computes causal
     attention of the packed rows of a step over it.
 
-    Lifecycle: ``setup`` once per engine with the model's shape and RoPE tables;
+    Lifecycle: built once per engine as ``cls(config, None)``, ``config`` being ``cls.Config()``
+    when the class declares one (no configuration key reaches a backend's Config yet) and the
+    speculative config ``None`` (a backend outlives any one speculative config); ``setup`` once with the model's shape and RoPE tables;
     ``init_cache`` once with the pool size the engine chose (which block holds which
     positions is the engine's business: it passes block tables in the metadata); ``prepare``
     once per step; ``forward`` once per layer per step. The backend applies RoPE, so that a
     fused kernel can do RoPE, the cache write and attention in one pass.
     Rows a step later rejects are not removed: the next step simply overwrites them, because
     every request's visible length is its ``context_lens`` entry.
+
+    After ``setup`` the base class holds the shape as ``num_layers``, ``num_heads``,
+    ``num_kv_heads``, ``head_dim`` and ``dtype``, and ``rope_cos``/``rope_sin``.
     """
 
-    NAME: ClassVar[str] = ""
-
-    def __init__(self, config=None, engine_config=None):
-        self.config = config
-        self.engine_config = engine_config
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: str = "float32"
 
     def setup(self, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
               dtype: str, rope_cos, rope_sin) -> None:
         """Remember the model's shape. ``dtype`` is the cache's storage (``kv_cache_dtype``
         resolved: ``float32`` or ``float16``); a backend that cannot keep it raises
-        :class:`specdec.errors.SpecdecError` naming ``kv_cache_dtype``. ``rope_cos``/``rope_sin``
+        :class:`specdec.SpecdecError` naming ``kv_cache_dtype``. ``rope_cos``/``rope_sin``
         are ``[max_positions, D]`` float32 numpy tables: ``rope(x) = x * cos + roll(x, D/2) * sin``
-        (rotate-half RoPE, the sign folded into ``sin``)."""
-        raise NotImplementedError
+        (rotate-half RoPE, the sign folded into ``sin``).
+
+        Backends override it to check what they support and build their tables, calling
+        ``super().setup(...)`` to record the shape."""
+        if dtype not in CACHE_DTYPE_BYTES:
+            raise ValueError(f"unknown cache dtype {dtype!r}; expected one of {sorted(CACHE_DTYPE_BYTES)}")
+        self.num_layers, self.num_heads, self.num_kv_heads = num_layers, num_heads, num_kv_heads
+        self.head_dim, self.dtype = head_dim, dtype
+        self.rope_cos, self.rope_sin = rope_cos, rope_sin
 
     def bytes_per_block(self, block_size: int) -> int:
         """Cache memory one block of ``block_size`` positions takes over all layers (the
-        engine sizes the pool from a memory budget with it). This default counts float32 keys
-        and values; a backend that stores them otherwise overrides it."""
-        return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * 4
+        engine sizes the pool from a memory budget with it): keys and values of every KV
+        head in ``dtype``. A backend that stores more (scales, say) overrides it."""
+        return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * CACHE_DTYPE_BYTES[self.dtype]
 
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the cache: ``num_blocks`` blocks of ``block_size`` positions per layer."""

@@ -46,6 +46,7 @@ from cattrs.cols import (
 from cattrs.gen import make_dict_structure_fn
 
 from .errors import ConfigError, PluginError, did_you_mean
+from .plugin_kinds import SPECULATIVE_KINDS
 
 T = TypeVar("T")
 
@@ -384,18 +385,35 @@ class SpeculativeConfig:
         """Validate a hand-built config against ``plugins`` and fill in what it left open."""
         return build_speculative_config(self.to_dict(), plugins, source)
 
+    def is_resolved(self, plugins) -> bool:
+        """Whether this config is as :func:`build_speculative_config` leaves it for ``plugins``:
+        ``num_speculative_tokens`` filled in, every plugin name registered, and each plugin's
+        config an instance of its ``Config`` (``None`` for one that declares none)."""
+        if self.num_speculative_tokens is None:
+            return False
+        for kind in SPECULATIVE_KINDS:
+            try:
+                cls = getattr(plugins, kind.attr).get(getattr(self, kind.config_key))
+            except PluginError:
+                return False
+            config_cls = getattr(cls, "Config", None)
+            plugin_config = getattr(self, kind.config_field)
+            if (config_cls is None) != (plugin_config is None):
+                return False
+            if config_cls is not None and not isinstance(plugin_config, config_cls):
+                return False
+        return True
+
+
+#: The core keys only model-based methods read (the seed system's MTP keys). Given a value
+#: other than the default with a method that does not list them in ``USED_MODEL_KEYS``, they
+#: are a config error rather than silently ignored.
+MODEL_KEYS = ("num_model_steps", "model", "quantization", "mtp_strategy")
 
 #: The core keys of ``--speculative-config``, in documentation order.
 SPECULATIVE_KEYS = (
     "method", "num_speculative_tokens", "num_model_steps", "model", "quantization",
     "verify_strategy", "accept_policy", "mtp_strategy", "adaptive_draft_length",
-)
-
-# (config key, registry attribute of Plugins, SpeculativeConfig field of the structured Config)
-_PLUGIN_SLOTS = (
-    ("method", "proposers", "method_config"),
-    ("verify_strategy", "verify_strategies", "verify_config"),
-    ("accept_policy", "accept_policies", "accept_config"),
 )
 
 
@@ -596,16 +614,10 @@ def _unknown_key(source: str, key: Any, valid: list[str], hint: str = "") -> Con
 def _owner_hint(key: str, plugins, chosen: dict[str, str]) -> str:
     """Name the unselected plugins whose Config declares ``key``: ``it belongs to method 'ngram'...``."""
     owners, slots = [], []
-    for slot, registry_attr, _ in _PLUGIN_SLOTS:
-        registry = getattr(plugins, registry_attr)
-        for name in registry.names():
-            if name == chosen[slot]:
-                continue
-            try:
-                cls = registry.get(name)
-            except PluginError:  # e.g. a name two plugins registered: no owner to name
-                continue
-            if key in _config_fields(cls):
+    for kind in SPECULATIVE_KINDS:
+        slot, registry = kind.config_key, getattr(plugins, kind.attr)
+        for name, cls in _registered(registry):
+            if name != chosen[slot] and key in _config_fields(cls):
                 owners.append(f"{slot} '{name}'")
                 if slot not in slots:
                     slots.append(slot)
@@ -629,11 +641,12 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     chosen: dict[str, str] = {}
     classes: dict[str, type] = {}
     config_classes: dict[str, type | None] = {}
-    for slot, registry_attr, _ in _PLUGIN_SLOTS:
+    for kind in SPECULATIVE_KINDS:
+        slot = kind.config_key
         path = f"{source}.{slot}"
         name = _structure_value(data.get(slot, defaults[slot].default), str, path)
         chosen[slot] = name
-        classes[slot] = _lookup(getattr(plugins, registry_attr), name, path)
+        classes[slot] = _lookup(getattr(plugins, kind.attr), name, path)
         config_classes[slot] = _config_class(classes[slot], slot, name)
 
     # 2. Every key is a core key or a field of a chosen plugin's Config.
@@ -663,13 +676,35 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     core = {key: data[key] for key in SPECULATIVE_KEYS if key in data}
     core["num_speculative_tokens"] = num_tokens
     config = structure(core, SpeculativeConfig, source)
+    _check_model_keys(config, classes["method"], plugins, source)
     plugin_configs = {}
-    for slot, _, field_name in _PLUGIN_SLOTS:
-        config_cls = config_classes[slot]
+    for kind in SPECULATIVE_KINDS:
+        config_cls = config_classes[kind.config_key]
         if config_cls is not None:
-            own = {key: value for key, value in data.items() if slot in owners.get(key, ())}
-            plugin_configs[field_name] = structure(own, config_cls, source)
+            own = {key: value for key, value in data.items() if kind.config_key in owners.get(key, ())}
+            plugin_configs[kind.config_field] = structure(own, config_cls, source)
     return attrs.evolve(config, notices=tuple(notices), **plugin_configs)
+
+
+def _registered(registry) -> Iterator[tuple[str, type]]:
+    """``(name, class)`` of every name ``registry`` can resolve (a contested name cannot)."""
+    for name in registry.names():
+        try:
+            yield name, registry.get(name)
+        except PluginError:
+            continue
+
+
+def _check_model_keys(config: SpeculativeConfig, proposer_cls: type, plugins, source: str) -> None:
+    """Refuse a model-based key (:data:`MODEL_KEYS`) set for a method that does not read it."""
+    defaults = attrs.fields_dict(SpeculativeConfig)
+    for key in MODEL_KEYS:
+        if getattr(config, key) == defaults[key].default or key in getattr(proposer_cls, "USED_MODEL_KEYS", ()):
+            continue
+        users = [f"'{name}'" for name, cls in _registered(plugins.proposers)
+                 if key in getattr(cls, "USED_MODEL_KEYS", ())]
+        used_by = f"method {_join(users)}" if users else "model-based methods such as 'mtp' (none is installed)"
+        raise ConfigError(f"{source}.{key}: method '{config.method}' does not use it; it is read by {used_by}")
 
 
 def _flag(key: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from .config import EngineConfig
 from .workloads import code_edit_prompts
 
 
@@ -22,19 +23,19 @@ def _rate(output) -> float:
     return output.num_generated_tokens / output.elapsed_s if output.elapsed_s else 0.0
 
 
-def run_demo(args) -> int:
+#: What the demo compares with plain decoding when no speculative config is given.
+DEMO_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 5}
+
+
+def run_demo(config: EngineConfig, plugins, max_tokens: int = 128, progress: bool = True) -> int:
+    """Run the demo on the engine ``config`` describes (its speculative config against naive);
+    print the comparison; return the exit status."""
     from .api import LLM
-    from .cli import build_engine_config_from_args
-    from .plugin_manager import get_plugins
     from .sampling import SamplingParams
 
-    plugins = get_plugins()
-    if not args.speculative_config:
-        args.speculative_config = '{"method": "ngram", "num_speculative_tokens": 5}'
-    config = build_engine_config_from_args(args, plugins)
-    llm = LLM(config=config, plugins=plugins, progress=args.progress)
+    llm = LLM(config=config, plugins=plugins, progress=progress)
     prompt = code_edit_prompts(1)[0]
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
     speculative = _run(llm, prompt, sampling)
     llm.set_speculative_config({"method": "naive"})

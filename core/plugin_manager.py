@@ -25,11 +25,9 @@ import attrs
 import pluggy
 
 from . import hookspecs
-from .attention import AttentionBackend
 from .errors import PluginError, did_you_mean
-from .proposer import Proposer
+from .plugin_kinds import KINDS, KINDS_BY_ATTR, PluginKind
 from .registry import Registry
-from .verify import AcceptPolicy, VerifyStrategy
 
 #: The pluggy project name, marker name and entry-point group.
 ENTRY_POINT_GROUP = "specdec"
@@ -56,25 +54,6 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("attention_cpu", "specdec.plugins.attention.cpu_backend"),
 )
 
-
-@attrs.frozen
-class Kind:
-    """One kind of registered class: its ``Plugins`` attribute, label, base class and hook."""
-
-    attr: str
-    label: str
-    base: type
-    hook: str
-
-
-#: The four kinds, in the order their hooks are called.
-KINDS: tuple[Kind, ...] = (
-    Kind("proposers", "proposer", Proposer, "specdec_register_proposers"),
-    Kind("verify_strategies", "verify strategy", VerifyStrategy, "specdec_register_verify_strategies"),
-    Kind("accept_policies", "accept policy", AcceptPolicy, "specdec_register_accept_policies"),
-    Kind("attention_backends", "attention backend", AttentionBackend, "specdec_register_attention_backends"),
-)
-_KINDS_BY_ATTR = {kind.attr: kind for kind in KINDS}
 
 _FROM_ENV = object()
 
@@ -135,25 +114,34 @@ class PluginRegistry(Registry):
             raise PluginError(f"{exc}; plugins with errors: {names} (see `specdec plugins`)") from None
 
 
-@attrs.define
 class Plugins:
-    """Everything the installed plugins registered, plus what went wrong while loading them."""
+    """Everything the installed plugins registered, plus what went wrong while loading them.
 
-    proposers: PluginRegistry = attrs.field(factory=lambda: PluginRegistry("proposer"))
-    verify_strategies: PluginRegistry = attrs.field(factory=lambda: PluginRegistry("verify strategy"))
-    accept_policies: PluginRegistry = attrs.field(factory=lambda: PluginRegistry("accept policy"))
-    attention_backends: PluginRegistry = attrs.field(factory=lambda: PluginRegistry("attention backend"))
-    infos: list[PluginInfo] = attrs.field(factory=list)
-    #: One line per problem: a plugin that failed to load, a hook that raised, a duplicate name.
-    errors: list[str] = attrs.field(factory=list)
-    #: The pluggy manager the plugins were loaded into (for hooks added later, and tracing).
-    manager: Optional[pluggy.PluginManager] = attrs.field(default=None, repr=False)
+    One :class:`PluginRegistry` per kind of :data:`specdec.plugin_kinds.KINDS`, reachable as
+    an attribute named after the kind: ``plugins.proposers``, ``plugins.verify_strategies``,
+    ``plugins.accept_policies``, ``plugins.attention_backends``.
+    """
+
+    def __init__(self, manager: Optional[pluggy.PluginManager] = None):
+        self.registries: dict[str, PluginRegistry] = {kind.attr: PluginRegistry(kind.label) for kind in KINDS}
+        #: One entry per plugin (entry point) that was selected to load.
+        self.infos: list[PluginInfo] = []
+        #: One line per problem: a plugin that failed to load, a hook that raised, a duplicate name.
+        self.errors: list[str] = []
+        #: The pluggy manager the plugins were loaded into (for hooks added later, and tracing).
+        self.manager = manager
+
+    def __getattr__(self, name: str) -> PluginRegistry:
+        registries = self.__dict__.get("registries", {})
+        if name in registries:
+            return registries[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def registry(self, kind: str) -> PluginRegistry:
         """The registry of ``kind``: ``proposers``, ``verify_strategies``, ... ."""
-        if kind not in _KINDS_BY_ATTR:
-            raise ValueError(f"unknown registry kind {kind!r}; expected one of {sorted(_KINDS_BY_ATTR)}")
-        return getattr(self, kind)
+        if kind not in KINDS_BY_ATTR:
+            raise ValueError(f"unknown registry kind {kind!r}; expected one of {sorted(KINDS_BY_ATTR)}")
+        return self.registries[kind]
 
     def get(self, kind: str, name: str, key: str = "") -> type:
         """Return the class registered as ``name`` in the registry ``kind`` (``proposers``, ...).
@@ -293,7 +281,7 @@ def _report_unknown_hooks(pm: pluggy.PluginManager, info: PluginInfo, module, pl
                                        f"'{caller.name}'{did_you_mean(caller.name, known)}")
 
 
-def _register_callable(kind: Kind, info: PluginInfo, plugins: Plugins) -> Callable[[type], None]:
+def _register_callable(kind: PluginKind, info: PluginInfo, plugins: Plugins) -> Callable[[type], None]:
     """The ``register`` a plugin receives for ``kind``: adds a class and records its provider.
 
     A bad class or a duplicate name becomes an error line (the first registration is kept)

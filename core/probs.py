@@ -1,5 +1,6 @@
-"""Sampling math shared by the verify strategies: processed target distributions and sampling
-from them with pre-drawn uniforms.
+"""Sampling math shared by the verify strategies (part of :mod:`specdec.sdk`): processed target
+distributions, sampling from them with pre-drawn uniforms, and the residual distribution
+speculative sampling draws from after a rejection.
 
 Every function works on whole batches shaped ``[B, R, V]`` (``R`` rows per request, usually
 ``k+1``) with per-request settings shaped ``[B]``; none loops over requests in Python.
@@ -271,3 +272,32 @@ def _nucleus_probs(probs: np.ndarray, top_p: np.ndarray) -> np.ndarray:
         if len(pending) == 0:
             break
     return out
+
+
+def residual_distribution(p: np.ndarray, q: Optional[np.ndarray], draft_ids: np.ndarray) -> np.ndarray:
+    """``[N, V]`` unnormalised ``max(0, p - q)``: what speculative sampling draws the
+    recovered token from where draft ``draft_ids[n]`` was rejected.
+
+    :param p: ``[N, V]`` the target's processed distributions at the rejected positions.
+    :param q: ``[N, V]`` the distributions the drafts were sampled from, or ``None`` for
+        deterministic drafts (one-hot ``q``: then ``p - q`` is ``p`` without the draft).
+    :param draft_ids: ``[N]`` the rejected drafts.
+
+    Falls back to ``p`` where the residual has no mass (``p == q`` up to rounding, where a
+    rejection is practically impossible).
+    """
+    if q is None:
+        residual = p.copy()
+        residual[np.arange(len(draft_ids)), draft_ids] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+    empty = residual.sum(axis=-1) <= 0.0
+    residual[empty] = p[empty]
+    return residual
+
+
+def recovered_tokens(p: np.ndarray, q: Optional[np.ndarray], draft_ids: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``[N]`` int64 tokens sampled from :func:`residual_distribution` with uniforms ``u [N]``:
+    the token speculative sampling emits in place of a rejected draft."""
+    residual = residual_distribution(p, q, draft_ids)
+    return sample_tokens(residual[:, None], np.asarray(u)[:, None])[:, 0]

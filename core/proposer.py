@@ -12,6 +12,8 @@ from typing import ClassVar, Optional, Sequence
 import attrs
 import numpy as np
 
+from .plugin import Plugin
+
 #: Value written into the padding of ``Drafts.token_ids``; never a real token id.
 DRAFT_PAD = -1
 
@@ -134,7 +136,7 @@ def valid_draft_classes(classes, batch_size: int) -> Optional[np.ndarray]:
     return classes.astype(np.int64, copy=False)
 
 
-class Proposer:
+class Proposer(Plugin):
     """Base class of speculative methods.
 
     Subclasses set ``NAME`` and implement :meth:`propose`. They may declare an attrs class
@@ -146,14 +148,13 @@ class Proposer:
     override them to keep their state in step with the engine.
     """
 
-    NAME: ClassVar[str] = ""
     #: Set to True when the proposer never drafts (``naive``): the engine then forces
     #: ``num_speculative_tokens`` to 0.
     DRAFTS_NOTHING: ClassVar[bool] = False
-
-    def __init__(self, config=None, spec_config=None):
-        self.config = config
-        self.spec_config = spec_config
+    #: The model-based core keys of the speculative config this method reads, of
+    #: ``num_model_steps``, ``model``, ``quantization`` and ``mtp_strategy``. Any of them set
+    #: (to other than its default) for a method that does not list it is a config error.
+    USED_MODEL_KEYS: ClassVar[frozenset[str]] = frozenset()
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         """Return drafts for every request of ``batch``, at most ``max_draft_len`` each."""

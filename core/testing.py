@@ -6,6 +6,10 @@ one-line message naming the broken rule.
 
     def test_contract():
         check_proposer(MyProposer)
+
+One kit per plugin kind: :func:`check_proposer` (here), :func:`check_verify_strategy` and
+:func:`check_accept_policy` (:mod:`specdec.testing_verify`), :func:`check_attention_backend`
+(:mod:`specdec.testing_attention`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ from typing import Optional
 import numpy as np
 
 from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer, valid_draft_classes
+from .testing_attention import check_attention_backend
+from .testing_verify import check_accept_policy, check_verify_strategy
+
+__all__ = ["check_proposer", "check_drafts", "synthetic_batches", "check_verify_strategy", "check_accept_policy",
+           "check_attention_backend"]
 
 #: Vocabulary size of the synthetic batches (token ids lie in ``[0, DEFAULT_VOCAB_SIZE)``).
 DEFAULT_VOCAB_SIZE = 512

@@ -12,6 +12,7 @@ from typing import ClassVar
 import attrs
 import numpy as np
 
+from .plugin import Plugin
 from .proposer import Drafts
 
 
@@ -82,30 +83,23 @@ class VerifyResult:
         return self.output_tokens[b, : self.accepted_lengths[b] + 1]
 
 
-class VerifyStrategy:
+class VerifyStrategy(Plugin):
     """Base class of verify strategies: turn target logits + drafts into emitted tokens."""
 
-    NAME: ClassVar[str] = ""
     #: True when the strategy's output equals plain sampling from the target (for
     #: deterministic drafts at least). Documentation and tests rely on it.
     LOSSLESS: ClassVar[bool] = False
 
-    def __init__(self, config=None, spec_config=None):
-        self.config = config
-        self.spec_config = spec_config
-
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
+        """Decide, for the whole batch at once, how many drafts each request keeps and which
+        target token follows them."""
         raise NotImplementedError
 
 
-class AcceptPolicy:
+class AcceptPolicy(Plugin):
     """Base class of accept policies: may override how many drafts a verify result keeps."""
 
-    NAME: ClassVar[str] = ""
-
-    def __init__(self, config=None, spec_config=None):
-        self.config = config
-        self.spec_config = spec_config
-
     def apply(self, result: VerifyResult, drafts: Drafts) -> VerifyResult:
+        """The result to emit: ``result`` itself, or one keeping other draft counts (with the
+        target's token after the drafts kept, from ``result.target_tokens``)."""
         raise NotImplementedError

@@ -1,5 +1,5 @@
 """The engine: one step path for every method (schedule, propose, pack, forward, verify, accept,
-update), as in ARCHITECTURE.md.
+update), as docs/architecture.md describes it.
 
 Requests join and leave the batch between steps (continuous batching, ``scheduler.py``); their
 KV caches live in fixed-size blocks of one pool (``kv_cache.py``), shared between requests
@@ -20,13 +20,14 @@ from typing import Callable, Iterable, Optional, Sequence, TypeVar
 import attrs
 import numpy as np
 
-from ..attention import AttentionMetadata
 from ..config import MAX_SPECULATIVE_TOKENS, EngineConfig, SpeculativeConfig
 from ..errors import RequestError, SpecdecError
+from ..plugin_kinds import SPECULATIVE_KINDS
 from ..proposer import Drafts, ProposalBatch, ProposalRequest, valid_draft_classes
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
 from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
+from .batch import SequenceRows, pack_step
 from .kv_cache import BlockPool, KVCacheManager
 from .request import Request, RequestOutput
 from .scheduler import ScheduledStep, Scheduler
@@ -110,63 +111,72 @@ class Engine:
     """Owns the model, the plugins chosen by the config, the KV pool and the requests."""
 
     def __init__(self, config: EngineConfig, plugins=None, progress: bool = True):
+        """Load the model and build the plugins ``config`` names.
+
+        :param config: a resolved config, as :func:`specdec.config.build_engine_config` makes
+            it (a hand-built ``SpeculativeConfig`` goes through ``.resolved(plugins)`` first).
+        :param plugins: the plugin registries (:func:`specdec.plugin_manager.get_plugins` when
+            None).
+        :raises SpecdecError: for an unresolved config, before any weight is read.
+        """
         from ..model.llama import LlamaModel
         from ..model.resolve import load_checkpoint
         from ..plugin_manager import get_plugins
 
         self.plugins = plugins if plugins is not None else get_plugins()
-        spec = config.speculative
-        if spec.num_speculative_tokens is None:
-            spec = spec.resolved(self.plugins)
         self.config = config
-        self.spec: SpeculativeConfig = spec
-        self.num_speculative_tokens = spec.num_speculative_tokens or 0
-
         # Resolve every plugin before loading weights, so a bad name fails fast.
-        self._spec_plugin_classes(spec)
-        kernels, weight_dtype = resolve_kernels(config)
-        self.kernels, self.weight_dtype = kernels, weight_dtype
+        self._spec_plugin_classes(config.speculative)
+        self.kernels, self.weight_dtype = resolve_kernels(config)
         backend = config.attention_backend
         if backend == "auto":
-            backend = "cpu" if kernels == "cpu" else "paddle"
-        attention_cls = self.plugins.attention_backends.get(backend, "attention_backend")
+            backend = "cpu" if self.kernels == "cpu" else "paddle"
+        attention_cls = self.plugins.get("attention_backends", backend, "attention_backend")
 
         model_config, weights, self.tokenizer = load_checkpoint(config.model, progress=progress)
         self.model_config = model_config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.attention = attention_cls(None, config)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, backend, weight_dtype)
+        # Attention backends take no keys from the configuration (yet): their Config's defaults.
+        self.attention = attention_cls(attention_cls.Config() if attention_cls.Config is not None else None, None)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, backend, self.weight_dtype)
+        # Builds the layers and calls self.attention.setup (which records the cache's shape).
         self.model = LlamaModel(model_config, weights, self.attention,
-                                max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1,
-                                kernels=kernels, weight_dtype=weight_dtype, kv_cache_dtype=self.kv_cache_dtype)
+                                max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1, kernels=self.kernels,
+                                weight_dtype=self.weight_dtype, kv_cache_dtype=self.kv_cache_dtype)
         del weights
         self.block_size = config.block_size
-        num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // self.attention.bytes_per_block(self.block_size))
-        self.attention.init_cache(num_blocks, self.block_size)
-        self.kv = KVCacheManager(BlockPool(num_blocks, self.block_size, config.enable_prefix_caching))
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self._on_admit)
+        self.kv = self._allocate_kv_cache()
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         #: What the adaptive draft length has learned, per method (see _build_spec_plugins).
         self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
-        self._build_spec_plugins(spec)
+        self._build_spec_plugins(config.speculative)
 
-        #: Requests whose ``proposer.on_request_start`` raised during scheduling, with the error.
-        self._failed_admissions: list[tuple[Request, Exception]] = []
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self._ids = itertools.count()
 
-    def _spec_plugin_classes(self, spec: SpeculativeConfig):
-        return (
-            self.plugins.proposers.get(spec.method, "speculative_config.method"),
-            self.plugins.verify_strategies.get(spec.verify_strategy, "speculative_config.verify_strategy"),
-            self.plugins.accept_policies.get(spec.accept_policy, "speculative_config.accept_policy"),
-        )
+    def _allocate_kv_cache(self) -> KVCacheManager:
+        """Size the block pool (``num_kv_blocks``, else what ``kv_cache_memory_gb`` holds), have
+        the attention backend allocate the cache memory, and manage its blocks."""
+        config = self.config
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // self.attention.bytes_per_block(self.block_size))
+        self.attention.init_cache(num_blocks, self.block_size)
+        return KVCacheManager(BlockPool(num_blocks, self.block_size, config.enable_prefix_caching))
+
+    def _spec_plugin_classes(self, spec: SpeculativeConfig) -> list[type]:
+        """The proposer, verify strategy and accept policy classes ``spec`` names (in
+        :data:`SPECULATIVE_KINDS` order); an unresolved ``spec`` is an error."""
+        if not spec.is_resolved(self.plugins):
+            raise SpecdecError("the engine takes a resolved speculative config: build it with "
+                               "build_speculative_config(data, plugins), or call .resolved(plugins) on it")
+        return [self.plugins.get(kind.attr, getattr(spec, kind.config_key), f"speculative_config.{kind.config_key}")
+                for kind in SPECULATIVE_KINDS]
 
     def _build_spec_plugins(self, spec: SpeculativeConfig) -> None:
         proposer_cls, verify_cls, accept_cls = self._spec_plugin_classes(spec)
-        self.spec = spec
+        self.spec: SpeculativeConfig = spec
         self.num_speculative_tokens = spec.num_speculative_tokens or 0
         self.proposer = proposer_cls(spec.method_config, spec)
         # The adaptive policy's statistics belong to the method (draft classes mean what its
@@ -180,12 +190,11 @@ class Engine:
     def set_speculative_config(self, spec: SpeculativeConfig) -> None:
         """Switch method, verify strategy or accept policy without reloading the model.
 
-        Only between runs: raises if requests are queued or running.
+        ``spec`` must be resolved (see :meth:`__init__`). Only between runs: raises if requests
+        are queued or running.
         """
         if self.has_unfinished():
             raise SpecdecError("cannot change the speculative config while requests are running")
-        if spec.num_speculative_tokens is None:
-            spec = spec.resolved(self.plugins)
         self._build_spec_plugins(spec)
 
     # -- requests ----------------------------------------------------------------------------
@@ -298,15 +307,6 @@ class Engine:
             raise SpecdecError("cannot reset the prefix cache while requests are running")
         self.kv.pool.reset_prefix_cache()
 
-    def _on_admit(self, request: Request) -> None:
-        if not request.started:
-            request.started = True
-            try:
-                self.proposer.on_request_start(ProposalRequest(
-                    request.request_id, request.tokens[: request.num_prompt_tokens], request.num_prompt_tokens, 0))
-            except Exception as exc:  # noqa: BLE001 - fails this request alone, after scheduling
-                self._failed_admissions.append((request, exc))
-
     def _retire(self, request: Request, reason: Optional[str]) -> None:
         """Take a request out of the engine for good: blocks, proposer state, final text."""
         self.scheduler.remove(request)
@@ -362,7 +362,7 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def _draft_limit(self, request: Request) -> int:
+    def _max_draft_len(self, request: Request) -> int:
         """The most drafts ``request`` can use: its k, and room for accepted drafts + 1 token."""
         k = self.num_speculative_tokens
         if request.sampling.num_speculative_tokens is not None:
@@ -373,33 +373,46 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one step for the scheduled requests; return the requests that finished.
 
-        Every plugin and model call runs isolated (:meth:`_isolated`): one that raises ends
-        only the requests it raises for, with finish reason ``error`` and ``Request.error``
-        saying why; the rest of the batch goes on."""
-        plan = self.scheduler.schedule(self._draft_limit)
+        The phases, in order (docs/architecture.md, "The step"): schedule, start the admitted
+        requests (``proposer.on_request_start``), then for the scheduled rows :meth:`_run_step`:
+        propose, pack and forward, verify, accept, update. Every plugin and model call runs
+        isolated (:meth:`_isolated`): one that raises ends only the requests it raises for,
+        with finish reason ``error`` and ``Request.error`` saying why; the rest go on."""
+        plan = self.scheduler.schedule(self._max_draft_len)
         for request in plan.exhausted:
             self._retire(request, "length")
-        touched = [*plan.exhausted, *(request for request, _ in self._failed_admissions)]
-        for request, exc in self._failed_admissions:
-            self._fail(request, f"proposer '{self.spec.method}' on_request_start", exc)
-        self._failed_admissions.clear()
+        for request in plan.admitted:
+            if not request.started:  # not a preempted request coming back
+                self._start(request)
+        touched = {id(r): r for r in (*plan.exhausted, *plan.admitted, *plan.requests)}
         plan = plan.keeping(lambda r: not r.finished)
-        touched += plan.requests
         if plan.num_requests:
             self._run_step(plan)
-        return [request for request in touched if request.finished]
+        return [request for request in touched.values() if request.finished]
+
+    def _start(self, request: Request) -> None:
+        """Tell the proposer a request starts (its prompt); a failure ends that request alone."""
+        request.started = True
+        try:
+            self.proposer.on_request_start(ProposalRequest(
+                request.request_id, request.tokens[: request.num_prompt_tokens], request.num_prompt_tokens, 0))
+        except Exception as exc:  # noqa: BLE001 - fails this request alone
+            self._fail(request, f"proposer '{self.spec.method}' on_request_start", exc)
 
     def _run_step(self, plan: ScheduledStep) -> None:
-        """Propose, forward, verify, accept and update for the requests of ``plan``."""
+        """Propose, pack and forward, verify, accept and update for the requests of ``plan``;
+        each phase narrows the step to the requests that have not failed."""
         state = _StepState(plan, ProposalBatch([
-            ProposalRequest(r.request_id, r.token_ids, r.num_prompt_tokens, room)
-            for r, room in zip(plan.decodes, plan.draft_room)
+            ProposalRequest(r.request_id, r.token_ids, r.num_prompt_tokens, max_draft_len)
+            for r, max_draft_len in zip(plan.decodes, plan.max_draft_lens)
         ]))
         decoding = lambda s: s.plan.decodes  # noqa: E731 - the members of the decode-only phases
+        # propose: proposer.propose, then the caps and the adaptive draft length
         state, state.drafts = self._isolated(f"proposer '{self.spec.method}'", state,
                                              lambda s: self._propose(s.batch, s.plan), decoding)
         if state.drafts is None:  # every decoding request failed; prefill chunks go on
             state.drafts = Drafts.empty(0)
+        # pack and forward: one model call for every row of the step
         state, state.logits = self._isolated("model forward", state, lambda s: self._forward(s.plan, s.drafts),
                                              lambda s: s.plan.requests)
         for request, rows in state.plan.chunks:
@@ -407,6 +420,7 @@ class Engine:
             self.kv.register_computed(request)
         if not state.plan.decodes:
             return
+        # verify: verify_strategy.verify on [B, k+1, V] logits
         state.sampling = self._sampling(state.plan.decodes, state.drafts)
         state, state.result = self._isolated(
             f"verify strategy '{self.spec.verify_strategy}'", state,
@@ -414,11 +428,23 @@ class Engine:
             decoding)
         if not state.plan.decodes:
             return
+        # accept: accept_policy.apply
         state, state.result = self._isolated(
             f"accept policy '{self.spec.accept_policy}'", state,
             lambda s: self._checked_result(self.accept_policy.apply(s.result, s.drafts), s), decoding)
-        if state.plan.decodes:
-            self._update(state)
+        if not state.plan.decodes:
+            return
+        # update: append the tokens, then proposer.on_step, then retire the finished
+        # (proposer.on_request_finish); on_step is not safe to repeat: after a failure the
+        # calls for single requests are the update.
+        state, appended = self._update(state)
+        done = [r for r in state.plan.decodes if r.finished]
+        self._isolated(f"proposer '{self.spec.method}' on_step", state,
+                       lambda s: self.proposer.on_step(s.batch, [appended[id(r)] for r in s.plan.decodes]),
+                       decoding, repeat=False)
+        for request in done:
+            if request.error is None:
+                self._retire(request, request.finish_reason)
 
     def _checked_result(self, result: VerifyResult, state: _StepState) -> VerifyResult:
         """``result`` when it has the shapes and values of the contract, else a SpecdecError
@@ -438,8 +464,8 @@ class Engine:
         return result
 
     def _propose(self, batch: ProposalBatch, plan) -> Drafts:
-        max_lens = np.fromiter((r.max_draft_len for r in batch.requests), dtype=np.int64, count=len(batch))
-        if not max_lens.any():
+        max_draft_lens = np.fromiter((r.max_draft_len for r in batch.requests), dtype=np.int64, count=len(batch))
+        if not max_draft_lens.any():
             return Drafts.empty(len(batch))
         drafts = self.proposer.propose(batch)
         if drafts.batch_size != len(batch):
@@ -453,9 +479,10 @@ class Engine:
                                    f"{len(batch)} non-negative integer labels")
             drafts.classes = classes
         if self.spec.adaptive_draft_length and drafts.lengths.any():
-            max_lens = self._adapt_draft_lengths(plan, batch, np.minimum(drafts.lengths, max_lens), drafts.classes)
-        if (drafts.lengths > max_lens).any() or drafts.width > max_lens.max():
-            drafts = drafts.clipped(max_lens)
+            max_draft_lens = self._adapt_draft_lengths(plan, batch, np.minimum(drafts.lengths, max_draft_lens),
+                                                       drafts.classes)
+        if (drafts.lengths > max_draft_lens).any() or drafts.width > max_draft_lens.max():
+            drafts = drafts.clipped(max_draft_lens)
         return drafts
 
     def _adapt_draft_lengths(self, plan, batch: ProposalBatch, lengths: np.ndarray,
@@ -479,44 +506,22 @@ class Engine:
                            dtype=bool, count=len(plan.decodes))
         return np.where(keep, lengths, chosen)
 
-    def _forward(self, plan, drafts: Drafts) -> np.ndarray:
-        """Pack every scheduled request's rows, run the model, return ``[B, k+1, V]`` logits of
-        the decoding requests (prefill chunks need none)."""
-        decodes = plan.decodes
-        width = drafts.width
-        pieces = []
-        for b, request in enumerate(decodes):
-            pieces.append(request.tokens[request.context_len: request.num_tokens])
-            pieces.append(drafts.token_ids[b, : drafts.lengths[b]])
-        for request, rows in plan.chunks:
-            pieces.append(request.tokens[request.context_len: request.context_len + rows])
-        scheduled = [*decodes, *(r for r, _ in plan.chunks)]
-        uncomputed = np.fromiter((r.num_uncomputed for r in decodes), dtype=np.int64, count=len(decodes))
-        query_lens = np.concatenate([uncomputed + drafts.lengths,
-                                     np.fromiter((rows for _, rows in plan.chunks), dtype=np.int64)])
-        context_lens = np.fromiter((r.context_len for r in scheduled), dtype=np.int64, count=len(scheduled))
-        widest = max(len(r.block_table) for r in scheduled)
-        tables = np.zeros((len(scheduled), widest), dtype=np.int32)
-        for b, request in enumerate(scheduled):
-            tables[b, : len(request.block_table)] = request.block_table
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
-        # Logits for each decoding request's last fed token and its drafts, and only those:
-        # the padding of [B, k+1] repeats a request's last real row instead of computing it
-        # (the LM head is a fifth of the model's multiply-adds per row).
-        counts = drafts.lengths + 1
-        compact_starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        first = meta.cu_seqlens_q[: len(decodes)] + uncomputed - 1
-        rows = np.repeat(first - compact_starts, counts) + np.arange(int(counts.sum()))
-        padded = compact_starts[:, None] + np.minimum(np.arange(width + 1)[None, :], drafts.lengths[:, None])
+    def _forward(self, plan: ScheduledStep, drafts: Drafts) -> np.ndarray:
+        """Pack every scheduled request's rows (``batch.py``), run the model, return the
+        ``[B, k+1, V]`` logits of the decoding requests (prefill chunks need none)."""
+        packed = pack_step(
+            [SequenceRows(r.tokens[r.context_len: r.num_tokens], r.context_len, r.block_table) for r in plan.decodes],
+            drafts,
+            [SequenceRows(r.tokens[r.context_len: r.context_len + rows], r.context_len, r.block_table)
+             for r, rows in plan.chunks],
+            self.block_size)
         started = time.perf_counter()
-        logits = self.model.forward(np.concatenate(pieces), meta, rows)
-        if not plan.chunks and meta.num_rows == len(decodes) + int(drafts.lengths.sum()):
+        logits = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows)
+        if packed.is_decode_only:
             # Only decode steps feed the cost model: a prefill row also attends over its
             # whole prompt, which would make every draft row look dearer than it is.
-            self.step_costs.observe(meta.num_rows, time.perf_counter() - started)
-        if (drafts.lengths == width).all():  # no padding (batch 1 always): a view, not a copy
-            return logits.reshape(len(decodes), width + 1, logits.shape[-1])
-        return logits[padded]
+            self.step_costs.observe(packed.meta.num_rows, time.perf_counter() - started)
+        return packed.verify_logits(logits)
 
     def _sampling(self, running: list[Request], drafts: Drafts) -> BatchSampling:
         batch_size, width = drafts.batch_size, drafts.width
@@ -534,10 +539,10 @@ class Engine:
             uniforms=uniforms,
         )
 
-    def _update(self, state: _StepState) -> None:
+    def _update(self, state: _StepState) -> tuple[_StepState, dict[int, np.ndarray]]:
         """Append each request's emitted tokens (cut at EOS and limits, for the whole batch at
-        once), move its KV length past the accepted rows, check stop strings, tell the
-        proposer, retire the finished."""
+        once), move its KV length past the accepted rows, check stop strings. Returns the
+        state of the requests updated without error and, by ``id(request)``, what each got."""
         decodes, drafts, result = state.plan.decodes, state.drafts, state.result
         accepted = result.accepted_lengths
         counts, reasons = self._emitted_counts(decodes, result.output_tokens, accepted)
@@ -554,15 +559,7 @@ class Engine:
                 self._check_stop_strings(request)
             except Exception as exc:  # noqa: BLE001 - a detokenizer failure, say: this request only
                 self._fail(request, "update", exc)
-        state = state.only(lambda r: id(r) in appended_by_request and r.error is None)
-        done = [r for r in state.plan.decodes if r.finished]  # finished this step, not yet retired
-        # on_step is not safe to repeat: after a failure the calls for single requests are the update.
-        self._isolated(f"proposer '{self.spec.method}' on_step", state,
-                       lambda s: self.proposer.on_step(s.batch, [appended_by_request[id(r)] for r in s.plan.decodes]),
-                       lambda s: s.plan.decodes, repeat=False)
-        for request in done:
-            if request.error is None:
-                self._retire(request, request.finish_reason)
+        return state.only(lambda r: id(r) in appended_by_request and r.error is None), appended_by_request
 
     def _emitted_counts(self, decodes, output_tokens: np.ndarray, accepted: np.ndarray):
         """How many of each request's ``accepted + 1`` output tokens it keeps, and why it stops

@@ -30,18 +30,22 @@ class ScheduledStep:
     """The requests of one step.
 
     :ivar decodes: requests whose uncomputed tokens all fit this step: they get logits, drafts
-        (up to ``draft_room[i]``) and emit tokens.
-    :ivar draft_room: the most drafts each of ``decodes`` may verify (rows and blocks are
+        (up to ``max_draft_lens[i]``) and emit tokens.
+    :ivar max_draft_lens: the most drafts each of ``decodes`` may verify (rows and blocks are
         reserved for them).
     :ivar chunks: ``(request, rows)`` prefill chunks that leave part of a prompt for later.
+    :ivar admitted: requests that joined the running batch in this schedule (from the waiting
+        queue: new ones, and preempted ones coming back). The engine starts the new ones'
+        proposer state before anything else runs.
     :ivar preempted: requests that lost their blocks during this schedule.
     :ivar exhausted: running requests that cannot grow even with the whole pool to themselves
         (the engine ends them with finish reason ``length``).
     """
 
     decodes: list[Request] = attrs.field(factory=list)
-    draft_room: list[int] = attrs.field(factory=list)
+    max_draft_lens: list[int] = attrs.field(factory=list)
     chunks: list[tuple[Request, int]] = attrs.field(factory=list)
+    admitted: list[Request] = attrs.field(factory=list)
     preempted: list[Request] = attrs.field(factory=list)
     exhausted: list[Request] = attrs.field(factory=list)
 
@@ -57,25 +61,25 @@ class ScheduledStep:
     def keeping(self, keep: Callable[[Request], bool]) -> "ScheduledStep":
         """The same step without the requests ``keep`` refuses (failed ones)."""
         kept = [i for i, request in enumerate(self.decodes) if keep(request)]
-        return ScheduledStep(decodes=[self.decodes[i] for i in kept], draft_room=[self.draft_room[i] for i in kept],
+        return ScheduledStep(decodes=[self.decodes[i] for i in kept],
+                             max_draft_lens=[self.max_draft_lens[i] for i in kept],
                              chunks=[(r, rows) for r, rows in self.chunks if keep(r)],
+                             admitted=[r for r in self.admitted if keep(r)],
                              preempted=self.preempted, exhausted=self.exhausted)
 
 
 class Scheduler:
     """Owns the waiting queue and the running batch; see the module docstring."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_admit: Callable[[Request], None]):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.on_admit = on_admit
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
-    def schedule(self, draft_limit: Callable[[Request], int]) -> ScheduledStep:
-        """Plan one step. ``draft_limit(request)`` is the most drafts a request could use."""
+    def schedule(self, max_draft_len: Callable[[Request], int]) -> ScheduledStep:
+        """Plan one step. ``max_draft_len(request)`` is the most drafts a request could use."""
         step = ScheduledStep()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -85,13 +89,13 @@ class Scheduler:
                 continue
             if request not in self.running:  # preempted by an earlier request of this loop
                 continue
-            room = max(0, min(draft_limit(request), budget - 1))
+            room = max(0, min(max_draft_len(request), budget - 1))
             if room and not self.kv.grow(request, request.num_tokens + room):
                 room = 0  # no block for the drafts: decode without them before preempting anyone
             if not self._grow_or_preempt(request, request.num_tokens + room, scheduled, step):
                 continue
             step.decodes.append(request)
-            step.draft_room.append(room)
+            step.max_draft_lens.append(room)
             scheduled.add(id(request))
             budget -= 1 + room
 
@@ -103,7 +107,7 @@ class Scheduler:
             # could wait for each other's blocks forever.
             if not self._grow_or_preempt(request, request.context_len + 1, scheduled, step):
                 continue
-            budget -= self._schedule_prefill(request, budget, draft_limit, step)
+            budget -= self._schedule_prefill(request, budget, max_draft_len, step)
             scheduled.add(id(request))
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # 3. admission
@@ -117,24 +121,24 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the request that does not fit
             self.waiting.remove(request)
             self.running.append(request)
-            self.on_admit(request)
-            budget -= self._schedule_prefill(request, budget, draft_limit, step)
+            step.admitted.append(request)
+            budget -= self._schedule_prefill(request, budget, max_draft_len, step)
             scheduled.add(id(request))
         return step
 
-    def _schedule_prefill(self, request: Request, budget: int, draft_limit, step: ScheduledStep) -> int:
+    def _schedule_prefill(self, request: Request, budget: int, max_draft_len, step: ScheduledStep) -> int:
         """Schedule the next prefill chunk of ``request`` (blocks permitting); return its rows."""
         free_positions = (len(request.block_table) + self.kv.pool.num_free) * self.kv.block_size
         rows = min(request.num_uncomputed, budget, free_positions - request.context_len)
         if rows <= 0:
             return 0
         if rows == request.num_uncomputed:  # the prompt completes: it decodes its first token
-            room = max(0, min(draft_limit(request), budget - rows))
+            room = max(0, min(max_draft_len(request), budget - rows))
             while room and not self.kv.grow(request, request.num_tokens + room):
                 room -= 1
             if self.kv.grow(request, request.num_tokens + room):
                 step.decodes.append(request)
-                step.draft_room.append(room)
+                step.max_draft_lens.append(room)
                 return rows + room
             rows -= 1
         if rows <= 0 or not self.kv.grow(request, request.context_len + rows):

@@ -32,7 +32,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def build_dir_for(source: Path) -> Path:
+def kernel_build_dir(source: Path) -> Path:
     """Where ``source`` is built: one folder per source version (its hash) under
     ``$SPECDEC_KERNEL_CACHE``, else ~/.cache/specdec/kernels, so that checkouts with different
     kernels never share a build."""
@@ -54,7 +54,7 @@ def load_cpu_ops():
     import logging
     import warnings
 
-    build_dir = build_dir_for(SOURCE)
+    build_dir = kernel_build_dir(SOURCE)
     build_dir.mkdir(parents=True, exist_ok=True)
     saved_warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache

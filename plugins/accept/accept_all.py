@@ -5,9 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import specdec
-from specdec.plugins.verify.common import assemble_output, at_positions
-from specdec.proposer import Drafts
-from specdec.verify import VerifyResult
+from specdec.sdk import Drafts, VerifyResult, assemble_output, at_positions
 
 
 class AcceptAll(specdec.AcceptPolicy):

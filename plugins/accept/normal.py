@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import specdec
-from specdec.proposer import Drafts
-from specdec.verify import VerifyResult
+from specdec.sdk import Drafts, VerifyResult
 
 
 class NormalAccept(specdec.AcceptPolicy):

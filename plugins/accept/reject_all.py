@@ -5,9 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import specdec
-from specdec.plugins.verify.common import assemble_output
-from specdec.proposer import Drafts
-from specdec.verify import VerifyResult
+from specdec.sdk import Drafts, VerifyResult, assemble_output
 
 
 class RejectAll(specdec.AcceptPolicy):

@@ -10,16 +10,13 @@ tests compare this backend with the ``paddle`` reference backend.
 from __future__ import annotations
 
 import specdec
-from specdec.attention import AttentionMetadata
-from specdec.errors import SpecdecError, require_paddle
+from specdec.sdk import AttentionMetadata, KernelUnavailable, SpecdecError, load_cpu_ops, require_paddle
 
 
 class CpuAttention(specdec.AttentionBackend):
     NAME = "cpu"
 
     def setup(self, *, num_layers, num_heads, num_kv_heads, head_dim, dtype, rope_cos, rope_sin):
-        from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
-
         self.paddle = require_paddle()
         try:
             self.ops = load_cpu_ops()
@@ -27,17 +24,10 @@ class CpuAttention(specdec.AttentionBackend):
             raise SpecdecError(f"attention_backend 'cpu': {exc}; use 'paddle'") from None
         if dtype not in ("float32", "float16"):
             raise SpecdecError(f"kv_cache_dtype: attention_backend 'cpu' keeps float32 or float16, got {dtype}")
-        self.cache_dtype = dtype
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        super().setup(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      dtype=dtype, rope_cos=rope_cos, rope_sin=rope_sin)
         self._cos_table = self.paddle.to_tensor(rope_cos)
         self._sin_table = self.paddle.to_tensor(rope_sin)
-
-    def bytes_per_block(self, block_size: int) -> int:
-        float32_bytes = super().bytes_per_block(block_size)
-        return float32_bytes // 2 if self.cache_dtype == "float16" else float32_bytes
 
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         if block_size % 8:
@@ -45,7 +35,7 @@ class CpuAttention(specdec.AttentionBackend):
         shape = [num_blocks, 2 * self.num_kv_heads, block_size, self.head_dim]
         # Uninitialised: the kernel reads only positions that a step has written (scores of
         # the padding inside a tile of 8 are computed but never used).
-        self._caches = [self.paddle.empty(shape, dtype=self.cache_dtype) for _ in range(self.num_layers)]
+        self._caches = [self.paddle.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         p = self.paddle

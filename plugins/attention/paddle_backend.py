@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 import specdec
-from specdec.attention import AttentionMetadata
-from specdec.errors import SpecdecError, require_paddle
+from specdec.sdk import AttentionMetadata, SpecdecError, require_paddle
 
 
 class PaddleAttention(specdec.AttentionBackend):
@@ -25,13 +24,9 @@ class PaddleAttention(specdec.AttentionBackend):
         if dtype != "float32":
             raise SpecdecError(f"kv_cache_dtype: attention_backend 'paddle' keeps a float32 cache, got {dtype}; "
                                "use kv_cache_dtype: float32 (or auto)")
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        super().setup(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      dtype=dtype, rope_cos=rope_cos, rope_sin=rope_sin)
         self.group = num_heads // num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.rope_cos, self.rope_sin = rope_cos, rope_sin
         self.num_blocks = 0
         self.block_size = 0
 

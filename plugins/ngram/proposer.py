@@ -6,7 +6,7 @@ import attrs
 import numpy as np
 
 import specdec
-from specdec.config import in_range
+from specdec.sdk import KernelUnavailable, in_range
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -137,9 +137,8 @@ class NgramIndex:
 
 
 def _compiled_indexes(config: NgramConfig):
-    """The compiled indexes (``specdec.kernels.cpu.ngram``), or ``None`` without a compiler."""
-    from specdec.kernels.cpu import KernelUnavailable
-    from specdec.kernels.cpu.ngram import CompiledNgramIndexes
+    """The compiled indexes (``compiled.py``), or ``None`` without a compiler."""
+    from .compiled import CompiledNgramIndexes
 
     try:
         return CompiledNgramIndexes(config.min_ngram_size, config.max_ngram_size)

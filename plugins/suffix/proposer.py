@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 
 import specdec
-from specdec.config import above, in_range
+from specdec.sdk import above, in_range
 
 from .tree import Draft, Matcher, SuffixTree, best_node_draft
 

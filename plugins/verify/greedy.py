@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import specdec
-from specdec.probs import greedy_tokens
-from specdec.verify import VerifyInputs, VerifyResult
-
-from .common import check_inputs, prefix_match_result
+from specdec.sdk import VerifyInputs, VerifyResult, check_inputs, greedy_tokens, prefix_match_result
 
 
 class GreedyVerify(specdec.VerifyStrategy):
     """Accept while ``draft == argmax``; emit the argmax where the drafts stop.
 
     Ignores temperature, top-k and top-p: the tokens are exactly those of plain greedy
-    decoding, whatever the drafts were.
+    decoding, whatever the drafts were. So it is not ``LOSSLESS`` (which means equal to
+    sampling from the target at any temperature), only greedy-equivalent.
     """
 
     NAME = "greedy"
-    LOSSLESS = True
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         check_inputs(inputs)

@@ -6,16 +6,11 @@ the target's processed distribution after the tokens before it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 import specdec
-from specdec.probs import sample_tokens, target_distribution
-from specdec.proposer import Drafts
-from specdec.verify import VerifyInputs, VerifyResult
-
-from .common import accepted_prefix, assemble_output, at_positions, check_inputs, pad_beyond_drafts
+from specdec.sdk import (Drafts, VerifyInputs, VerifyResult, accepted_prefix, assemble_output, at_positions,
+                         check_inputs, pad_beyond_drafts, recovered_tokens, target_distribution)
 
 
 class RejectionVerify(specdec.VerifyStrategy):
@@ -46,7 +41,7 @@ class RejectionVerify(specdec.VerifyStrategy):
         accepted = accepted_prefix(drafts.token_ids == target_tokens[:, :-1], drafts.lengths)
         next_tokens = at_positions(target_tokens, accepted)
         if probs is not None:
-            sampled_drafts = _select(drafts, sampled)
+            sampled_drafts = drafts if sampled.all() else drafts.select(np.flatnonzero(sampled))
             accepted[sampled], next_tokens[sampled] = self._sample_requests(
                 probs, sampled_drafts, sampling.uniforms[sampled], target_tokens[sampled]
             )
@@ -79,43 +74,15 @@ class RejectionVerify(specdec.VerifyStrategy):
         rejected = np.flatnonzero(accepted < drafts.lengths)
         if len(rejected):
             stop = accepted[rejected]
-            residual = self.residual(
-                p[rejected, stop],
-                None if q is None else q[rejected, stop],
-                drafts.token_ids[rejected, stop],
-            )
-            next_tokens[rejected] = sample_tokens(residual[:, None], uniforms[rejected, stop, 1][:, None])[:, 0]
+            next_tokens[rejected] = recovered_tokens(
+                p[rejected, stop], None if q is None else q[rejected, stop], drafts.token_ids[rejected, stop],
+                uniforms[rejected, stop, 1])
         return accepted, next_tokens
 
     @staticmethod
     def accept(p_draft: np.ndarray, q_draft: np.ndarray, u: np.ndarray) -> np.ndarray:
         """``[S, k]`` bool: ``u < p(d) / q(d)``, written without dividing by ``q``."""
         return u * q_draft < p_draft
-
-    @staticmethod
-    def residual(p: np.ndarray, q: Optional[np.ndarray], draft_ids: np.ndarray) -> np.ndarray:
-        """``[N, V]`` unnormalised ``max(0, p - q)`` at the rejected positions.
-
-        ``q`` is ``None`` for deterministic drafts: then ``p - q`` is ``p`` without the draft.
-        Falls back to ``p`` where the residual has no mass (``p == q`` up to rounding, where a
-        rejection is practically impossible).
-        """
-        if q is None:
-            residual = p.copy()
-            residual[np.arange(len(draft_ids)), draft_ids] = 0.0
-        else:
-            residual = np.maximum(p - q, 0.0)
-        empty = residual.sum(axis=-1) <= 0.0
-        residual[empty] = p[empty]
-        return residual
-
-
-def _select(drafts: Drafts, rows: np.ndarray) -> Drafts:
-    """The drafts of the requests where ``rows`` is True."""
-    if rows.all():
-        return drafts
-    probs = drafts.probs[rows] if drafts.probs is not None else None
-    return Drafts(token_ids=drafts.token_ids[rows], lengths=drafts.lengths[rows], probs=probs)
 
 
 @specdec.hookimpl

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import specdec
-from specdec.probs import target_choice
-from specdec.verify import VerifyInputs, VerifyResult
-
-from .common import check_inputs, prefix_match_result
+from specdec.sdk import VerifyInputs, VerifyResult, check_inputs, prefix_match_result, target_choice
 
 
 class TargetMatchVerify(specdec.VerifyStrategy):

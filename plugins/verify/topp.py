@@ -10,10 +10,8 @@ import attrs
 import numpy as np
 
 import specdec
-from specdec.probs import target_distribution, top_tokens
-from specdec.verify import VerifyInputs, VerifyResult
-
-from .common import assemble_output, at_positions, check_inputs, draft_mask, pad_beyond_drafts
+from specdec.sdk import (VerifyInputs, VerifyResult, assemble_output, at_positions, check_inputs, draft_mask,
+                         pad_beyond_drafts, target_distribution, top_tokens)
 
 _positive_int = [attrs.validators.instance_of(int), attrs.validators.ge(1)]
 

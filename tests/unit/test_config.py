@@ -41,6 +41,13 @@ class Ngram:
         banned_ids: list[int] = attrs.Factory(list)
 
 
+class ModelBased:
+    """Stands for a model-based method such as MTP: it reads the seed system's model keys."""
+
+    NAME = "mtp_like"
+    USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization", "mtp_strategy"})
+
+
 class Topp:
     NAME = "topp"
 
@@ -102,6 +109,13 @@ def plugins() -> FakePlugins:
     )
 
 
+@pytest.fixture
+def plugins_with_mtp(plugins) -> FakePlugins:
+    """The same plugins plus a model-based method that reads the seed system's model keys."""
+    plugins.proposers = _registry("proposer", Naive, Ngram, ModelBased)
+    return plugins
+
+
 def config_error(call, *args, **kwargs) -> str:
     """Run ``call``, expect a ConfigError, check it is one line, return its message."""
     with pytest.raises(ConfigError) as info:
@@ -146,15 +160,33 @@ def test_flat_plugin_keys_reach_their_configs(plugins):
     assert config.accept_config == AcceptAll.Config(mode="first")
 
 
-def test_seed_system_keys_work_unchanged(plugins):
+def test_seed_system_keys_work_unchanged(plugins_with_mtp):
     config = build_speculative_config(
-        {"method": "ngram", "num_speculative_tokens": 5, "num_model_steps": 2, "model": "/m/mtp",
+        {"method": "mtp_like", "num_speculative_tokens": 5, "num_model_steps": 2, "model": "/m/mtp",
          "quantization": "wint8", "verify_strategy": "topp", "accept_policy": "normal",
          "mtp_strategy": "with_ngram"},
-        plugins,
+        plugins_with_mtp,
     )
     assert (config.model, config.quantization, config.num_model_steps) == ("/m/mtp", "wint8", 2)
     assert config.mtp_strategy == "with_ngram"
+
+
+@pytest.mark.parametrize("key, value", [("num_model_steps", 2), ("model", "/x"), ("quantization", "wint8"),
+                                        ("mtp_strategy", "with_ngram")])
+def test_a_model_key_for_a_method_that_does_not_read_it_is_an_error(plugins, plugins_with_mtp, key, value):
+    assert config_error(build_speculative_config, {"method": "ngram", key: value}, plugins_with_mtp) == (
+        f"--speculative-config.{key}: method 'ngram' does not use it; it is read by method 'mtp_like'")
+    plugins.proposers = _registry("proposer", Naive, Ngram)
+    assert config_error(build_speculative_config, {"method": "ngram", key: value}, plugins) == (
+        f"--speculative-config.{key}: method 'ngram' does not use it; it is read by model-based methods "
+        f"such as 'mtp' (none is installed)")
+
+
+def test_model_keys_at_their_defaults_are_accepted_with_any_method(plugins):
+    """A seed-system config written out in full (defaults included) still loads."""
+    config = build_speculative_config({"method": "ngram", "num_model_steps": 1, "model": None, "quantization": None,
+                                       "mtp_strategy": "default"}, plugins)
+    assert config.method == "ngram"
 
 
 def test_float_field_accepts_int(plugins):
@@ -516,15 +548,16 @@ def test_speculative_config_errors_name_the_flag(plugins):
         {"method": "ngram", "num_speculative_tokens": 7, "max_ngram_size": 6, "verify_strategy": "topp",
          "verify_window": 1},
         {"method": "ngram", "verify_strategy": "greedy", "accept_policy": "accept_all", "mode": "first",
-         "banned_ids": [1, 2], "model": "/m", "quantization": "wint8", "mtp_strategy": "with_ngram",
-         "num_model_steps": 3},
+         "banned_ids": [1, 2]},
+        {"method": "mtp_like", "verify_strategy": "greedy", "model": "/m", "quantization": "wint8",
+         "mtp_strategy": "with_ngram", "num_model_steps": 3},
     ],
 )
-def test_speculative_round_trip(plugins, data):
-    config = build_speculative_config(data, plugins)
+def test_speculative_round_trip(plugins_with_mtp, data):
+    config = build_speculative_config(data, plugins_with_mtp)
     flat = config.to_dict()
     assert json.loads(json.dumps(flat)) == flat  # plain JSON types only
-    assert build_speculative_config(flat, plugins) == config
+    assert build_speculative_config(flat, plugins_with_mtp) == config
     for key, value in data.items():
         assert flat[key] == value
 
@@ -552,6 +585,19 @@ def test_hand_built_config_is_resolved(plugins):
     assert config_error(SpeculativeConfig(method="ngarm").resolved, plugins) == (
         "speculative_config.method: unknown proposer 'ngarm' (did you mean 'ngram'?); installed: naive, ngram"
     )
+
+
+def test_is_resolved_tells_built_configs_from_hand_built_ones(plugins):
+    built = build_speculative_config({"method": "ngram", "verify_strategy": "topp"}, plugins)
+    assert built.is_resolved(plugins)
+    assert build_speculative_config({}, plugins).is_resolved(plugins)
+    assert not SpeculativeConfig(method="ngram").is_resolved(plugins)  # k and the Configs open
+    assert SpeculativeConfig(method="ngram").resolved(plugins).is_resolved(plugins)
+    # Evolved into a config whose plugin configs do not fit its plugins any more:
+    assert not attrs.evolve(built, method="naive").is_resolved(plugins)  # ngram's Config on naive
+    assert not attrs.evolve(built, verify_strategy="greedy").is_resolved(plugins)
+    assert not attrs.evolve(built, accept_policy="unknown").is_resolved(plugins)
+    assert attrs.evolve(built, num_speculative_tokens=3).is_resolved(plugins)
 
 
 def test_direct_construction_validates():

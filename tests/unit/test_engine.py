@@ -459,3 +459,69 @@ def test_paddle_backend_refuses_a_float16_cache():
     with pytest.raises(SpecdecError, match="kv_cache_dtype: attention_backend 'paddle' keeps a float32 cache"):
         PaddleAttention().setup(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, dtype="float16",
                                 rope_cos=np.ones((4, 8), np.float32), rope_sin=np.zeros((4, 8), np.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# The step path: resolved configs only, lifecycle calls in the step that admits a request
+
+
+def test_engine_refuses_an_unresolved_config_before_loading_anything():
+    from specdec import SpeculativeConfig
+    from specdec.config import EngineConfig
+    from specdec.engine import Engine
+    from specdec.errors import SpecdecError
+
+    with pytest.raises(SpecdecError, match="the engine takes a resolved speculative config"):
+        Engine(EngineConfig(model="/nonexistent/model.gguf", speculative=SpeculativeConfig(method="ngram")),
+               progress=False)
+
+
+def test_llm_keeps_a_resolved_config_and_resolves_a_hand_built_one(llm):
+    from specdec import SpeculativeConfig
+    from specdec.config import build_speculative_config
+    from specdec.errors import SpecdecError
+
+    plugins, before = llm.engine.plugins, llm.speculative_config
+    resolved = build_speculative_config({"method": "ngram", "num_speculative_tokens": 3}, plugins)
+    try:
+        llm.set_speculative_config(resolved)
+        assert llm.speculative_config is resolved  # used as is, not flattened and parsed again
+        llm.set_speculative_config(SpeculativeConfig(method="suffix"))
+        assert llm.speculative_config.is_resolved(plugins)
+        assert llm.speculative_config.num_speculative_tokens == 5
+        with pytest.raises(SpecdecError, match="resolved speculative config"):
+            llm.engine.set_speculative_config(SpeculativeConfig(method="ngram"))
+    finally:
+        llm.set_speculative_config(before)
+
+
+def test_on_request_start_runs_in_the_step_that_admits_the_request(model_session, monkeypatch):
+    """Once per request, in the step that admits it; a failure ends that request alone."""
+    engine = model_session.llm.engine
+    model_session.llm.set_speculative_config({"method": "ngram"})
+    real_start = engine.proposer.on_request_start
+    started = []
+
+    def on_request_start(request):
+        started.append(request.request_id)
+        if request.request_id == "start-bad":
+            raise RuntimeError("no index")
+        real_start(request)
+
+    monkeypatch.setattr(engine.proposer, "on_request_start", on_request_start)
+    monkeypatch.setattr(engine.scheduler, "max_num_seqs", 4)  # both admitted in one step
+    # Prompts without a common prefix (not even the chat template's): a request whose prefix
+    # another one is computing waits to share its blocks.
+    good = engine.add_request(model_session.prompt_ids(FRANCE, chat=False),
+                              SamplingParams(max_tokens=32, ignore_eos=True), request_id="start-good")
+    bad = engine.add_request(model_session.prompt_ids(STORY, chat=False), SamplingParams(max_tokens=6),
+                             request_id="start-bad")
+    assert started == []
+    finished = engine.step()
+    assert started == ["start-good", "start-bad"]
+    assert [r.request_id for r in finished] == ["start-bad"]  # start-good has 31+ tokens to go
+    assert bad.output().error == "proposer 'ngram' on_request_start failed: RuntimeError: no index"
+    [output] = engine.run([good])
+    assert output.finish_reason == "length" and output.num_generated_tokens == 32
+    assert started == ["start-good", "start-bad"]
+    assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks

@@ -148,7 +148,7 @@ def test_compiled_index_equals_the_reference_search():
     """The compiled index (what the proposer runs where a C++ compiler exists) against
     ``find_ngram_draft``, for a batch of requests growing at different paces, with
     non-int64 and non-contiguous token arrays, long n-grams and repeated ids."""
-    from specdec.kernels.cpu.ngram import CompiledNgramIndexes
+    from specdec.plugins.ngram.compiled import CompiledNgramIndexes
 
     rng = np.random.default_rng(1)
     for _ in range(40):
@@ -165,11 +165,11 @@ def test_compiled_index_equals_the_reference_search():
             arrays[0] = arrays[0].astype(np.int32)  # converted on the way in
             if len(arrays) > 1:
                 arrays[1] = np.repeat(arrays[1], 2)[::2]  # a strided view
-            max_lens = rng.integers(0, 7, len(live))
+            max_draft_lens = rng.integers(0, 7, len(live))
             drafts, lengths, matched = indexes.draft_batch([
-                specdec.ProposalRequest(f"r{i}", tokens, 0, int(k)) for i, tokens, k in zip(live, arrays, max_lens)])
+                specdec.ProposalRequest(f"r{i}", tokens, 0, int(k)) for i, tokens, k in zip(live, arrays, max_draft_lens)])
             for row, i in enumerate(live):
-                want, n = find_ngram_match(streams[i][: ends[i]], int(max_lens[row]), max_n, min_n)
+                want, n = find_ngram_match(streams[i][: ends[i]], int(max_draft_lens[row]), max_n, min_n)
                 assert drafts[row, : lengths[row]].tolist() == want.tolist()
                 assert matched[row] == n
                 assert (drafts[row, lengths[row]:] == -1).all()
@@ -179,7 +179,7 @@ def test_compiled_index_equals_the_reference_search():
 
 
 def test_compiled_index_rejects_bad_sizes():
-    from specdec.kernels.cpu.ngram import CompiledNgramIndexes
+    from specdec.plugins.ngram.compiled import CompiledNgramIndexes
 
     with pytest.raises(ValueError, match="bad ngram sizes"):
         CompiledNgramIndexes(3, 2).draft_batch([specdec.ProposalRequest("a", np.arange(5), 5, 2)])

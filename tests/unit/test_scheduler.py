@@ -20,7 +20,7 @@ def _request(name: str, prompt_len: int, max_tokens: int = 8) -> Request:
 
 def _scheduler(num_blocks: int, block_size: int, budget: int, max_num_seqs: int = 8) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, block_size, enable_prefix_caching=False))
-    return Scheduler(kv, max_num_seqs, budget, on_admit=lambda request: None)
+    return Scheduler(kv, max_num_seqs, budget)
 
 
 def test_decodes_first_then_prefill_chunks_within_the_budget():
@@ -29,7 +29,7 @@ def test_decodes_first_then_prefill_chunks_within_the_budget():
     scheduler.waiting += [decoding, long]
     first = scheduler.schedule(lambda r: 3)
     # d's whole prompt fits (10 rows + 3 draft rows); l gets the remaining 7 rows as a chunk.
-    assert first.decodes == [decoding] and first.draft_room == [3]
+    assert first.decodes == [decoding] and first.max_draft_lens == [3]
     assert first.chunks == [(long, 7)]
     decoding.context_len, decoding.num_tokens = 10, 11  # it emitted one token
     long.context_len += 7
@@ -56,5 +56,5 @@ def test_a_decode_without_room_for_drafts_runs_without_them():
     request = _request("a", 15)
     scheduler.waiting.append(request)
     step = scheduler.schedule(lambda r: 5)  # 15 + 5 positions would need a third block
-    assert step.decodes == [request] and step.draft_room == [1]
+    assert step.decodes == [request] and step.max_draft_lens == [1]
     assert not step.preempted

@@ -343,7 +343,8 @@ class TestRejection:
         assert result.accepted_lengths[0] == 0 and result.output_tokens[0, 0] == 2
 
     def test_lossless_flags(self):
-        assert GreedyVerify.LOSSLESS and TargetMatchVerify.LOSSLESS and RejectionVerify.LOSSLESS
+        assert TargetMatchVerify.LOSSLESS and RejectionVerify.LOSSLESS
+        assert not GreedyVerify.LOSSLESS  # greedy decoding at every temperature: not sampling
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """The ngram proposer's index, compiled (``ngram_index.cc``), loaded with ctypes.
 
 ``load_ngram_library()`` builds the C++ source with the system compiler once per source
-version (cached next to the paddle kernels) and returns the library, or raises
-:class:`~specdec.kernels.cpu.KernelUnavailable` with the reason. :class:`CompiledNgramIndexes`
+version (in :func:`specdec.sdk.kernel_build_dir`, next to the engine's kernels) and returns
+the library, or raises :class:`specdec.sdk.KernelUnavailable` with the reason. :class:`CompiledNgramIndexes`
 holds one index per request and drafts for a whole batch in one call; the Python
 ``NgramIndex`` of the ngram plugin is its reference twin.
 """
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import KernelUnavailable, build_dir_for
+from specdec.sdk import KernelUnavailable, kernel_build_dir
 
 SOURCE = Path(__file__).with_name("ngram_index.cc")
 _INT64_P = ctypes.POINTER(ctypes.c_int64)
@@ -32,7 +32,7 @@ def load_ngram_library() -> ctypes.CDLL:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set CXX)")
-    target = build_dir_for(SOURCE) / "specdec_ngram_index.so"
+    target = kernel_build_dir(SOURCE) / "specdec_ngram_index.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: concurrent builds never load a half-written file.
@@ -107,13 +107,13 @@ class CompiledNgramIndexes:
         flat = np.concatenate(pieces, dtype=np.int64) if count else np.zeros(0, np.int64)
         handles = np.array(handles, dtype=np.uintp)
         new_counts = np.fromiter(map(len, pieces), dtype=np.int64, count=count)
-        max_lens = np.fromiter((r.max_draft_len for r in requests), dtype=np.int64, count=count)
-        width = int(max_lens.max()) if count else 0
+        max_draft_lens = np.fromiter((r.max_draft_len for r in requests), dtype=np.int64, count=count)
+        width = int(max_draft_lens.max()) if count else 0
         out = np.full((count, width), -1, dtype=np.int64)
         out_lens = np.zeros(count, dtype=np.int64)
         matched = np.zeros(count, dtype=np.int64)
         self._lib.specdec_ngram_propose(count, handles.ctypes.data, flat.ctypes.data, new_counts.ctypes.data,
-                                        max_lens.ctypes.data, width, out.ctypes.data, out_lens.ctypes.data,
+                                        max_draft_lens.ctypes.data, width, out.ctypes.data, out_lens.ctypes.data,
                                         matched.ctypes.data)
         longest = int(out_lens.max()) if count else 0
         return out[:, :longest], out_lens, matched

@@ -1,4 +1,4 @@
-"""Pieces shared by the built-in verify strategies and accept policies.
+"""Building blocks of verify strategies and accept policies (part of :mod:`specdec.sdk`).
 
 All of them work on the whole batch: ``drafts [B, k]``, ``lengths [B]``, rows ``[B, k+1]``.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.proposer import DRAFT_PAD, Drafts
-from specdec.verify import VerifyInputs, VerifyResult
+from .proposer import DRAFT_PAD, Drafts
+from .verify import VerifyInputs, VerifyResult
 
 
 def check_inputs(inputs: VerifyInputs) -> None:
