@@ -2,7 +2,8 @@
 
 The public API: :class:`LLM` and :class:`SamplingParams` to generate; :class:`Proposer`,
 :class:`ProposalBatch`, :class:`Drafts`, :class:`VerifyStrategy`, :class:`AcceptPolicy`,
-:class:`AttentionBackend` and the ``hookimpl`` marker to write plugins. :mod:`specdec.sdk` holds
+:class:`AttentionBackend` and the ``hookimpl`` marker to write plugins (model-based proposers
+also :class:`ProposerContext` and :class:`TargetModel`). :mod:`specdec.sdk` holds
 everything else a plugin may use (the sampling math, the verify result builders, the config
 validators); :mod:`specdec.testing` the conformance checks of each plugin kind.
 """
@@ -12,6 +13,7 @@ from .errors import ConfigError, PluginError, SpecdecError
 from .hookspecs import hookimpl
 from .plugin import Plugin
 from .proposer import Drafts, ProposalBatch, ProposalRequest, Proposer
+from .proposer_context import ProposerContext, TargetModel
 from .sampling import SamplingParams
 from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
 
@@ -21,6 +23,7 @@ __all__ = [
     "LLM", "SamplingParams", "SpeculativeConfig", "Plugin", "Proposer", "ProposalBatch", "ProposalRequest",
     "Drafts", "VerifyStrategy", "AcceptPolicy", "VerifyInputs", "VerifyResult", "BatchSampling",
     "AttentionBackend", "AttentionMetadata", "hookimpl", "SpecdecError", "ConfigError", "PluginError",
+    "ProposerContext", "TargetModel",
 ]
 
 

@@ -43,6 +43,17 @@ def specdec_register_proposers(register):
     ``on_request_start(request: ProposalRequest)`` when a request is admitted,
     ``on_step(batch: ProposalBatch, accepted: list[numpy.ndarray])`` after every step with the
     tokens each request appended, and ``on_request_finish(request_id: str)`` when a request ends.
+
+    Model-based methods (MTP, EAGLE, Medusa, draft models) may also implement
+    ``setup(context: specdec.ProposerContext)``, called once after construction and before the
+    first request, which gives them the target's ``model_config``, ``tokenizer``, a
+    :class:`specdec.TargetModel` handle (``embed``, ``logits``, the shared embedding, final norm
+    and LM head) and ``create_cache_layers`` (decoder layers of their own over the engine's
+    paged KV cache); and set ``NEEDS_HIDDEN_STATES = True`` to get, in each
+    ``ProposalRequest``, ``hidden_states [n, H]`` (the target's last-layer states, before the
+    final norm, at the positions computed since the previous proposal whose next token is
+    decided), ``hidden_positions [n]`` and ``block_table``. The additions are optional: a
+    proposer that uses none of them works unchanged.
     """
 
 

@@ -7,7 +7,7 @@ it through the ``specdec_register_proposers`` hook (see :mod:`specdec.hookspecs`
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import attrs
 import numpy as np
@@ -28,12 +28,28 @@ class ProposalRequest:
     :ivar num_prompt_tokens: how many of ``token_ids`` are the prompt.
     :ivar max_draft_len: the most drafts the engine will verify for this request this step
         (0 means: propose nothing).
+    :ivar hidden_states: for a proposer with ``NEEDS_HIDDEN_STATES`` (else ``None``): ``[n, H]``
+        float32, the target's last-layer hidden states (before the final norm) at the
+        positions the target computed since this request's previous proposal whose next token
+        is now decided; after a prefill, every prompt position the target computed (positions
+        served from the prefix cache are not computed). Rows of rejected drafts are never
+        passed. A paddle tensor on the model's device; ``numpy.asarray`` of it works.
+    :ivar hidden_positions: ``[n]`` int64 with ``hidden_states``: ``hidden_states[i]`` is the
+        state at position ``hidden_positions[i]``, and ``token_ids[hidden_positions[i] + 1]`` is
+        the token that followed it. Increasing; a preempted request starts again from the
+        positions it recomputes.
+    :ivar block_table: for a proposer with ``NEEDS_HIDDEN_STATES``: ``[num_blocks]`` int32, the
+        request's KV cache blocks in position order, for the proposer's own cache layers
+        (:meth:`specdec.ProposerContext.create_cache_layers`). Read-only.
     """
 
     request_id: str
     token_ids: np.ndarray
     num_prompt_tokens: int
     max_draft_len: int
+    hidden_states: Any = None
+    hidden_positions: Optional[np.ndarray] = None
+    block_table: Optional[np.ndarray] = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -146,6 +162,10 @@ class Proposer(Plugin):
 
     The lifecycle methods are optional no-ops here; stateful methods (suffix trees, MTP)
     override them to keep their state in step with the engine.
+
+    Model-based methods (MTP, EAGLE, Medusa, draft models) also override :meth:`setup`, which
+    hands them the target model, and set ``NEEDS_HIDDEN_STATES`` to receive the target's
+    hidden states with each request (docs/plugins.md, "Model-based proposers").
     """
 
     #: Set to True when the proposer never drafts (``naive``): the engine then forces
@@ -155,6 +175,19 @@ class Proposer(Plugin):
     #: ``num_model_steps``, ``model``, ``quantization`` and ``mtp_strategy``. Any of them set
     #: (to other than its default) for a method that does not list it is a config error.
     USED_MODEL_KEYS: ClassVar[frozenset[str]] = frozenset()
+    #: Set to True to receive ``hidden_states``, ``hidden_positions`` and ``block_table`` in
+    #: every :class:`ProposalRequest`. The engine then calls :meth:`propose` every step, also
+    #: when no request may draft (``max_draft_len`` 0 for all), so that no hidden state is
+    #: missed; the method must still return no drafts longer than ``max_draft_len``.
+    NEEDS_HIDDEN_STATES: ClassVar[bool] = False
+
+    def setup(self, context: Any) -> None:
+        """Called once, after construction and before the first request, with a
+        :class:`specdec.ProposerContext`: the target's ``model_config``, ``tokenizer``, the
+        :class:`specdec.TargetModel` handle ``target``, and ``create_cache_layers`` for decoder
+        layers of the proposer's own over the paged KV cache. Raise a
+        :class:`specdec.SpecdecError` (one line) when the proposer cannot work with this target
+        (a wrong hidden size, missing weights): the engine refuses the config with it."""
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         """Return drafts for every request of ``batch``, at most ``max_draft_len`` each."""

@@ -7,7 +7,8 @@ plugin or an engine module; a test holds the built-ins to it. What is here:
   :class:`ProposalRequest`, :class:`Drafts`, :data:`DRAFT_PAD`), :class:`VerifyStrategy`
   (:class:`VerifyInputs`, :class:`VerifyResult`, :class:`BatchSampling`),
   :class:`AcceptPolicy`, :class:`AttentionBackend` (:class:`AttentionMetadata`), their common
-  base :class:`Plugin`, and the :data:`hookimpl` marker;
+  base :class:`Plugin`, and the :data:`hookimpl` marker; for model-based proposers
+  :class:`ProposerContext` and :class:`TargetModel`;
 - the sampling math of verify strategies (``[B, R, V]`` batches, no Python loop per request):
   :func:`processed_probs`, :func:`greedy_tokens`, :func:`one_hot`, :func:`sample_tokens`
   (inverse CDF with pre-drawn uniforms), :func:`target_choice`, :func:`target_distribution`,
@@ -36,12 +37,13 @@ from .plugin import Plugin
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
                     target_choice, target_distribution, top_tokens)
 from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer
+from .proposer_context import ProposerContext, TargetModel
 from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
 from .verify_builders import (accepted_prefix, assemble_output, at_positions, check_inputs, draft_mask,
                               pad_beyond_drafts, prefix_match_result)
 
 __all__ = [
-    "Plugin", "Proposer", "ProposalBatch", "ProposalRequest", "Drafts", "DRAFT_PAD",
+    "Plugin", "Proposer", "ProposalBatch", "ProposalRequest", "Drafts", "DRAFT_PAD", "ProposerContext", "TargetModel",
     "VerifyStrategy", "VerifyInputs", "VerifyResult", "BatchSampling", "AcceptPolicy",
     "AttentionBackend", "AttentionMetadata", "hookimpl",
     "processed_probs", "greedy_tokens", "one_hot", "sample_tokens", "target_choice", "target_distribution",

@@ -15,7 +15,7 @@ import itertools
 import logging
 import sys
 import time
-from typing import Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import attrs
 import numpy as np
@@ -28,6 +28,7 @@ from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
 from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
 from .batch import SequenceRows, pack_step
+from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
 from .request import Request, RequestOutput
 from .scheduler import ScheduledStep, Scheduler
@@ -93,6 +94,10 @@ class _StepState:
     logits: Optional[np.ndarray] = None
     sampling: Optional[BatchSampling] = None
     result: Optional[VerifyResult] = None
+    #: ``[T, H]`` last-layer hidden states of the step's packed rows, and each request's first
+    #: row among them (by ``id``), when the proposer reads hidden states.
+    hidden: Any = None
+    first_rows: dict = attrs.field(factory=dict)
 
     def only(self, keep: Callable[[Request], bool]) -> "_StepState":
         rows = [i for i, request in enumerate(self.plan.decodes) if keep(request)]
@@ -104,6 +109,8 @@ class _StepState:
             logits=None if self.logits is None else self.logits[pick],
             sampling=None if self.sampling is None else self.sampling.select(pick),
             result=None if self.result is None else self.result.select(pick),
+            hidden=self.hidden,
+            first_rows=self.first_rows,
         )
 
 
@@ -148,6 +155,7 @@ class Engine:
         self.block_size = config.block_size
         self.kv = self._allocate_kv_cache()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.hidden_states = PendingHiddenStates(self.model.paddle, model_config.hidden_size)
         #: What the adaptive draft length has learned, per method (see _build_spec_plugins).
         self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
         self._build_spec_plugins(config.speculative)
@@ -176,9 +184,11 @@ class Engine:
 
     def _build_spec_plugins(self, spec: SpeculativeConfig) -> None:
         proposer_cls, verify_cls, accept_cls = self._spec_plugin_classes(spec)
+        proposer = proposer_cls(spec.method_config, spec)
+        self._setup_proposer(proposer, spec.method)
         self.spec: SpeculativeConfig = spec
         self.num_speculative_tokens = spec.num_speculative_tokens or 0
-        self.proposer = proposer_cls(spec.method_config, spec)
+        self.proposer = proposer
         # The adaptive policy's statistics belong to the method (draft classes mean what its
         # proposer says; the step-cost fit needs its multi-row steps, which another method's
         # 1-row steps would drown): switching methods and back resumes them.
@@ -186,6 +196,40 @@ class Engine:
             spec.method, (AcceptanceModel(), StepCostModel()))
         self.verifier = verify_cls(spec.verify_config, spec)
         self.accept_policy = accept_cls(spec.accept_config, spec)
+
+    def _setup_proposer(self, proposer, method: str) -> None:
+        """``proposer.setup(context)``; what it raises is a one-line error naming the method."""
+        from ..proposer_context import ProposerContext, TargetModel
+
+        context = ProposerContext(model_config=self.model_config, tokenizer=self.tokenizer,
+                                  target=TargetModel(self.model), block_size=self.block_size,
+                                  num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers)
+        try:
+            proposer.setup(context)
+        except SpecdecError as exc:
+            raise SpecdecError(f"speculative_config.method: proposer '{method}': {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure, reported in one line
+            raise SpecdecError(f"speculative_config.method: proposer '{method}' setup failed: "
+                               f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+
+    def _create_cache_layers(self, num_layers: int, *, num_heads: Optional[int] = None,
+                             num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None):
+        """``ProposerContext.create_cache_layers``: a backend of the engine's kind over the same
+        block ids as the target's cache (see its docstring)."""
+        from ..model.llama import rope_tables
+
+        c = self.model_config
+        head_dim = head_dim or c.head_dim
+        backend = type(self.attention)(self.attention.config, None)
+        cos, sin = self.attention.rope_cos, self.attention.rope_sin
+        if head_dim != c.head_dim:
+            cos, sin = rope_tables(attrs.evolve(c, head_dim=head_dim), len(cos))
+        backend.setup(num_layers=num_layers, num_heads=num_heads or c.num_heads,
+                      num_kv_heads=num_kv_heads or c.num_kv_heads, head_dim=head_dim, dtype=self.kv_cache_dtype,
+                      rope_cos=cos, rope_sin=sin)
+        backend.init_cache(self.kv.pool.num_blocks, self.block_size)
+        self.kv.pool.reset_prefix_cache()  # its cached blocks hold no draft rows
+        return backend
 
     def set_speculative_config(self, spec: SpeculativeConfig) -> None:
         """Switch method, verify strategy or accept policy without reloading the model.
@@ -316,6 +360,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - the request is over either way
                 logger.exception("proposer '%s': on_request_finish(%s) failed", self.spec.method, request.request_id)
         self.acceptance.forget(request.request_id)
+        self.hidden_states.drop(request)
         self._finish(request, reason or request.finish_reason)
 
     def _fail(self, request: Request, phase: str, exc: Exception) -> None:
@@ -381,6 +426,8 @@ class Engine:
         plan = self.scheduler.schedule(self._max_draft_len)
         for request in plan.exhausted:
             self._retire(request, "length")
+        for request in plan.preempted:  # it recomputes its rows, hidden states included
+            self.hidden_states.drop(request)
         for request in plan.admitted:
             if not request.started:  # not a preempted request coming back
                 self._start(request)
@@ -389,6 +436,16 @@ class Engine:
         if plan.num_requests:
             self._run_step(plan)
         return [request for request in touched.values() if request.finished]
+
+    def _proposal_request(self, request: Request, max_draft_len: int) -> ProposalRequest:
+        """What the proposer sees of ``request`` this step (with the hidden states kept for
+        it, handed over once, when the proposer reads them)."""
+        proposal = ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len)
+        if self.proposer.NEEDS_HIDDEN_STATES:
+            proposal.hidden_states, proposal.hidden_positions = self.hidden_states.take(request)
+            proposal.block_table = np.asarray(request.block_table, dtype=np.int32)
+            proposal.block_table.flags.writeable = False
+        return proposal
 
     def _start(self, request: Request) -> None:
         """Tell the proposer a request starts (its prompt); a failure ends that request alone."""
@@ -403,8 +460,7 @@ class Engine:
         """Propose, pack and forward, verify, accept and update for the requests of ``plan``;
         each phase narrows the step to the requests that have not failed."""
         state = _StepState(plan, ProposalBatch([
-            ProposalRequest(r.request_id, r.token_ids, r.num_prompt_tokens, max_draft_len)
-            for r, max_draft_len in zip(plan.decodes, plan.max_draft_lens)
+            self._proposal_request(r, max_draft_len) for r, max_draft_len in zip(plan.decodes, plan.max_draft_lens)
         ]))
         decoding = lambda s: s.plan.decodes  # noqa: E731 - the members of the decode-only phases
         # propose: proposer.propose, then the caps and the adaptive draft length
@@ -413,9 +469,10 @@ class Engine:
         if state.drafts is None:  # every decoding request failed; prefill chunks go on
             state.drafts = Drafts.empty(0)
         # pack and forward: one model call for every row of the step
-        state, state.logits = self._isolated("model forward", state, lambda s: self._forward(s.plan, s.drafts),
-                                             lambda s: s.plan.requests)
+        state, state.logits = self._isolated("model forward", state, self._forward, lambda s: s.plan.requests)
         for request, rows in state.plan.chunks:
+            if state.hidden is not None:
+                self.hidden_states.keep(request, state.hidden, state.first_rows[id(request)], request.context_len, rows)
             request.context_len += rows
             self.kv.register_computed(request)
         if not state.plan.decodes:
@@ -465,7 +522,7 @@ class Engine:
 
     def _propose(self, batch: ProposalBatch, plan) -> Drafts:
         max_draft_lens = np.fromiter((r.max_draft_len for r in batch.requests), dtype=np.int64, count=len(batch))
-        if not max_draft_lens.any():
+        if not max_draft_lens.any() and not self.proposer.NEEDS_HIDDEN_STATES:
             return Drafts.empty(len(batch))
         drafts = self.proposer.propose(batch)
         if drafts.batch_size != len(batch):
@@ -506,17 +563,25 @@ class Engine:
                            dtype=bool, count=len(plan.decodes))
         return np.where(keep, lengths, chosen)
 
-    def _forward(self, plan: ScheduledStep, drafts: Drafts) -> np.ndarray:
+    def _forward(self, state: _StepState) -> np.ndarray:
         """Pack every scheduled request's rows (``batch.py``), run the model, return the
-        ``[B, k+1, V]`` logits of the decoding requests (prefill chunks need none)."""
+        ``[B, k+1, V]`` logits of the decoding requests (prefill chunks need none). For a
+        proposer that reads hidden states, ``state.hidden`` gets every row's."""
+        plan = state.plan
         packed = pack_step(
             [SequenceRows(r.tokens[r.context_len: r.num_tokens], r.context_len, r.block_table) for r in plan.decodes],
-            drafts,
+            state.drafts,
             [SequenceRows(r.tokens[r.context_len: r.context_len + rows], r.context_len, r.block_table)
              for r, rows in plan.chunks],
             self.block_size)
         started = time.perf_counter()
-        logits = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows)
+        if self.proposer.NEEDS_HIDDEN_STATES:
+            logits, state.hidden = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows,
+                                                      return_hidden=True)
+            starts = packed.meta.cu_seqlens_q
+            state.first_rows = {id(r): int(starts[i]) for i, r in enumerate(plan.requests)}
+        else:
+            logits = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows)
         if packed.is_decode_only:
             # Only decode steps feed the cost model: a prefill row also attends over its
             # whole prompt, which would make every draft row look dearer than it is.
@@ -551,6 +616,9 @@ class Engine:
         for b, request in enumerate(decodes):
             try:
                 count = int(counts[b])
+                if state.hidden is not None:  # the fed rows and the accepted drafts' rows
+                    self.hidden_states.keep(request, state.hidden, state.first_rows[id(request)], request.context_len,
+                                            request.num_uncomputed + int(accepted[b]))
                 request.context_len = request.num_tokens + int(accepted[b])
                 appended = self._append(request, result.output_tokens[b, :count], reasons[b])
                 self.kv.register_computed(request)

@@ -99,6 +99,9 @@ class LlamaModel:
         head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head = pack(head.T * w["model.norm.weight"][:, None])
         self.final_norm = self.paddle.to_tensor(w["model.norm.weight"])
+        #: ``[V, H]`` float32, for proposers (``specdec.TargetModel.lm_head``); the step uses
+        #: the packed ``lm_head``, with the final norm's gain folded in.
+        self.lm_head_weight = self.embed if c.tie_word_embeddings else self.paddle.to_tensor(head)
 
     def forward(self, token_ids: np.ndarray, meta: AttentionMetadata,
                 logit_rows: np.ndarray, return_hidden: bool = False):
@@ -109,8 +112,10 @@ class LlamaModel:
             :class:`AttentionMetadata`; ``meta.positions`` are the rows' positions).
         :param logit_rows: ``[M]`` int64 indices of the rows whose logits are wanted (may be
             empty: a prefill chunk needs none).
-        :returns: ``[M, V]`` float32 numpy logits (and, when ``return_hidden``, the hidden
-            states of those rows after the final norm, ``[M, hidden]``).
+        :param return_hidden: also return the last layer's hidden states of every row
+            (``[T, H]`` float32 paddle tensor, before the final norm), for proposers that read
+            them.
+        :returns: ``[M, V]`` float32 numpy logits, or ``(logits, hidden_states)``.
         """
         p = self.paddle
         linear = self.linear
@@ -124,12 +129,22 @@ class LlamaModel:
                 attn = self.attention.forward(index, qkv, meta)
                 x = linear.matmul_add(attn, layer["o"], x)
                 x = linear.matmul_add(linear.rms_matmul_swiglu(x, layer["gate_up"]), layer["down"], x)
+            hidden = x
             if len(logit_rows) == 0:
-                return (np.zeros((0, self.config.vocab_size), np.float32), None) if return_hidden else \
-                    np.zeros((0, self.config.vocab_size), np.float32)
-            if len(logit_rows) != len(token_ids) or not np.array_equal(logit_rows, np.arange(len(token_ids))):
-                x = p.gather(x, p.to_tensor(logit_rows))
-            logits = linear.rms_matmul(x, self.lm_head).numpy()
-            if return_hidden:
-                return logits, (linear.rms_norm(x) * self.final_norm).numpy()
-        return logits
+                logits = np.zeros((0, self.config.vocab_size), np.float32)
+            else:
+                if len(logit_rows) != len(token_ids) or not np.array_equal(logit_rows, np.arange(len(token_ids))):
+                    x = p.gather(x, p.to_tensor(logit_rows))
+                logits = linear.rms_matmul(x, self.lm_head).numpy()
+        return (logits, hidden) if return_hidden else logits
+
+    def logits_of_hidden(self, hidden_states):
+        """``[n, V]`` float32 paddle logits of last-layer hidden states ``[n, H]`` (numpy or
+        paddle), exactly as :meth:`forward` computes them: the final norm, then the LM head."""
+        p = self.paddle
+        x = hidden_states if isinstance(hidden_states, p.Tensor) else p.to_tensor(np.asarray(hidden_states))
+        with p.no_grad():
+            x = x.astype("float32").reshape([-1, self.config.hidden_size])
+            if x.shape[0] == 0:
+                return p.zeros([0, self.config.vocab_size], dtype="float32")
+            return self.linear.rms_matmul(x, self.lm_head)
