@@ -677,6 +677,12 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     core["num_speculative_tokens"] = num_tokens
     config = structure(core, SpeculativeConfig, source)
     _check_model_keys(config, classes["method"], plugins, source)
+    steps = config.num_model_steps
+    if "num_model_steps" in getattr(classes["method"], "USED_MODEL_KEYS", ()) and num_tokens < steps:
+        # As the seed system does: a model that runs num_model_steps substeps drafts as many tokens.
+        notices.append(f"{path}: method '{chosen['method']}' drafts num_model_steps ({steps}) tokens; "
+                       f"{num_tokens} raised to {steps}")
+        config = attrs.evolve(config, num_speculative_tokens=steps)
     plugin_configs = {}
     for kind in SPECULATIVE_KINDS:
         config_cls = config_classes[kind.config_key]

@@ -1,0 +1,16 @@
+"""``mtp``: multi-token prediction over the target's hidden states (the seed system's
+``method: mtp``; docs/methods.md#mtp)."""
+
+from __future__ import annotations
+
+import specdec
+
+from .proposer import MtpProposer
+from .weights import MtpLayerWeights, load_mtp_layers, save_mtp_layers
+
+__all__ = ["MtpProposer", "MtpLayerWeights", "load_mtp_layers", "save_mtp_layers"]
+
+
+@specdec.hookimpl
+def specdec_register_proposers(register):
+    register(MtpProposer)

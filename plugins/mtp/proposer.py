@@ -1,0 +1,124 @@
+"""The ``mtp`` method: a multi-token-prediction head fed by the target's hidden states.
+
+Each step, for every decoding request, the head first catches up: one row per position whose
+hidden state the target computed since the last step (the row at ``p`` from the state at
+``p - 1`` and the token at ``p``; its keys and values go to the head's own cache layer, over the
+request's blocks). The last of those rows sits at the request's last token and predicts the
+next one: draft 1. With ``num_model_steps`` > 1 the head then runs that many substeps, each
+feeding its own output state and its previous draft back in (as the seed system does), one
+draft per substep. Rows of drafts the target rejects are simply rewritten by the next
+catch-up. Drafts are the head's argmax; without ``probs`` they count as deterministic, which
+keeps ``rejection`` lossless at any temperature.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import specdec
+from specdec.sdk import AttentionMetadata, Drafts, ProposalBatch, ProposalRequest, SpecdecError
+
+from .head import MtpHead
+from .weights import load_mtp_layers, quantize_wint8
+
+QUANTIZATIONS = ("wint8",)
+
+
+class MtpProposer(specdec.Proposer):
+    """Multi-token prediction (DeepSeek-V3 / ERNIE-4.5 / MiMo style) over the target's hidden states."""
+
+    NAME = "mtp"
+    NEEDS_HIDDEN_STATES = True
+    USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization", "mtp_strategy"})
+
+    def setup(self, context: specdec.ProposerContext) -> None:
+        spec = self.spec_config
+        if spec is None or spec.model is None:
+            raise SpecdecError("needs `model`, the path of MTP head weights (safetensors; docs/methods.md#mtp)")
+        if spec.quantization is not None and spec.quantization not in QUANTIZATIONS:
+            raise SpecdecError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or null, "
+                               f"got {spec.quantization!r}")
+        if spec.mtp_strategy != "default":
+            raise SpecdecError(f"mtp_strategy '{spec.mtp_strategy}' is not available yet; use 'default'")
+        layers = load_mtp_layers(spec.model, context.model_config.hidden_size)
+        weights = layers[0]  # every substep reuses the first layer, as the seed system does
+        if spec.quantization == "wint8":
+            weights = quantize_wint8(weights)
+        self.num_model_steps = spec.num_model_steps
+        self.block_size = context.block_size
+        self.hidden_size = context.model_config.hidden_size
+        self.head = MtpHead(weights, context, context.create_cache_layers(1))
+        self.paddle = self.head.paddle
+        #: Per request: the first hidden position the next proposal should bring (a different
+        #: one means a fresh start: first proposal, prefix-cache hit, or preemption).
+        self._next_position: dict[str, int] = {}
+
+    def on_request_finish(self, request_id: str) -> None:
+        self._next_position.pop(request_id, None)
+
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        catching_up = [(b, r) for b, r in enumerate(batch.requests) if len(r.hidden_positions)]
+        drafts: list[list[int]] = [[] for _ in batch.requests]
+        if not catching_up:
+            return Drafts.from_lists(drafts)
+        out, last_rows = self._catch_up([r for _, r in catching_up])
+        # Requests whose rows reached their last token can draft.
+        drafting = [(i, b, r) for i, (b, r) in enumerate(catching_up)
+                    if r.max_draft_len > 0 and int(r.hidden_positions[-1]) == len(r.token_ids) - 2]
+        if drafting:
+            self._draft(drafting, out, last_rows, drafts)
+        return Drafts.from_lists(drafts)
+
+    def _catch_up(self, requests: list[ProposalRequest]):
+        """Run the head over each request's new rows; return its ``[T, H]`` output and the
+        index of each request's last row."""
+        p = self.paddle
+        tokens, states, query_lens, context_lens, tables = [], [], [], [], []
+        for request in requests:
+            positions = np.asarray(request.hidden_positions, dtype=np.int64)
+            hidden = request.hidden_states
+            rows = positions + 1
+            if self._next_position.get(request.request_id) != int(positions[0]):
+                # The row at the first position has no state before it here (position 0, a
+                # cached prefix or a recomputation after preemption): a zero state stands in.
+                rows = np.concatenate([[positions[0]], rows])
+                hidden = p.concat([p.zeros([1, self.hidden_size], dtype="float32"), hidden], axis=0)
+            self._next_position[request.request_id] = int(positions[-1]) + 1
+            tokens.append(request.token_ids[rows])
+            states.append(hidden)
+            query_lens.append(len(rows))
+            context_lens.append(int(rows[0]))
+            tables.append(request.block_table)
+        meta = AttentionMetadata.build(query_lens, context_lens, _padded(tables), self.block_size)
+        out = self.head.forward(np.concatenate(tokens), p.concat(states, axis=0), meta)
+        return out, np.cumsum(query_lens) - 1
+
+    def _draft(self, drafting, out, last_rows, drafts: list[list[int]]) -> None:
+        """Substep 1 reads the catch-up's last rows; substep ``s`` runs one row per request at
+        position ``len(token_ids) + s - 2`` from the previous substep's output and draft."""
+        p = self.paddle
+        steps = [min(self.num_model_steps, r.max_draft_len) for _, _, r in drafting]
+        state = p.gather(out, p.to_tensor(np.array([last_rows[i] for i, _, _ in drafting], dtype=np.int64)))
+        active = list(range(len(drafting)))
+        for substep in range(1, max(steps) + 1):
+            tokens = p.argmax(self.head.logits(state), axis=-1).numpy().astype(np.int64)
+            for row, k in enumerate(active):
+                drafts[drafting[k][1]].append(int(tokens[row]))
+            keep = [row for row, k in enumerate(active) if steps[k] > substep]
+            if not keep:
+                return
+            active = [active[row] for row in keep]
+            requests = [drafting[k][2] for k in active]
+            meta = AttentionMetadata.build([1] * len(active), [len(r.token_ids) + substep - 1 for r in requests],
+                                           _padded([r.block_table for r in requests]), self.block_size)
+            keep_index = p.to_tensor(np.array(keep, dtype=np.int64))
+            state = self.head.forward(tokens[keep], p.gather(state, keep_index), meta)
+
+
+def _padded(tables: list[np.ndarray]) -> np.ndarray:
+    """Block tables of different lengths as one zero-padded ``[B, max_blocks]`` int32 array."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = table
+    return out
+
