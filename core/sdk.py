@@ -23,7 +23,9 @@ plugin or an engine module; a test holds the built-ins to it. What is here:
   :func:`require_paddle`;
 - native code: :func:`load_cpu_ops` (the engine's compiled CPU operators), and for a plugin
   that compiles its own, :func:`kernel_build_dir` (where a source version is built, shared
-  with the engine's kernels) and :class:`KernelUnavailable` (raise it when it cannot build).
+  with the engine's kernels) and :class:`KernelUnavailable` (raise it when it cannot build);
+- :func:`load_plugins`, for a plugin's tools that run an engine with plugins of their own (such
+  as ``specdec train-mtp``'s recording proposer).
 
 Conformance checks for each kind are in :mod:`specdec.testing`.
 """
@@ -34,6 +36,7 @@ from .errors import ConfigError, PluginError, SpecdecError, require_paddle
 from .hookspecs import hookimpl
 from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
 from .plugin import Plugin
+from .plugin_manager import load_plugins
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
                     target_choice, target_distribution, top_tokens)
 from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer
@@ -52,5 +55,5 @@ __all__ = [
     "prefix_match_result",
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
-    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable",
+    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_plugins",
 ]

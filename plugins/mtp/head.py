@@ -49,6 +49,21 @@ class MtpHead:
         self.gate, self.up = tensor(d["mlp.gate_proj.weight"].T), tensor(d["mlp.up_proj.weight"].T)
         self.down = tensor(d["mlp.down_proj.weight"].T)
         self.final_norm = None if weights.final_norm is None else tensor(weights.final_norm)
+        #: With a draft vocabulary: its token ids, and the LM head's rows for them with the final
+        #: norm's gain folded in (``[H, K]``).
+        self.draft_vocab = None
+        if weights.draft_vocab is not None:
+            vocab = np.asarray(weights.draft_vocab, dtype=np.int64)
+            if vocab.max() >= c.vocab_size:
+                from specdec.sdk import SpecdecError
+
+                raise SpecdecError(f"speculative_config.model: draft vocabulary holds token id {vocab.max()}, "
+                                   f"beyond the target's {c.vocab_size}")
+            self.draft_vocab = vocab
+            gain = self.final_norm if self.final_norm is not None else self.target.final_norm
+            with paddle.no_grad():
+                rows = paddle.gather(self.target.lm_head, paddle.to_tensor(vocab))
+                self.vocab_head = (rows * gain.unsqueeze(0)).t()
 
     def _rms(self, x, gain):
         p = self.paddle
@@ -73,10 +88,18 @@ class MtpHead:
         return x
 
     def logits(self, out):
-        """``[T, V]`` logits of the layer's output: its own final norm and the target's LM head,
-        or, without one, exactly the target's final norm and LM head."""
-        if self.final_norm is None:
-            return self.target.logits(out)
+        """``[T, V]`` logits of the layer's output (``[T, K]`` over the draft vocabulary when the
+        head has one): its own final norm and the target's LM head, or, without one, the
+        target's final norm and LM head."""
         p = self.paddle
         with p.no_grad():
+            if self.draft_vocab is not None:
+                return p.matmul(self._rms(out, 1.0), self.vocab_head)
+            if self.final_norm is None:
+                return self.target.logits(out)
             return p.matmul(self._rms(out, self.final_norm), self.target.lm_head, transpose_y=True)
+
+    def draft_tokens(self, out) -> np.ndarray:
+        """``[T]`` int64: the token each output row drafts (the argmax of :meth:`logits`)."""
+        best = self.paddle.argmax(self.logits(out), axis=-1).numpy().astype(np.int64)
+        return best if self.draft_vocab is None else self.draft_vocab[best]

@@ -101,7 +101,7 @@ class MtpProposer(specdec.Proposer):
         state = p.gather(out, p.to_tensor(np.array([last_rows[i] for i, _, _ in drafting], dtype=np.int64)))
         active = list(range(len(drafting)))
         for substep in range(1, max(steps) + 1):
-            tokens = p.argmax(self.head.logits(state), axis=-1).numpy().astype(np.int64)
+            tokens = self.head.draft_tokens(state)
             for row, k in enumerate(active):
                 drafts[drafting[k][1]].append(int(tokens[row]))
             keep = [row for row, k in enumerate(active) if steps[k] > substep]

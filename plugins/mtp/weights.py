@@ -8,6 +8,8 @@
     mtp.layers.{i}.input_layernorm.weight, self_attn.{q,k,v,o}_proj.weight (q/k/v .bias optional),
     mtp.layers.{i}.post_attention_layernorm.weight, mlp.{gate,up,down}_proj.weight
     mtp.layers.{i}.final_norm.weight       [H]       optional: absent means the target's final norm
+    mtp.draft_vocab                        [K] int64 optional: the token ids the head drafts among
+                                                     (EAGLE-3's reduced vocabulary); absent: all
 
 **Xiaomi MiMo** (``MiMoForCausalLM``, a Qwen2-family dense model shipping MTP layers)::
 
@@ -32,6 +34,7 @@ import numpy as np
 from specdec.sdk import SpecdecError
 
 SPECDEC_PREFIX = "mtp.layers."
+DRAFT_VOCAB = "mtp.draft_vocab"
 MIMO_PREFIX = "model.mtp_layers."
 DECODER_NAMES = (
     "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -51,6 +54,8 @@ class MtpLayerWeights:
         the q/k/v biases when present).
     :ivar final_norm: ``[H]``, the layer's own norm before the LM head, or ``None`` for the
         target's final norm (with its LM head, exactly the target's logits).
+    :ivar draft_vocab: ``[K]`` int64 token ids the head drafts among (its LM head is those rows
+        of the target's), or ``None`` for the whole vocabulary.
     """
 
     enorm: np.ndarray
@@ -59,6 +64,7 @@ class MtpLayerWeights:
     hidden_proj: np.ndarray
     decoder: dict[str, np.ndarray]
     final_norm: Optional[np.ndarray] = None
+    draft_vocab: Optional[np.ndarray] = None
 
 
 def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
@@ -89,6 +95,9 @@ def load_mtp_layers(path: str | Path, hidden_size: int) -> list[MtpLayerWeights]
     tensors = read_tensors(path)
     if any(name.startswith(SPECDEC_PREFIX) for name in tensors):
         layers = [_specdec_layer(tensors, f"{SPECDEC_PREFIX}{i}.") for i in _layer_indices(tensors, SPECDEC_PREFIX)]
+        if DRAFT_VOCAB in tensors:
+            vocab = np.asarray(tensors[DRAFT_VOCAB], dtype=np.int64)
+            layers = [attrs.evolve(layer, draft_vocab=vocab) for layer in layers]
     elif any(name.startswith(MIMO_PREFIX) for name in tensors):
         layers = [_mimo_layer(tensors, f"{MIMO_PREFIX}{i}.") for i in _layer_indices(tensors, MIMO_PREFIX)]
     else:
@@ -147,11 +156,15 @@ def _check_shapes(layer: MtpLayerWeights, hidden: int, where: str) -> None:
                                f"hidden size {hidden} needs {list(shape)}")
     if layer.final_norm is not None and layer.final_norm.shape != (hidden,):
         raise SpecdecError(f"speculative_config.model: {where}: final norm has shape {list(layer.final_norm.shape)}")
+    vocab = layer.draft_vocab
+    if vocab is not None and (vocab.ndim != 1 or len(vocab) == 0 or vocab.min() < 0):
+        raise SpecdecError(f"speculative_config.model: {where}: {DRAFT_VOCAB} must be a non-empty list of token ids")
 
 
 def save_mtp_layers(layers: list[MtpLayerWeights], path: str | Path, dtype: str = "float16",
-                    metadata: Optional[dict[str, str]] = None) -> None:
-    """Write ``layers`` in specdec's layout (``dtype`` storage) to one ``.safetensors`` file."""
+                    metadata: Optional[dict[str, str]] = None, draft_vocab: Optional[np.ndarray] = None) -> None:
+    """Write ``layers`` in specdec's layout (``dtype`` storage) to one ``.safetensors`` file, with
+    ``draft_vocab`` (default: the first layer's) when given."""
     from safetensors.numpy import save_file
 
     tensors = {}
@@ -164,8 +177,11 @@ def save_mtp_layers(layers: list[MtpLayerWeights], path: str | Path, dtype: str 
             tensors[prefix + name] = value
         if layer.final_norm is not None:
             tensors[prefix + "final_norm.weight"] = layer.final_norm
-    save_file({name: np.ascontiguousarray(value, dtype=dtype) for name, value in tensors.items()}, str(path),
-              metadata=metadata)
+    tensors = {name: np.ascontiguousarray(value, dtype=dtype) for name, value in tensors.items()}
+    vocab = draft_vocab if draft_vocab is not None else layers[0].draft_vocab
+    if vocab is not None:
+        tensors[DRAFT_VOCAB] = np.ascontiguousarray(vocab, dtype=np.int64)
+    save_file(tensors, str(path), metadata=metadata)
 
 
 def quantize_wint8(layer: MtpLayerWeights) -> MtpLayerWeights:

@@ -1,0 +1,480 @@
+"""``specdec train-mtp``: train an MTP head for a target model on local text, on CPU, by
+self-distillation.
+
+1. **Collect.** The target reads the corpus through the public engine: text files are read as
+   prompts (split into windows), a JSONL of prompts is answered by the target itself (greedy,
+   its chat template), which is the best data, since it is what the head will be asked to
+   predict. A recording proposer (``NEEDS_HIDDEN_STATES``) keeps every position's hidden
+   state, and the label of each position: the target's own argmax there, the token a draft
+   must equal to be accepted.
+2. **Train.** The head (:class:`TrainableMtp`, the same math as :class:`MtpHead`, with plain
+   causal attention over whole sequences) learns to predict, from the state at ``p - 1`` and
+   the token at ``p``, the target's argmax at ``p``. The loss is over a draft vocabulary, the
+   most frequent labels (EAGLE-3 style): the head's LM head is that many rows of the target's.
+3. **Report.** Accuracy on held-out sequences is the first-position acceptance of greedy
+   verification; the end of the run also measures acceptance per position with the engine.
+
+Checkpoints (``head.safetensors`` plus ``trainer.pdopt`` and ``trainer.json``) are written
+every ``--checkpoint-every`` steps and at the end; ``--resume`` continues from them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import attrs
+import numpy as np
+
+import specdec
+from specdec.sdk import Drafts, SpecdecError, load_plugins, require_paddle
+
+from .weights import MtpLayerWeights, load_mtp_layers, save_mtp_layers
+
+
+# --- 1. collecting hidden states and labels ---------------------------------------------------
+
+
+@attrs.define
+class Recorded:
+    """One training sequence: ``tokens [m]``, ``states [m, H]`` (float16, the target's hidden
+    state at each position) and ``labels [m]`` (the target's argmax at each position)."""
+
+    tokens: np.ndarray
+    states: np.ndarray
+    labels: np.ndarray
+
+
+class _Recorder(specdec.Proposer):
+    """Drafts nothing; keeps each request's hidden states and the target's argmax there."""
+
+    NAME = "_train_mtp_recorder"
+    NEEDS_HIDDEN_STATES = True
+    #: The instance the engine built last (the trainer reads what it recorded).
+    latest: Optional["_Recorder"] = None
+
+    def setup(self, context: specdec.ProposerContext) -> None:
+        self.target = context.target
+        self.config_of_target = context.model_config
+        self.parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        _Recorder.latest = self
+
+    def propose(self, batch: specdec.ProposalBatch) -> Drafts:
+        for request in batch.requests:
+            if len(request.hidden_positions):
+                labels = np.asarray(self.target.logits(request.hidden_states).argmax(axis=-1), dtype=np.int64)
+                self.parts.setdefault(request.request_id, []).append(
+                    (np.asarray(request.hidden_positions), np.asarray(request.hidden_states, dtype=np.float16),
+                     labels))
+        return Drafts.empty(len(batch))
+
+
+def collect(model: str, prompts: list[str], texts: list[str], *, max_tokens: int, window: int,
+            batch_size: int, progress: bool = True) -> list[Recorded]:
+    """Run the target over ``prompts`` (answered with its chat template, up to ``max_tokens``)
+    and ``texts`` (read in windows of ``window`` tokens); return the recorded sequences."""
+    plugins = load_plugins()
+    plugins.proposers.register(_Recorder, "specdec train-mtp")
+    llm = specdec.LLM(model, {"method": _Recorder.NAME}, plugins=plugins, progress=progress,
+                      enable_prefix_caching=False, max_num_seqs=batch_size)
+    recorder = _Recorder.latest
+    requests: list[tuple[list[int], int]] = []
+    for prompt in prompts:
+        requests.append((llm.encode_prompt(prompt, use_chat_template=True), max_tokens))
+    for text in texts:
+        ids = llm.tokenizer.encode(text)
+        # max_tokens 2: the second step hands over the states of every prompt position.
+        requests.extend((ids[start: start + window], 2) for start in range(0, max(len(ids) - 8, 1), window))
+    sequences = []
+    for start in range(0, len(requests), 4 * batch_size):
+        chunk = requests[start: start + 4 * batch_size]
+        outputs = llm.generate([ids for ids, _ in chunk], [specdec.SamplingParams(max_tokens=n, temperature=0.0)
+                                                         for _, n in chunk], progress=progress)
+        for (ids, _), output in zip(chunk, outputs):
+            parts = recorder.parts.pop(output.request_id, [])
+            if not parts:
+                continue
+            positions = np.concatenate([p for p, _, _ in parts])
+            tokens = np.array(ids + output.token_ids, dtype=np.int64)[: len(positions)]
+            if len(positions) < 8 or not np.array_equal(positions, np.arange(len(positions))):
+                continue  # too short, or recomputed after a preemption
+            sequences.append(Recorded(tokens, np.concatenate([s for _, s, _ in parts]),
+                                      np.concatenate([lab for _, _, lab in parts])))
+        if progress:
+            print(f"collected {sum(len(s.tokens) for s in sequences)} positions from {len(sequences)} sequences",
+                  file=sys.stderr)
+    return sequences
+
+
+# --- 2. the trainable head --------------------------------------------------------------------
+
+
+def rope_tables(head_dim: int, theta: float, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rotate-half RoPE tables as the target's attention applies them: ``x * cos + roll(x,
+    D/2) * sin`` with the sign folded into ``sin``."""
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) * 2 / head_dim)
+    angles = np.outer(np.arange(positions, dtype=np.float64), inv_freq)
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1).astype(np.float32)
+    sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    return cos, sin
+
+
+class TrainableMtp:
+    """The MTP layer's parameters and a differentiable forward over padded sequences."""
+
+    def __init__(self, config, target, draft_vocab: np.ndarray, init: Optional[MtpLayerWeights] = None,
+                 seed: int = 0):
+        paddle = require_paddle()
+        self.paddle, self.config, self.target = paddle, config, target
+        c = config
+        H, I = c.hidden_size, c.intermediate_size
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        rng = np.random.default_rng(seed)
+
+        def normal(rows, cols, scale=1.0):
+            return (rng.standard_normal((rows, cols)) * scale / math.sqrt(cols)).astype(np.float32)
+
+        weights = init or MtpLayerWeights(
+            enorm=np.ones(H, np.float32), hnorm=np.ones(H, np.float32),
+            embed_proj=normal(H, H, 0.5), hidden_proj=np.eye(H, dtype=np.float32),
+            decoder={"input_layernorm.weight": np.ones(H, np.float32),
+                     "post_attention_layernorm.weight": np.ones(H, np.float32),
+                     "self_attn.q_proj.weight": normal(q, H), "self_attn.k_proj.weight": normal(kv, H),
+                     "self_attn.v_proj.weight": normal(kv, H), "self_attn.o_proj.weight": normal(H, q, 0.1),
+                     "mlp.gate_proj.weight": normal(I, H), "mlp.up_proj.weight": normal(I, H),
+                     "mlp.down_proj.weight": normal(H, I, 0.1)})
+        self.names = ["enorm", "hnorm", "embed_proj", "hidden_proj", *weights.decoder]
+        arrays = {"enorm": weights.enorm, "hnorm": weights.hnorm, "embed_proj": weights.embed_proj,
+                  "hidden_proj": weights.hidden_proj, **weights.decoder}
+        self.params = {}
+        for name in self.names:
+            param = paddle.create_parameter(list(arrays[name].shape), "float32",
+                                            default_initializer=paddle.nn.initializer.Assign(arrays[name]))
+            param.stop_gradient = False
+            self.params[name] = param
+        self.draft_vocab = np.asarray(draft_vocab, dtype=np.int64)
+        with paddle.no_grad():
+            rows = paddle.gather(target.lm_head, paddle.to_tensor(self.draft_vocab))
+            self.head = (rows * target.final_norm.unsqueeze(0)).t()  # [H, K], the final norm's gain folded
+        self.eps = float(target.rms_norm_eps)
+
+    def _rms(self, x, gain=None):
+        p = self.paddle
+        x = x * p.rsqrt(p.mean(x * x, axis=-1, keepdim=True) + self.eps)
+        return x if gain is None else x * gain
+
+    def _linear(self, x, name):
+        return self.paddle.matmul(x, self.params[name], transpose_y=True)
+
+    def forward(self, tokens, states, cos, sin):
+        """``[B, S, K]`` draft-vocabulary logits for rows ``tokens [B, S]`` with the previous
+        positions' states ``[B, S, H]`` (row 0 of each sequence gets a zero state)."""
+        p, c = self.paddle, self.config
+        P = self.params
+        B, S = tokens.shape
+        embeds = self.target.embed(tokens.reshape([-1])).reshape([B, S, -1])
+        x = self._linear(self._rms(embeds, P["enorm"]), "embed_proj") + \
+            self._linear(self._rms(states, P["hnorm"]), "hidden_proj")
+        y = self._rms(x, P["input_layernorm.weight"])
+        d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        q = self._linear(y, "self_attn.q_proj.weight") * (d ** -0.5)
+        k = self._linear(y, "self_attn.k_proj.weight")
+        v = self._linear(y, "self_attn.v_proj.weight")
+        if "self_attn.q_proj.bias" in P:
+            q = q + P["self_attn.q_proj.bias"] * (d ** -0.5)
+            k, v = k + P["self_attn.k_proj.bias"], v + P["self_attn.v_proj.bias"]
+
+        def heads(t, n):
+            t = t.reshape([B, S, n, d])
+            t_rot = t * cos + p.roll(t, shifts=d // 2, axis=-1) * sin
+            return t_rot.transpose([0, 2, 1, 3])  # [B, n, S, d]
+
+        q, k = heads(q, nh), heads(k, nkv)
+        v = v.reshape([B, S, nkv, d]).transpose([0, 2, 1, 3])
+        if nh != nkv:
+            k = p.repeat_interleave(k, nh // nkv, axis=1)
+            v = p.repeat_interleave(v, nh // nkv, axis=1)
+        scores = p.matmul(q, k, transpose_y=True)
+        causal = p.triu(p.full([S, S], float("-inf")), diagonal=1)
+        attn = p.matmul(p.nn.functional.softmax(scores + causal, axis=-1), v)
+        x = x + self._linear(attn.transpose([0, 2, 1, 3]).reshape([B, S, nh * d]), "self_attn.o_proj.weight")
+        y = self._rms(x, P["post_attention_layernorm.weight"])
+        gate = self._linear(y, "mlp.gate_proj.weight")
+        x = x + self._linear(p.nn.functional.silu(gate) * self._linear(y, "mlp.up_proj.weight"),
+                             "mlp.down_proj.weight")
+        return p.matmul(self._rms(x), self.head)
+
+    def weights(self) -> MtpLayerWeights:
+        arrays = {name: self.params[name].numpy() for name in self.names}
+        decoder = {name: arrays[name] for name in self.names[4:]}
+        return MtpLayerWeights(enorm=arrays["enorm"], hnorm=arrays["hnorm"], embed_proj=arrays["embed_proj"],
+                               hidden_proj=arrays["hidden_proj"], decoder=decoder)
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+@attrs.define
+class TrainOptions:
+    """What ``specdec train-mtp`` takes besides the corpus (its flags, same names)."""
+
+    output: Path
+    draft_vocab_size: int = 8192
+    seq_len: int = 256
+    batch_size: int = 8
+    learning_rate: float = 1e-3
+    max_steps: int = 2000
+    max_minutes: float = 30.0
+    checkpoint_every: int = 100
+    held_out: float = 0.05
+    seed: int = 0
+    resume: bool = False
+
+
+def draft_vocabulary(sequences: list[Recorded], size: int) -> np.ndarray:
+    """The ``size`` most frequent labels (the target's own tokens), sorted by id."""
+    counts = np.bincount(np.concatenate([s.labels for s in sequences]))
+    size = min(size, int((counts > 0).sum()))
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int64)
+
+
+def _windows(sequences: list[Recorded], seq_len: int) -> list[tuple[int, int]]:
+    return [(i, start) for i, s in enumerate(sequences) for start in range(0, len(s.tokens) - 1, seq_len)]
+
+
+def _batch(sequences, windows, seq_len, lookup, paddle):
+    """Padded ``tokens`` and previous ``states`` (paddle), ``targets`` (draft-vocabulary index,
+    ``-1`` for padding or a label outside the draft vocabulary) and the ``real`` rows mask."""
+    B, H = len(windows), sequences[0].states.shape[1]
+    tokens = np.zeros((B, seq_len), np.int64)
+    states = np.zeros((B, seq_len, H), np.float32)
+    targets = np.full((B, seq_len), -1, np.int64)
+    real = np.zeros((B, seq_len), bool)
+    for row, (i, start) in enumerate(windows):
+        s = sequences[i]
+        end = min(start + seq_len, len(s.tokens))
+        n = end - start
+        tokens[row, :n] = s.tokens[start:end]
+        if start > 0:
+            states[row, :n] = s.states[start - 1: end - 1]
+        else:  # position 0 has no state before it: zero, as the proposer does
+            states[row, 1:n] = s.states[: n - 1]
+        targets[row, :n] = lookup[s.labels[start:end]]
+        real[row, :n] = True
+    return paddle.to_tensor(tokens), paddle.to_tensor(states), targets, real
+
+
+def evaluate(model: "TrainableMtp", sequences, windows, seq_len, lookup, cos, sin, batch_size=8) -> float:
+    """How often the head's argmax is the target's own (first-position acceptance under greedy
+    verification); a label outside the draft vocabulary counts as a miss."""
+    p = model.paddle
+    right = total = 0
+    with p.no_grad():
+        for begin in range(0, len(windows), batch_size):
+            part = windows[begin: begin + batch_size]
+            tokens, states, targets, real = _batch(sequences, part, seq_len, lookup, p)
+            rope = _rope_for(cos, sin, [start for _, start in part], seq_len, p)
+            guess = model.forward(tokens, states, *rope).argmax(axis=-1).numpy()
+            right += int(((guess == targets) & real & (targets >= 0)).sum())
+            total += int(real.sum())
+    return right / max(total, 1)
+
+
+def _rope_for(cos, sin, starts, seq_len, paddle):
+    """``[B, S, 1, D]`` RoPE rows for windows starting at ``starts``."""
+    index = np.asarray(starts)[:, None] + np.arange(seq_len)[None, :]
+    return (paddle.to_tensor(cos[index][:, :, None, :]), paddle.to_tensor(sin[index][:, :, None, :]))
+
+
+def train(sequences: list[Recorded], target, config, options: TrainOptions, progress: bool = True) -> dict:
+    """Train a head on ``sequences``; write it to ``options.output``; return the report."""
+    paddle = require_paddle()
+    paddle.seed(options.seed)
+    rng = np.random.default_rng(options.seed)
+    output = Path(options.output)
+    output.mkdir(parents=True, exist_ok=True)
+    state_file = output / "trainer.json"
+    order = rng.permutation(len(sequences))
+    num_held = max(1, int(len(sequences) * options.held_out))
+    held = [sequences[i] for i in order[:num_held]]
+    train_set = [sequences[i] for i in order[num_held:]]
+    resumed = options.resume and state_file.exists()
+    if resumed:
+        saved = json.loads(state_file.read_text())
+        vocab = np.asarray(saved["draft_vocab"], dtype=np.int64)
+        init = load_mtp_layers(output / "head.safetensors", config.hidden_size)[0]
+    else:
+        saved, vocab, init = {"step": 0, "history": []}, draft_vocabulary(train_set, options.draft_vocab_size), None
+    lookup = np.full(config.vocab_size, -1, np.int64)
+    lookup[vocab] = np.arange(len(vocab))
+    model = TrainableMtp(config, target, vocab, init=init, seed=options.seed)
+    params = [model.params[name] for name in model.names]
+    schedule = paddle.optimizer.lr.LambdaDecay(options.learning_rate, lambda step: _lr_factor(step, options.max_steps))
+    optimizer = paddle.optimizer.AdamW(learning_rate=schedule, parameters=params, weight_decay=0.0,
+                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    if resumed and (output / "trainer.pdopt").exists():
+        saved_state = paddle.load(str(output / "trainer.pdopt"))
+        optimizer.set_state_dict(_renamed(saved_state, {name: model.params[name].name for name in model.names}))
+    cos, sin = rope_tables(config.head_dim, config.rope_theta, max(len(s.tokens) for s in sequences) + options.seq_len)
+    train_windows, held_windows = _windows(train_set, options.seq_len), _windows(held, options.seq_len)
+    step, started = saved["step"], time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=options.max_steps, initial=step, desc="train-mtp", unit="step", file=sys.stderr)
+    loss_value = float("nan")
+    while step < options.max_steps and (time.perf_counter() - started) < options.max_minutes * 60:
+        picks = rng.choice(len(train_windows), size=min(options.batch_size, len(train_windows)), replace=False)
+        windows = [train_windows[i] for i in picks]
+        tokens, states, targets, _ = _batch(train_set, windows, options.seq_len, lookup, paddle)
+        logits = model.forward(tokens, states, *_rope_for(cos, sin, [s for _, s in windows], options.seq_len, paddle))
+        loss = paddle.nn.functional.cross_entropy(logits.reshape([-1, len(vocab)]),
+                                                  paddle.to_tensor(targets.reshape([-1, 1])), ignore_index=-1)
+        loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+        schedule.step()
+        step += 1
+        loss_value = float(loss)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+        if step % options.checkpoint_every == 0:
+            _checkpoint(model, optimizer, output, vocab, step, saved["history"] + [{"step": step, "loss": loss_value}])
+    if bar is not None:
+        bar.close()
+    accuracy = evaluate(model, held, held_windows, options.seq_len, lookup, cos, sin)
+    history = saved["history"] + [{"step": step, "loss": loss_value, "held_out_accuracy": accuracy}]
+    _checkpoint(model, optimizer, output, vocab, step, history)
+    return {"steps": step, "loss": loss_value, "held_out_first_position_acceptance": accuracy,
+            "held_out_positions": sum(len(s.tokens) for s in held), "train_positions": sum(len(s.tokens) for s in train_set),
+            "draft_vocab_size": int(len(vocab)), "minutes": (time.perf_counter() - started) / 60}
+
+
+def _lr_factor(step: int, max_steps: int) -> float:
+    warmup = max(1, min(50, max_steps // 10))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, max_steps - warmup))))
+
+
+def _checkpoint(model, optimizer, output: Path, vocab, step: int, history: list) -> None:
+    paddle = model.paddle
+    save_mtp_layers([model.weights()], output / "head.safetensors", draft_vocab=vocab)
+    # Paddle names parameters by a process-wide counter: keep the optimizer's state under the
+    # head's own names, so that another process can resume it.
+    logical = {model.params[name].name: name for name in model.names}
+    paddle.save(_renamed(optimizer.state_dict(), logical), str(output / "trainer.pdopt"))
+    (output / "trainer.json").write_text(json.dumps({"step": step, "draft_vocab": vocab.tolist(),
+                                                     "history": history}))
+
+
+def _renamed(state: dict, names: dict[str, str]) -> dict:
+    """``state`` with every key that starts with a key of ``names`` given its value instead."""
+    renamed = {}
+    for key, value in state.items():
+        old = max((n for n in names if key.startswith(n + "_")), key=len, default=None)
+        renamed[names[old] + key[len(old):] if old else key] = value
+    return renamed
+
+
+def read_corpus(paths: Iterable[str]) -> tuple[list[str], list[str]]:
+    """``(prompts, texts)``: each ``.jsonl`` line is a prompt (a string, or an object with
+    ``prompt`` or ``messages``... only ``prompt`` here); any other file is text."""
+    prompts, texts = [], []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise SpecdecError(f"--corpus: {path} is not a file")
+        if path.suffix == ".jsonl":
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise SpecdecError(f"--corpus: {path}:{number}: not JSON ({exc.msg})") from None
+                prompt = item if isinstance(item, str) else item.get("prompt") if isinstance(item, dict) else None
+                if not isinstance(prompt, str) or not prompt:
+                    raise SpecdecError(f"--corpus: {path}:{number}: expected a string or {{\"prompt\": ...}}")
+                prompts.append(prompt)
+        else:
+            texts.append(path.read_text(errors="replace"))
+    return prompts, texts
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def save_recorded(sequences: list[Recorded], path: Path) -> None:
+    """Keep collected data next to the checkpoints (``--resume`` skips collecting again)."""
+    np.savez(path, lengths=np.array([len(s.tokens) for s in sequences]),
+             tokens=np.concatenate([s.tokens for s in sequences]),
+             states=np.concatenate([s.states for s in sequences]), labels=np.concatenate([s.labels for s in sequences]))
+
+
+def load_recorded(path: Path) -> list[Recorded]:
+    data = np.load(path)
+    bounds = np.concatenate([[0], np.cumsum(data["lengths"])])
+    return [Recorded(data["tokens"][a:b], data["states"][a:b], data["labels"][a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def measure_acceptance(model: str, head: Path, prompts: list[str], num_model_steps: int, max_tokens: int,
+                       progress: bool = False) -> dict:
+    """Greedy runs of ``mtp`` with ``head`` on ``prompts``: the mean acceptance length (tokens
+    per step) and, per draft position ``i``, the share of drafting steps whose first ``i + 1``
+    drafts were all accepted."""
+    spec = {"method": "mtp", "model": str(head), "num_model_steps": num_model_steps, "adaptive_draft_length": False}
+    llm = specdec.LLM(model, spec, progress=progress)
+    outputs = llm.generate(prompts, specdec.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                           use_chat_template=True)
+    total = outputs[0].metrics
+    for output in outputs[1:]:
+        total = total + output.metrics
+    accepted = np.zeros(num_model_steps)
+    accepted[: len(total.accepted_per_position)] = total.accepted_per_position[:num_model_steps]
+    return {"num_model_steps": num_model_steps, "prompts": len(prompts),
+            "mean_acceptance_length": round(total.mean_acceptance_length, 3),
+            "acceptance_per_position": (accepted / max(total.num_drafts, 1)).round(3).tolist()}
+
+
+def train_mtp(model: str, corpus: list[str], options: TrainOptions, *, max_tokens: int = 256, window: int = 512,
+              collect_batch: int = 32, report_prompts: int = 8, progress: bool = True) -> dict:
+    """What ``specdec train-mtp`` does: collect (or reuse collected) data, train, report."""
+    prompts, texts = read_corpus(corpus)
+    rng = np.random.default_rng(options.seed)
+    rng.shuffle(prompts)
+    held_prompts, train_prompts = prompts[:report_prompts], prompts[report_prompts:]
+    output = Path(options.output)
+    output.mkdir(parents=True, exist_ok=True)
+    data_file = output / "data.npz"
+    if options.resume and data_file.exists():
+        sequences = load_recorded(data_file)
+    else:
+        sequences = collect(model, train_prompts, texts, max_tokens=max_tokens, window=window,
+                            batch_size=collect_batch, progress=progress)
+        if not sequences:
+            raise SpecdecError("--corpus: nothing to train on (every text shorter than 8 tokens?)")
+        save_recorded(sequences, data_file)
+    llm_config, target = _target(model)
+    report = train(sequences, target, llm_config, options, progress=progress)
+    if held_prompts:
+        report["held_out_prompts"] = measure_acceptance(model, output / "head.safetensors", held_prompts,
+                                                        num_model_steps=3, max_tokens=max_tokens)
+    (output / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _target(model: str):
+    """The target's shape and :class:`specdec.TargetModel`, through a proposer's setup."""
+    plugins = load_plugins()
+    plugins.proposers.register(_Recorder, "specdec train-mtp")
+    specdec.LLM(model, {"method": _Recorder.NAME}, plugins=plugins, progress=False, num_kv_blocks=8)
+    recorder = _Recorder.latest
+    return recorder.config_of_target, recorder.target
