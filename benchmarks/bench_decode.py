@@ -1,6 +1,7 @@
-"""Batch-1 decode speed: naive vs speculative methods on code-edit prompts (greedy).
+"""Batch-1 decode speed: naive vs speculative methods on code-edit or chat prompts (greedy).
 
     python benchmarks/bench_decode.py [--prompts 10] [--max-tokens 128] [--k 5] [--repeats 1] [--ignore-eos]
+    python benchmarks/bench_decode.py --workload chat --methods naive,ngram,mtp,mtp3
 
 Loads the model once, runs every method over the same prompts in the same process (methods
 take turns prompt by prompt), prints a
@@ -21,13 +22,18 @@ import time
 
 import specdec
 from specdec.metrics import SpecMetrics
-from specdec.workloads import code_edit_prompts
+from specdec.workloads import chat_prompts, code_edit_prompts
 
 
 def method_configs(k: int) -> dict[str, dict]:
     return {
         "naive": {"method": "naive"},
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "verify_strategy": "greedy"},
+        "suffix": {"method": "suffix", "num_speculative_tokens": k, "verify_strategy": "greedy"},
+        # The shipped MTP head of the default model; mtpN drafts N tokens a step.
+        "mtp": {"method": "mtp", "num_model_steps": 1, "verify_strategy": "greedy"},
+        "mtp2": {"method": "mtp", "num_model_steps": 2, "num_speculative_tokens": 2, "verify_strategy": "greedy"},
+        "mtp3": {"method": "mtp", "num_model_steps": 3, "num_speculative_tokens": 3, "verify_strategy": "greedy"},
     }
 
 
@@ -38,6 +44,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     parser.add_argument("--methods", default="naive,ngram")
+    parser.add_argument("--workload", choices=("code-edit", "chat"), default="code-edit")
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     parser.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens even past EOS")
     parser.add_argument("--extra", default=None, metavar="JSON",
@@ -49,7 +56,7 @@ def main() -> None:
         configs.update(json.loads(args.extra))
     methods = args.methods.split(",") + (list(json.loads(args.extra)) if args.extra else [])
     llm = specdec.LLM(model=args.model, progress=False)
-    prompts = code_edit_prompts(args.prompts)
+    prompts = code_edit_prompts(args.prompts) if args.workload == "code-edit" else chat_prompts(args.prompts)
     sampling = specdec.SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                        ignore_eos=args.ignore_eos)
 
@@ -79,22 +86,24 @@ def main() -> None:
         ids = [o.token_ids for o in done]
         same = "yes" if reference is None or ids == reference else "NO"
         reference = reference or ids
+        first = metrics.accepted_per_position[0] / metrics.num_drafts if metrics.num_drafts else 0.0
         rows.append((name, tokens, elapsed[name], tokens / elapsed[name], decode_rate,
-                     metrics.mean_acceptance_length, metrics.acceptance_rate, same))
+                     metrics.mean_acceptance_length, metrics.acceptance_rate, first, same))
 
     base, base_decode = rows[0][3], rows[0][4]
     prompt_tokens = [len(llm.encode_prompt(p, True)) for p in prompts]
     stop = "EOS ignored" if args.ignore_eos else "stop at EOS"
-    print(f"model {args.model}, batch 1, greedy, at most {args.max_tokens} new tokens ({stop}), {len(prompts)} code-edit "
-          f"prompts ({min(prompt_tokens)}-{max(prompt_tokens)} prompt tokens), k={args.k}")
+    print(f"model {args.model}, batch 1, greedy, at most {args.max_tokens} new tokens ({stop}), {len(prompts)} "
+          f"{args.workload} prompts ({min(prompt_tokens)}-{max(prompt_tokens)} prompt tokens), k={args.k}")
     header = (f"{'method':<10}{'tokens':>8}{'time s':>9}{'tok/s':>8}{'speedup':>9}{'decode tok/s':>14}"
-              f"{'speedup':>9}{'accept len':>12}{'accept rate':>13}{'same ids':>10}")
+              f"{'speedup':>9}{'accept len':>12}{'accept rate':>13}{'1st accepted':>14}{'same ids':>10}")
     print(header)
     print("-" * len(header))
-    for name, tokens, elapsed, rate, decode, length, acc, same in rows:
+    for name, tokens, elapsed, rate, decode, length, acc, first, same in rows:
         print(f"{name:<10}{tokens:>8}{elapsed:>9.2f}{rate:>8.1f}{rate / base:>8.2f}x{decode:>14.1f}"
-              f"{decode / base_decode:>8.2f}x{length:>12.2f}{acc:>13.2f}{same:>10}")
-    print("tok/s: end to end per request (prefill included); decode tok/s: after the first token")
+              f"{decode / base_decode:>8.2f}x{length:>12.2f}{acc:>13.2f}{first:>14.2f}{same:>10}")
+    print("tok/s: end to end per request (prefill included); decode tok/s: after the first token; "
+          "1st accepted: share of drafting steps whose first draft was accepted")
 
 
 if __name__ == "__main__":

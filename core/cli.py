@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
     serve.set_defaults(func=run_serve)
 
-    demo = sub.add_parser("demo", help="the main job: ngram vs plain decoding on a code-edit prompt")
+    demo = sub.add_parser("demo", help="the main job: every built-in method vs plain decoding on a code-edit prompt")
     _add_engine_flags(demo)
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.set_defaults(func=run_demo)
@@ -177,17 +177,14 @@ def run_train_mtp(args) -> int:
 # -- shared helpers --------------------------------------------------------------------------
 
 
-def build_engine_config_from_args(args, plugins, default_speculative: dict | None = None):
-    """The engine config of the engine flags, ``--config`` and ``--speculative-config``;
-    ``default_speculative`` stands in when neither gives a speculative config."""
+def build_engine_config_from_args(args, plugins):
+    """The engine config of the engine flags, ``--config`` and ``--speculative-config``."""
     from .config import ENGINE_KEYS, build_engine_config, load_yaml_file, parse_json_text
 
     yaml_data = load_yaml_file(args.config) if args.config else None
     overrides = {key: getattr(args, key, None) for key in ENGINE_KEYS}
     overrides["seed"] = None  # --seed is the sampling seed of the requests
     spec_data = parse_json_text(args.speculative_config) if args.speculative_config else None
-    if spec_data is None and not (isinstance(yaml_data, dict) and "speculative_config" in yaml_data):
-        spec_data = default_speculative
     config = build_engine_config(yaml_data, overrides, spec_data, plugins)
     for notice in config.speculative.notices:
         print(f"notice: {notice}", file=sys.stderr)
@@ -353,11 +350,11 @@ def _server_limits(args):
 
 
 def run_demo(args) -> int:
-    from .demo import DEMO_SPECULATIVE_CONFIG, run_demo as demo
+    from .demo import run_demo as demo
     from .plugin_manager import get_plugins
 
     plugins = get_plugins()
-    config = build_engine_config_from_args(args, plugins, default_speculative=DEMO_SPECULATIVE_CONFIG)
+    config = build_engine_config_from_args(args, plugins)
     return demo(config, plugins, max_tokens=args.max_tokens, progress=args.progress)
 
 

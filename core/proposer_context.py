@@ -65,6 +65,8 @@ class TargetModel:
 class ProposerContext:
     """What :meth:`specdec.Proposer.setup` receives.
 
+    :ivar model_name: the target as the engine config names it (``model``: a known name such as
+        ``smollm2-135m-instruct``, or a path), for a proposer that ships weights per target.
     :ivar model_config: the target's shape (``hidden_size``, ``vocab_size``, ``num_layers``,
         ``num_heads``, ``num_kv_heads``, ``head_dim``, ``intermediate_size``, ``rms_norm_eps``,
         ``rope_theta``, ...).
@@ -74,6 +76,7 @@ class ProposerContext:
     :ivar num_blocks: blocks in the pool; block ids are ``0 .. num_blocks - 1``.
     """
 
+    model_name: str
     model_config: Any
     tokenizer: Any
     target: TargetModel

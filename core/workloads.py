@@ -1,7 +1,10 @@
-"""Input-grounded prompts built from the Python standard library, for demos and benchmarks.
+"""Prompts for demos and benchmarks: input-grounded code edits built from the Python standard
+library, and plain chat.
 
 A code-edit prompt asks the model to return a function with type hints added: most of the
-answer copies the input, which is exactly where lookup-based speculation shines.
+answer copies the input, which is exactly where lookup-based speculation shines. A chat prompt
+(explain a concept, write a short story) gives lookup little to find: model-based methods are
+measured there too.
 """
 
 from __future__ import annotations
@@ -44,3 +47,25 @@ def code_edit_prompts(count: int, min_lines: int = 8, max_lines: int = 30) -> li
     stride = max(1, len(functions) // count)
     chosen = [functions[(i * stride) % len(functions)] for i in range(count)]
     return [f"{CODE_EDIT_INSTRUCTION}\n\n```python\n{code}\n```" for code in chosen]
+
+
+#: Plain chat prompts (none of them in the shipped MTP head's training prompts).
+CHAT_PROMPTS = (
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short story about a lighthouse keeper and a seagull.",
+    "Explain what a prime number is, with examples.",
+    "Write a short story about a boy who finds a map in his attic.",
+    "Explain the difference between a comet and an asteroid.",
+    "Write a short poem about the sea at night.",
+    "Explain why the sky is blue.",
+    "Write a short story about a baker who opens a shop on the moon.",
+    "Explain how vaccines train the immune system.",
+    "Describe a perfect day in a small mountain village.",
+    "Explain what an operating system does.",
+    "Write a short story about a clock that runs backwards.",
+)
+
+
+def chat_prompts(count: int) -> list[str]:
+    """``count`` plain chat prompts (user messages), cycling through :data:`CHAT_PROMPTS`."""
+    return [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(count)]

@@ -201,8 +201,8 @@ class Engine:
         """``proposer.setup(context)``; what it raises is a one-line error naming the method."""
         from ..proposer_context import ProposerContext, TargetModel
 
-        context = ProposerContext(model_config=self.model_config, tokenizer=self.tokenizer,
-                                  target=TargetModel(self.model), block_size=self.block_size,
+        context = ProposerContext(model_name=self.config.model, model_config=self.model_config,
+                                  tokenizer=self.tokenizer, target=TargetModel(self.model), block_size=self.block_size,
                                   num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers)
         try:
             proposer.setup(context)

@@ -13,6 +13,8 @@ keeps ``rejection`` lossless at any temperature.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 import specdec
@@ -22,6 +24,9 @@ from .head import MtpHead
 from .weights import load_mtp_layers, quantize_wint8
 
 QUANTIZATIONS = ("wint8",)
+HEADS_DIR = Path(__file__).resolve().parent / "heads"
+#: The heads that ship with specdec, by the model name that selects their target.
+SHIPPED_HEADS = {"smollm2-135m-instruct": str(HEADS_DIR / "smollm2-135m-instruct.safetensors")}
 
 
 class MtpProposer(specdec.Proposer):
@@ -33,14 +38,19 @@ class MtpProposer(specdec.Proposer):
 
     def setup(self, context: specdec.ProposerContext) -> None:
         spec = self.spec_config
-        if spec is None or spec.model is None:
-            raise SpecdecError("needs `model`, the path of MTP head weights (safetensors; docs/methods.md#mtp)")
+        model = spec.model
+        if model is None:
+            model = SHIPPED_HEADS.get(context.model_name)
+            if model is None:
+                raise SpecdecError(f"needs `model`, the path of MTP head weights (safetensors): no head ships for "
+                                   f"'{context.model_name}' (one ships for {', '.join(sorted(SHIPPED_HEADS))}; "
+                                   f"train one with `specdec train-mtp`)")
         if spec.quantization is not None and spec.quantization not in QUANTIZATIONS:
             raise SpecdecError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or null, "
                                f"got {spec.quantization!r}")
         if spec.mtp_strategy != "default":
             raise SpecdecError(f"mtp_strategy '{spec.mtp_strategy}' is not available yet; use 'default'")
-        layers = load_mtp_layers(spec.model, context.model_config.hidden_size)
+        layers = load_mtp_layers(model, context.model_config.hidden_size)
         weights = layers[0]  # every substep reuses the first layer, as the seed system does
         if spec.quantization == "wint8":
             weights = quantize_wint8(weights)
