@@ -20,16 +20,16 @@ _SOURCE_MODULES = ("textwrap", "shlex", "fnmatch", "glob", "posixpath", "colorsy
                    "bisect", "heapq", "base64", "string", "html", "statistics", "difflib")
 
 
-def stdlib_functions(min_lines: int = 8, max_lines: int = 30) -> list[str]:
-    """Top-level function sources of the modules above with ``min_lines..max_lines`` lines."""
+def stdlib_functions(min_lines: int = 8, max_lines: int = 30, modules=_SOURCE_MODULES) -> list[str]:
+    """Top-level function sources of ``modules`` (default: the benchmark's, above) with
+    ``min_lines..max_lines`` lines."""
     import importlib
 
     functions = []
-    for name in _SOURCE_MODULES:
-        module = importlib.import_module(name)
+    for name in modules:
         try:
-            source = inspect.getsource(module)
-        except (OSError, TypeError):
+            source = inspect.getsource(importlib.import_module(name))
+        except (ImportError, OSError, TypeError):
             continue
         for node in ast.parse(source).body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):

@@ -14,12 +14,12 @@ benchmark's): cheap data (a prefill, no generation) with the target's own argmax
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import json
 import sys
-import textwrap
+
+from specdec.workloads import stdlib_functions
 
 # Disjoint from specdec.workloads._SOURCE_MODULES (the benchmark's code-edit prompts).
 TRAIN_MODULES = ("json.encoder", "csv", "functools", "copy", "pprint", "reprlib", "operator", "keyword",
@@ -55,23 +55,9 @@ TASKS = ("reverses a string", "checks whether a number is prime", "counts the wo
          "sorts a list of dictionaries by a key")
 
 
-def functions(modules=TRAIN_MODULES, min_lines: int = 8, max_lines: int = 30) -> list[str]:
-    found = []
-    for name in modules:
-        try:
-            source = inspect.getsource(importlib.import_module(name))
-        except (ImportError, OSError, TypeError):
-            continue
-        for node in ast.parse(source).body:
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-                code = ast.get_source_segment(source, node)
-                if code and min_lines <= code.count("\n") + 1 <= max_lines:
-                    found.append(textwrap.dedent(code))
-    return found
-
-
 def prompts() -> list[str]:
-    code = [f"{instruction}\n\n```python\n{source}\n```" for source in functions() for instruction in INSTRUCTIONS]
+    code = [f"{instruction}\n\n```python\n{source}\n```"
+            for source in stdlib_functions(modules=TRAIN_MODULES) for instruction in INSTRUCTIONS]
     chat = [f"Explain {c} in simple terms." for c in CONCEPTS]
     chat += [f"Write a short paragraph about {c}." for c in CONCEPTS]
     chat += [f"What are the main ideas behind {c}?" for c in CONCEPTS]
