@@ -615,3 +615,15 @@ def test_docs_list_every_key():
     docs = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     for key in (*SPECULATIVE_KEYS, *ENGINE_KEYS):
         assert f"| `{key}` |" in docs, key
+
+
+def test_num_speculative_tokens_is_raised_to_num_model_steps(plugins_with_mtp):
+    """As the seed system does, for a method that reads num_model_steps (and only for one)."""
+    config = build_speculative_config({"method": "mtp_like", "num_speculative_tokens": 2, "num_model_steps": 3},
+                                      plugins_with_mtp)
+    assert config.num_speculative_tokens == 3
+    assert config.notices == ("--speculative-config.num_speculative_tokens: method 'mtp_like' drafts "
+                              "num_model_steps (3) tokens; 2 raised to 3",)
+    config = build_speculative_config({"method": "mtp_like", "num_speculative_tokens": 5, "num_model_steps": 3},
+                                      plugins_with_mtp)
+    assert config.num_speculative_tokens == 5 and config.notices == ()
