@@ -162,7 +162,9 @@ class TrainableMtp:
         self.draft_vocab = np.asarray(draft_vocab, dtype=np.int64)
         with paddle.no_grad():
             rows = paddle.gather(target.lm_head, paddle.to_tensor(self.draft_vocab))
-            self.head = (rows * target.final_norm.unsqueeze(0)).t()  # [H, K], the final norm's gain folded
+            # [K, H] with the final norm's gain folded in; used as matmul(x, head, transpose_y=True)
+            # (paddle's CPU matmul is several times slower on a transposed view).
+            self.head = rows * target.final_norm.unsqueeze(0)
         self.eps = float(target.rms_norm_eps)
 
     def _rms(self, x, gain=None):
@@ -209,7 +211,7 @@ class TrainableMtp:
         gate = self._linear(y, "mlp.gate_proj.weight")
         x = x + self._linear(p.nn.functional.silu(gate) * self._linear(y, "mlp.up_proj.weight"),
                              "mlp.down_proj.weight")
-        return p.matmul(self._rms(x), self.head)
+        return p.matmul(self._rms(x), self.head, transpose_y=True)
 
     def weights(self) -> MtpLayerWeights:
         arrays = {name: self.params[name].numpy() for name in self.names}
@@ -370,7 +372,7 @@ def distillation_loss(model: TrainableMtp, logits, current, real: np.ndarray):
     teaches more per position than its argmax alone."""
     p = model.paddle
     with p.no_grad():
-        teacher = p.nn.functional.softmax(p.matmul(model._rms(current), model.head), axis=-1)
+        teacher = p.nn.functional.softmax(p.matmul(model._rms(current), model.head, transpose_y=True), axis=-1)
     # x - logsumexp(x): paddle's CPU log_softmax takes 20x longer on [2048, 8192].
     log_probs = logits - p.logsumexp(logits, axis=-1, keepdim=True)
     per_row = -(teacher * log_probs).sum(axis=-1)
