@@ -66,9 +66,10 @@ class MtpHead:
                 rows = paddle.gather(self.target.lm_head, paddle.to_tensor(vocab))
                 self.vocab_head = rows * gain.unsqueeze(0)
 
-    def _rms(self, x, gain):
+    def _rms(self, x, gain=None):
         p = self.paddle
-        return x * p.rsqrt(p.mean(x * x, axis=-1, keepdim=True) + self.eps) * gain
+        x = x * p.rsqrt(p.mean(x * x, axis=-1, keepdim=True) + self.eps)
+        return x if gain is None else x * gain
 
     def forward(self, token_ids: np.ndarray, hidden, meta: AttentionMetadata):
         """Rows for ``token_ids`` ``[T]`` with the previous positions' hidden states ``[T, H]``
@@ -95,7 +96,7 @@ class MtpHead:
         p = self.paddle
         with p.no_grad():
             if self.draft_vocab is not None:
-                return p.matmul(self._rms(out, 1.0), self.vocab_head, transpose_y=True)
+                return p.matmul(self._rms(out), self.vocab_head, transpose_y=True)
             if self.final_norm is None:
                 return self.target.logits(out)
             return p.matmul(self._rms(out, self.final_norm), self.target.lm_head, transpose_y=True)

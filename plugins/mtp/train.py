@@ -27,7 +27,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import attrs
 import numpy as np
@@ -75,15 +75,22 @@ class _Recorder(specdec.Proposer):
         return Drafts.empty(len(batch))
 
 
-def collect(model: str, prompts: list[str], texts: list[str], *, max_tokens: int, window: int,
-            batch_size: int, progress: bool = True) -> list[Recorded]:
-    """Run the target over ``prompts`` (answered with its chat template, up to ``max_tokens``)
-    and ``texts`` (read in windows of ``window`` tokens); return the recorded sequences."""
+def recording_llm(model: str, batch_size: int, progress: bool = True) -> tuple[Any, _Recorder]:
+    """The target loaded once with the recording proposer (no prefix cache: every position is
+    computed, so every state is recorded), and that proposer (its ``target`` and
+    ``config_of_target`` serve training too)."""
     plugins = load_plugins()
     plugins.proposers.register(_Recorder, "specdec train-mtp")
     llm = specdec.LLM(model, {"method": _Recorder.NAME}, plugins=plugins, progress=progress,
                       enable_prefix_caching=False, max_num_seqs=batch_size)
-    recorder = _Recorder.latest
+    return llm, _Recorder.latest
+
+
+def collect(llm, recorder: _Recorder, prompts: list[str], texts: list[str], *, max_tokens: int, window: int,
+            batch_size: int, progress: bool = True) -> list[Recorded]:
+    """Run the target of ``llm`` (see :func:`recording_llm`) over ``prompts`` (answered with
+    its chat template, up to ``max_tokens``) and ``texts`` (read in windows of ``window``
+    tokens); return the recorded sequences."""
     requests: list[tuple[list[int], int]] = []
     for prompt in prompts:
         requests.append((llm.encode_prompt(prompt, use_chat_template=True), max_tokens))
@@ -408,8 +415,8 @@ def _renamed(state: dict, names: dict[str, str]) -> dict:
 
 
 def read_corpus(paths: Iterable[str]) -> tuple[list[str], list[str]]:
-    """``(prompts, texts)``: each ``.jsonl`` line is a prompt (a string, or an object with
-    ``prompt`` or ``messages``... only ``prompt`` here); any other file is text."""
+    """``(prompts, texts)``: each line of a ``.jsonl`` file is a prompt (a string, or an object
+    with a ``prompt`` string); any other file is text."""
     prompts, texts = [], []
     for name in paths:
         path = Path(name)
@@ -449,13 +456,16 @@ def load_recorded(path: Path) -> list[Recorded]:
     return [Recorded(tokens[a:b], states[a:b], labels[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def measure_acceptance(model: str, head: Path, prompts: list[str], num_model_steps: int, max_tokens: int,
-                       progress: bool = False) -> dict:
+def measure_acceptance(model: Optional[str], head: Path, prompts: list[str], num_model_steps: int, max_tokens: int,
+                       progress: bool = False, llm=None) -> dict:
     """Greedy runs of ``mtp`` with ``head`` on ``prompts``: the mean acceptance length (tokens
     per step) and, per draft position ``i``, the share of drafting steps whose first ``i + 1``
     drafts were all accepted."""
     spec = {"method": "mtp", "model": str(head), "num_model_steps": num_model_steps, "adaptive_draft_length": False}
-    llm = specdec.LLM(model, spec, progress=progress)
+    if llm is None:
+        llm = specdec.LLM(model, spec, progress=progress)
+    else:  # an already loaded target (``model`` is then ignored)
+        llm.set_speculative_config(spec)
     outputs = llm.generate(prompts, specdec.SamplingParams(max_tokens=max_tokens, temperature=0.0),
                            use_chat_template=True)
     total = outputs[0].metrics
@@ -478,27 +488,19 @@ def train_mtp(model: str, corpus: list[str], options: TrainOptions, *, max_token
     output = Path(options.output)
     output.mkdir(parents=True, exist_ok=True)
     data_file = output / "data.npz"
+    llm, recorder = recording_llm(model, collect_batch, progress=progress)
     if options.resume and data_file.exists():
         sequences = load_recorded(data_file)
     else:
-        sequences = collect(model, train_prompts, texts, max_tokens=max_tokens, window=window,
+        sequences = collect(llm, recorder, train_prompts, texts, max_tokens=max_tokens, window=window,
                             batch_size=collect_batch, progress=progress)
         if not sequences:
             raise SpecdecError("--corpus: nothing to train on (every text shorter than 8 tokens?)")
         save_recorded(sequences, data_file)
-    llm_config, target = _target(model)
-    report = train(sequences, target, llm_config, options, progress=progress)
+    report = train(sequences, recorder.target, recorder.config_of_target, options, progress=progress)
     if held_prompts:
         report["held_out_prompts"] = measure_acceptance(model, output / "head.safetensors", held_prompts,
-                                                        num_model_steps=3, max_tokens=max_tokens)
+                                                        num_model_steps=3, max_tokens=max_tokens, llm=llm)
     (output / "report.json").write_text(json.dumps(report, indent=2))
     return report
 
-
-def _target(model: str):
-    """The target's shape and :class:`specdec.TargetModel`, through a proposer's setup."""
-    plugins = load_plugins()
-    plugins.proposers.register(_Recorder, "specdec train-mtp")
-    specdec.LLM(model, {"method": _Recorder.NAME}, plugins=plugins, progress=False, num_kv_blocks=8)
-    recorder = _Recorder.latest
-    return recorder.config_of_target, recorder.target
