@@ -41,6 +41,14 @@ class ProposalRequest:
     :ivar block_table: for a proposer with ``NEEDS_HIDDEN_STATES``: ``[num_blocks]`` int32, the
         request's KV cache blocks in position order, for the proposer's own cache layers
         (:meth:`specdec.ProposerContext.create_cache_layers`). Read-only.
+    :ivar sampling: the request's :class:`specdec.SamplingParams` (``None``: greedy). A
+        proposer that samples its drafts (a model at temperature > 0) samples them from its
+        own distribution processed the same way (``processed_probs``) and returns it as
+        ``Drafts.probs``, which keeps ``rejection`` lossless and accepts more than argmax
+        drafts do.
+    :ivar rng: the request's own random generator (``None`` outside the engine). Draw the
+        draft's randomness from it, never from a global one, so that a seeded request
+        repeats its tokens.
     """
 
     request_id: str
@@ -50,6 +58,13 @@ class ProposalRequest:
     hidden_states: Any = None
     hidden_positions: Optional[np.ndarray] = None
     block_table: Optional[np.ndarray] = None
+    sampling: Any = None
+    rng: Optional[np.random.Generator] = None
+
+    @property
+    def temperature(self) -> float:
+        """The request's temperature (0: greedy, also without ``sampling``)."""
+        return 0.0 if self.sampling is None else float(self.sampling.temperature)
 
     @property
     def num_generated_tokens(self) -> int:

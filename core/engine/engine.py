@@ -440,7 +440,8 @@ class Engine:
     def _proposal_request(self, request: Request, max_draft_len: int) -> ProposalRequest:
         """What the proposer sees of ``request`` this step (with the hidden states kept for
         it, handed over once, when the proposer reads them)."""
-        proposal = ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len)
+        proposal = ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len,
+                                   sampling=request.sampling, rng=request.rng)
         if self.proposer.NEEDS_HIDDEN_STATES:
             proposal.hidden_states, proposal.hidden_positions = self.hidden_states.take(request)
             proposal.block_table = np.asarray(request.block_table, dtype=np.int32)

@@ -7,8 +7,11 @@ request's blocks). The last of those rows sits at the request's last token and p
 next one: draft 1. With ``num_model_steps`` > 1 the head then runs that many substeps, each
 feeding its own output state and its previous draft back in (as the seed system does), one
 draft per substep. Rows of drafts the target rejects are simply rewritten by the next
-catch-up. Drafts are the head's argmax; without ``probs`` they count as deterministic, which
-keeps ``rejection`` lossless at any temperature.
+catch-up. For a greedy request a draft is the head's argmax (deterministic, no ``probs``); at
+temperature > 0 it is sampled, with the request's own generator, from the head's distribution
+processed like the target's (temperature, top-k, top-p), and that distribution goes with the
+drafts as ``Drafts.probs``: ``rejection`` then stays lossless and accepts as often as the head
+agrees with the target's distribution, not just with its argmax.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 import specdec
-from specdec.sdk import AttentionMetadata, Drafts, ProposalBatch, ProposalRequest, SpecdecError
+from specdec.sdk import (AttentionMetadata, Drafts, ProposalBatch, ProposalRequest, SpecdecError, processed_probs,
+                         sample_tokens)
 
 from .head import MtpHead
 from .weights import load_mtp_layers, quantize_wint8
@@ -57,6 +61,8 @@ class MtpProposer(specdec.Proposer):
         self.num_model_steps = spec.num_model_steps
         self.block_size = context.block_size
         self.hidden_size = context.model_config.hidden_size
+        self.vocab_size = context.model_config.vocab_size
+        self._fallback_rng = np.random.default_rng(0)  # for requests built without a generator
         self.head = MtpHead(weights, context, context.create_cache_layers(1))
         self.paddle = self.head.paddle
         #: Per request: the first hidden position the next proposal should bring (a different
@@ -75,9 +81,10 @@ class MtpProposer(specdec.Proposer):
         # Requests whose rows reached their last token can draft.
         drafting = [(i, b, r) for i, (b, r) in enumerate(catching_up)
                     if r.max_draft_len > 0 and int(r.hidden_positions[-1]) == len(r.token_ids) - 2]
-        if drafting:
-            self._draft(drafting, out, last_rows, drafts)
-        return Drafts.from_lists(drafts)
+        if not drafting:
+            return Drafts.from_lists(drafts)
+        draft_probs = self._draft(drafting, out, last_rows, drafts)
+        return Drafts.from_lists(drafts, probs=self._probs_array(draft_probs, drafts))
 
     def _catch_up(self, requests: list[ProposalRequest]):
         """Run the head over each request's new rows; return its ``[T, H]`` output and the
@@ -103,26 +110,61 @@ class MtpProposer(specdec.Proposer):
         out = self.head.forward(np.concatenate(tokens), p.concat(states, axis=0), meta)
         return out, np.cumsum(query_lens) - 1
 
-    def _draft(self, drafting, out, last_rows, drafts: list[list[int]]) -> None:
+    def _draft(self, drafting, out, last_rows, drafts: list[list[int]]) -> dict[int, list[np.ndarray]]:
         """Substep 1 reads the catch-up's last rows; substep ``s`` runs one row per request at
-        position ``len(token_ids) + s - 2`` from the previous substep's output and draft."""
+        position ``len(token_ids) + s - 2`` from the previous substep's output and draft.
+        Returns the distributions sampled drafts came from, per batch row (none when greedy)."""
         p = self.paddle
         steps = [min(self.num_model_steps, r.max_draft_len) for _, _, r in drafting]
         state = p.gather(out, p.to_tensor(np.array([last_rows[i] for i, _, _ in drafting], dtype=np.int64)))
         active = list(range(len(drafting)))
+        draft_probs: dict[int, list[np.ndarray]] = {}
         for substep in range(1, max(steps) + 1):
-            tokens = self.head.draft_tokens(state)
+            tokens, probs = self._choose(state, [drafting[k][2] for k in active])
             for row, k in enumerate(active):
                 drafts[drafting[k][1]].append(int(tokens[row]))
+                if probs is not None:
+                    draft_probs.setdefault(drafting[k][1], []).append(probs[row])
             keep = [row for row, k in enumerate(active) if steps[k] > substep]
             if not keep:
-                return
+                return draft_probs
             active = [active[row] for row in keep]
             requests = [drafting[k][2] for k in active]
             meta = AttentionMetadata.build([1] * len(active), [len(r.token_ids) + substep - 1 for r in requests],
                                            _padded([r.block_table for r in requests]), self.block_size)
             keep_index = p.to_tensor(np.array(keep, dtype=np.int64))
             state = self.head.forward(tokens[keep], p.gather(state, keep_index), meta)
+        return draft_probs
+
+    def _choose(self, state, requests: list[ProposalRequest]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each row's draft: the argmax for greedy requests; for requests at temperature > 0 a
+        sample from the head's processed distribution, returned too (``[n, K]`` over the head's
+        vocabulary, one-hot on the argmax for the greedy rows)."""
+        if all(r.temperature <= 0.0 for r in requests):
+            return self.head.draft_tokens(state), None
+        logits = np.asarray(self.head.logits(state), dtype=np.float32)[:, None, :]
+        temperature = np.array([r.temperature for r in requests])
+        top_k = np.array([0 if r.sampling is None else r.sampling.top_k for r in requests], dtype=np.int64)
+        top_p = np.array([1.0 if r.sampling is None else r.sampling.top_p for r in requests])
+        probs = processed_probs(logits, temperature, top_k, top_p)[:, 0]
+        uniforms = np.array([(r.rng or self._fallback_rng).random() if r.temperature > 0.0 else 0.0
+                             for r in requests])
+        picks = sample_tokens(probs[:, None], uniforms[:, None])[:, 0]
+        vocab = self.head.draft_vocab
+        return (picks if vocab is None else vocab[picks]), probs
+
+    def _probs_array(self, draft_probs: dict[int, list[np.ndarray]], drafts: list[list[int]]) -> np.ndarray | None:
+        """``Drafts.probs``, ``[B, k, V]``: each sampled draft's distribution over the target's
+        vocabulary (zero outside the head's draft vocabulary); ``None`` when no draft was sampled."""
+        if not draft_probs:
+            return None
+        width = max(len(d) for d in drafts)
+        out = np.zeros((len(drafts), width, self.vocab_size), dtype=np.float32)
+        columns = self.head.draft_vocab if self.head.draft_vocab is not None else slice(None)
+        for row, rows in draft_probs.items():
+            for position, probs in enumerate(rows):
+                out[row, position, columns] = probs
+        return out
 
 
 def _padded(tables: list[np.ndarray]) -> np.ndarray:
