@@ -641,6 +641,7 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     chosen: dict[str, str] = {}
     classes: dict[str, type] = {}
     config_classes: dict[str, type | None] = {}
+    data = _method_of_strategy(data)
     for kind in SPECULATIVE_KINDS:
         slot = kind.config_key
         path = f"{source}.{slot}"
@@ -692,6 +693,16 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     return attrs.evolve(config, notices=tuple(notices), **plugin_configs)
 
 
+#: The seed system selects some methods by ``method`` and ``mtp_strategy`` together.
+STRATEGY_METHODS = {("mtp", "with_ngram"): "hybrid"}
+
+
+def _method_of_strategy(data: Mapping) -> Mapping:
+    """``data`` with ``method`` replaced where :data:`STRATEGY_METHODS` maps it."""
+    method = STRATEGY_METHODS.get((data.get("method"), data.get("mtp_strategy")))
+    return data if method is None else {**data, "method": method}
+
+
 def _registered(registry) -> Iterator[tuple[str, type]]:
     """``(name, class)`` of every name ``registry`` can resolve (a contested name cannot)."""
     for name in registry.names():
@@ -709,7 +720,7 @@ def _check_model_keys(config: SpeculativeConfig, proposer_cls: type, plugins, so
             continue
         users = [f"'{name}'" for name, cls in _registered(plugins.proposers)
                  if key in getattr(cls, "USED_MODEL_KEYS", ())]
-        used_by = f"method {_join(users)}" if users else "model-based methods such as 'mtp' (none is installed)"
+        used_by = f"method{'s' if len(users) > 1 else ''} {_join(users)}" if users else "model-based methods such as 'mtp' (none is installed)"
         raise ConfigError(f"{source}.{key}: method '{config.method}' does not use it; it is read by {used_by}")
 
 

@@ -29,6 +29,8 @@ DEMO_METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 5},
     "mtp": {"method": "mtp"},
+    # The seed system's spelling of hybrid: MTP drafts 2 tokens, ngram continues them.
+    "hybrid": {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": 5},
 }
 
 

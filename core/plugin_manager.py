@@ -44,6 +44,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("ngram", "specdec.plugins.ngram"),
     ("suffix", "specdec.plugins.suffix"),
     ("mtp", "specdec.plugins.mtp"),
+    ("hybrid", "specdec.plugins.hybrid"),
     ("verify_greedy", "specdec.plugins.verify.greedy"),
     ("verify_topp", "specdec.plugins.verify.topp"),
     ("verify_target_match", "specdec.plugins.verify.target_match"),

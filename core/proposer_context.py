@@ -83,6 +83,24 @@ class ProposerContext:
     block_size: int
     num_blocks: int
     _create_cache_layers: Callable[..., AttentionBackend] = attrs.field(repr=False, alias="create_cache_layers")
+    _create_proposer: Optional[Callable[..., Any]] = attrs.field(default=None, repr=False, alias="create_proposer")
+
+    def create_proposer(self, method: str, **keys: Any) -> Any:
+        """Another registered proposer, built and set up, for a method that composes others
+        (``hybrid``: a model proposer, then a lookup proposer).
+
+        ``method`` is its ``NAME``; ``keys`` are flat keys of its own ``Config``. It gets the
+        speculative config of the composing method with ``method`` changed:
+        ``num_speculative_tokens`` and the model keys it reads (``num_model_steps``, ``model``,
+        ``quantization``; ``mtp_strategy`` stays ``default``). Its :meth:`setup` runs with this
+        context. The composing method owns it: it calls its ``propose`` and lifecycle methods
+        itself. Raises :class:`specdec.SpecdecError` (one line) for an unknown method or a bad key.
+        """
+        if self._create_proposer is None:
+            from .errors import SpecdecError
+
+            raise SpecdecError("this context cannot build proposers (it was made outside an engine)")
+        return self._create_proposer(self, method, keys)
 
     def create_cache_layers(self, num_layers: int, *, num_heads: Optional[int] = None,
                             num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None) -> AttentionBackend:

@@ -185,7 +185,7 @@ class Engine:
     def _build_spec_plugins(self, spec: SpeculativeConfig) -> None:
         proposer_cls, verify_cls, accept_cls = self._spec_plugin_classes(spec)
         proposer = proposer_cls(spec.method_config, spec)
-        self._setup_proposer(proposer, spec.method)
+        self._setup_proposer(proposer, spec)
         self.spec: SpeculativeConfig = spec
         self.num_speculative_tokens = spec.num_speculative_tokens or 0
         self.proposer = proposer
@@ -197,20 +197,38 @@ class Engine:
         self.verifier = verify_cls(spec.verify_config, spec)
         self.accept_policy = accept_cls(spec.accept_config, spec)
 
-    def _setup_proposer(self, proposer, method: str) -> None:
+    def _setup_proposer(self, proposer, spec: SpeculativeConfig) -> None:
         """``proposer.setup(context)``; what it raises is a one-line error naming the method."""
         from ..proposer_context import ProposerContext, TargetModel
 
+        def create_proposer(context, method: str, keys: dict):
+            return self._create_inner_proposer(context, spec, method, keys)
+
         context = ProposerContext(model_name=self.config.model, model_config=self.model_config,
                                   tokenizer=self.tokenizer, target=TargetModel(self.model), block_size=self.block_size,
-                                  num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers)
+                                  num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers,
+                                  create_proposer=create_proposer)
         try:
             proposer.setup(context)
         except SpecdecError as exc:
-            raise SpecdecError(f"speculative_config.method: proposer '{method}': {exc}") from None
+            raise SpecdecError(f"speculative_config.method: proposer '{spec.method}': {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a plugin's failure, reported in one line
-            raise SpecdecError(f"speculative_config.method: proposer '{method}' setup failed: "
+            raise SpecdecError(f"speculative_config.method: proposer '{spec.method}' setup failed: "
                                f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+
+    def _create_inner_proposer(self, context, spec: SpeculativeConfig, method: str, keys: dict):
+        """``ProposerContext.create_proposer``: ``method`` built from ``spec`` (see its docstring)."""
+        from ..config import build_speculative_config
+
+        cls = self.plugins.get("proposers", method, "method")
+        data = {"method": method, "num_speculative_tokens": spec.num_speculative_tokens, **keys}
+        for key in ("num_model_steps", "model", "quantization"):
+            if key in getattr(cls, "USED_MODEL_KEYS", ()):
+                data[key] = getattr(spec, key)
+        inner = build_speculative_config(data, self.plugins, source=f"proposer '{method}'")
+        proposer = cls(inner.method_config, inner)
+        proposer.setup(context)
+        return proposer
 
     def _create_cache_layers(self, num_layers: int, *, num_heads: Optional[int] = None,
                              num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None):

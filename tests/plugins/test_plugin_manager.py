@@ -97,8 +97,8 @@ def test_unknown_name_points_at_plugins_that_failed(site):
     site.install("specdec-plugin-broken", "0.1.0", {"broken": "sdt_broken2"}, {"sdt_broken2": BROKEN})
     plugins = load_plugins()
     with pytest.raises(specdec.PluginError, match=r"^--speculative-config.method: unknown proposer "
-                                                  r"'medusa'.*plugins with errors: .*'broken'"):
-        plugins.proposers.get("medusa", key="--speculative-config.method")
+                                                  r"'eagle3'.*plugins with errors: .*'broken'"):
+        plugins.proposers.get("eagle3", key="--speculative-config.method")
 
 
 def test_all_four_hooks_register_with_their_provider(site):

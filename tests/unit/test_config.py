@@ -627,3 +627,23 @@ def test_num_speculative_tokens_is_raised_to_num_model_steps(plugins_with_mtp):
     config = build_speculative_config({"method": "mtp_like", "num_speculative_tokens": 5, "num_model_steps": 3},
                                       plugins_with_mtp)
     assert config.num_speculative_tokens == 5 and config.notices == ()
+
+
+# --- the seed system's hybrid spelling, with the real built-in plugins --------------------------
+
+
+def test_mtp_with_ngram_selects_the_hybrid_method():
+    from specdec.plugin_manager import load_plugins
+
+    real = load_plugins()
+    config = build_speculative_config({"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2,
+                                       "num_speculative_tokens": 5}, real)
+    assert (config.method, config.num_model_steps, config.num_speculative_tokens) == ("hybrid", 2, 5)
+    assert (config.method_config.draft_model_method, config.method_config.draft_lookup_method) == ("mtp", "ngram")
+    assert build_speculative_config(config.to_dict(), real) == config
+    # Plain mtp stays mtp; hybrid spelled directly takes its own keys.
+    assert build_speculative_config({"method": "mtp"}, real).method == "mtp"
+    direct = build_speculative_config({"method": "hybrid", "draft_lookup_method": "suffix"}, real)
+    assert direct.method_config.draft_lookup_method == "suffix"
+    assert config_error(build_speculative_config, {"method": "hybrid", "max_ngram_size": 3}, real).startswith(
+        "--speculative-config: unknown key 'max_ngram_size'")

@@ -1,0 +1,63 @@
+"""The ``hybrid`` method (MTP drafts, then ngram continues them) on the real default model:
+greedy output equal to naive token for token, alone and batched with continuous batching;
+the seed system's spelling selects it; the lookup really continues the model's drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import SamplingParams
+from specdec.workloads import code_edit_prompts
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = tuple(code_edit_prompts(5))
+SAMPLING = SamplingParams(max_tokens=64, ignore_eos=True)
+#: As the seed system writes it.
+SEED_SPEC = {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": 5,
+             "adaptive_draft_length": False}
+
+
+def assert_equal_to_naive(model_session, spec, batch, label):
+    naive = model_session.run(None, PROMPTS, SAMPLING, max_num_seqs=batch)
+    outputs = model_session.run(spec, PROMPTS, SAMPLING, max_num_seqs=batch, cache=False)
+    for prompt, got, want in zip(PROMPTS, outputs, naive):
+        message = model_session.describe_divergence(prompt, want.token_ids, got.token_ids, label=label)
+        assert message is None, message
+    return outputs
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_hybrid_is_lossless_at_temperature_zero(model_session, batch):
+    outputs = assert_equal_to_naive(model_session, SEED_SPEC, batch, "hybrid")
+    assert model_session.llm.engine.spec.method == "hybrid"
+    # Drafts longer than num_model_steps: ngram continued the model's drafts, and some of the
+    # continued positions were accepted.
+    per_position = [sum(o.metrics.accepted_per_position[i] for o in outputs
+                        if len(o.metrics.accepted_per_position) > i) for i in range(5)]
+    assert per_position[2] > 0, per_position
+    assert all(o.metrics.num_draft_tokens <= 5 * o.metrics.num_steps for o in outputs)
+
+
+def test_hybrid_with_suffix_lookup_is_lossless(model_session):
+    spec = {"method": "hybrid", "draft_lookup_method": "suffix", "num_model_steps": 1, "num_speculative_tokens": 4,
+            "adaptive_draft_length": False}
+    assert_equal_to_naive(model_session, spec, 5, "hybrid (mtp + suffix)")
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"draft_model_method": "nope"}, "speculative_config.method: proposer 'hybrid': method: unknown proposer 'nope'"),
+    ({"draft_lookup_method": "hybrid"}, "speculative_config.method: proposer 'hybrid': draft_model_method and "
+                                        "draft_lookup_method must name other methods"),
+])
+def test_a_bad_component_is_a_one_line_error_and_keeps_the_method(model_session, keys, message):
+    import specdec
+
+    llm = model_session.llm
+    llm.set_speculative_config({"method": "ngram"})
+    with pytest.raises(specdec.SpecdecError) as caught:
+        llm.set_speculative_config({"method": "hybrid", **keys})
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert llm.engine.spec.method == "ngram"
+    llm.set_speculative_config(None)
