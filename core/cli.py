@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, default, text in TRAIN_FLAGS:
         train.add_argument(flag, type=kind, default=default, help=text)
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint and data in --output")
+    train.add_argument("--init", default=None, help="start from this head (weights and draft vocabulary), "
+                                                      "e.g. to train more substeps of a trained head")
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     train.set_defaults(func=run_train_mtp)
 
@@ -147,6 +149,7 @@ TRAIN_FLAGS = (
     ("--held-out", float, 0.05, "share of sequences kept out of training for the accuracy report"),
     ("--report-prompts", int, 8, "prompts kept out to measure acceptance with the engine at the end"),
     ("--seed", int, 0, "seed of the split, the batches and the initial weights"),
+    ("--num-model-steps", int, 1, "substeps trained, chained as the mtp proposer runs them (1 to 8)"),
 )
 
 
@@ -163,10 +166,15 @@ def run_train_mtp(args) -> int:
         low = 0 if flag in ("--report-prompts", "--seed", "--max-steps") else 1
         if kind is int and value < low:
             raise SpecdecError(f"{flag}: must be >= {low}, got {value}")
+    if args.num_model_steps > 8:
+        raise SpecdecError(f"--num-model-steps: must be between 1 and 8, got {args.num_model_steps}")
+    if args.init is not None and not Path(args.init).exists():
+        raise SpecdecError(f"--init: no such file: {args.init}")
     options = TrainOptions(output=Path(args.output), draft_vocab_size=args.draft_vocab_size, seq_len=args.seq_len,
                            batch_size=args.batch_size, learning_rate=args.learning_rate, max_steps=args.max_steps,
                            max_minutes=args.max_minutes, checkpoint_every=args.checkpoint_every,
-                           held_out=args.held_out, seed=args.seed, resume=args.resume)
+                           held_out=args.held_out, seed=args.seed, resume=args.resume,
+                           num_model_steps=args.num_model_steps, init=None if args.init is None else Path(args.init))
     report = train_mtp(args.model or DEFAULT_MODEL, args.corpus, options, max_tokens=args.max_tokens,
                        window=args.window, collect_batch=args.collect_batch, report_prompts=args.report_prompts,
                        progress=args.progress)

@@ -185,10 +185,39 @@ class TrainableMtp:
     def forward(self, tokens, states, cos, sin):
         """``[B, S, K]`` draft-vocabulary logits for rows ``tokens [B, S]`` with the previous
         positions' states ``[B, S, H]`` (row 0 of each sequence gets a zero state)."""
-        p, c = self.paddle, self.config
-        P = self.params
+        return self.forward_depths(tokens, states, cos, sin, 1)[0]
+
+    def forward_depths(self, tokens, states, cos, sin, depths: int) -> list:
+        """The logits of substeps ``1 .. depths`` as the proposer chains them, teacher-forced.
+
+        Depth 1 is :meth:`forward`. Depth ``d`` runs the row at position ``q`` from depth
+        ``d - 1``'s output at ``q - 1`` and the token at ``q`` (the draft, when the drafts
+        before it were right), and attends to what the proposer's cache holds then: depth 1's
+        rows up to ``q - d + 1``, then one row of each depth ``r`` (2 .. d) at ``q - d + r``.
+        Every depth predicts the token after ``q``; rows ``q < d - 1`` have no such chain.
+        """
+        p = self.paddle
         B, S = tokens.shape
         embeds = self.target.embed(tokens.reshape([-1])).reshape([B, S, -1])
+        logits, keys, values = [], [], []
+        for depth in range(1, depths + 1):
+            x, q, k, v = self._project(embeds, states, cos, sin)
+            keys.append(k)
+            values.append(v)
+            x = x + self._attend(q, keys, values, depth)
+            y = self._rms(x, self.params["post_attention_layernorm.weight"])
+            gate = self._linear(y, "mlp.gate_proj.weight")
+            x = x + self._linear(p.nn.functional.silu(gate) * self._linear(y, "mlp.up_proj.weight"),
+                                 "mlp.down_proj.weight")
+            logits.append(p.matmul(self._rms(x), self.head, transpose_y=True))
+            states = _shifted(x, 1, axis=1)
+        return logits
+
+    def _project(self, embeds, states, cos, sin):
+        """The layer's input ``x`` and its queries, keys and values (``[B, n, S, D]``, RoPE
+        applied, queries scaled, keys and values repeated to the query heads)."""
+        p, c, P = self.paddle, self.config, self.params
+        B, S = embeds.shape[:2]
         x = self._linear(self._rms(embeds, P["enorm"]), "embed_proj") + \
             self._linear(self._rms(states, P["hnorm"]), "hidden_proj")
         y = self._rms(x, P["input_layernorm.weight"])
@@ -210,21 +239,44 @@ class TrainableMtp:
         if nh != nkv:
             k = p.repeat_interleave(k, nh // nkv, axis=1)
             v = p.repeat_interleave(v, nh // nkv, axis=1)
-        scores = p.matmul(q, k, transpose_y=True)
-        causal = p.triu(p.full([S, S], float("-inf")), diagonal=1)
-        attn = p.matmul(p.nn.functional.softmax(scores + causal, axis=-1), v)
-        x = x + self._linear(attn.transpose([0, 2, 1, 3]).reshape([B, S, nh * d]), "self_attn.o_proj.weight")
-        y = self._rms(x, P["post_attention_layernorm.weight"])
-        gate = self._linear(y, "mlp.gate_proj.weight")
-        x = x + self._linear(p.nn.functional.silu(gate) * self._linear(y, "mlp.up_proj.weight"),
-                             "mlp.down_proj.weight")
-        return p.matmul(self._rms(x), self.head, transpose_y=True)
+        return x, q, k, v
+
+    def _attend(self, q, keys, values, depth: int):
+        """Depth ``depth``'s attention output ``[B, S, n * D]`` (see :meth:`forward_depths`)."""
+        p = self.paddle
+        B, n, S, d = q.shape
+        # Depth 1's rows at positions j <= q - depth + 1.
+        causal = p.triu(p.full([S, S], float("-inf")), diagonal=2 - depth)
+        scores = [p.matmul(q, keys[0], transpose_y=True) + causal]
+        shifted_values = []
+        for r in range(2, depth + 1):  # one row of depth r, at q - (depth - r)
+            shift = depth - r
+            key, value = _shifted(keys[r - 1], shift, axis=2), _shifted(values[r - 1], shift, axis=2)
+            missing = np.where(np.arange(S) < shift, -np.inf, 0.0).astype(np.float32)[:, None]
+            scores.append((q * key).sum(axis=-1, keepdim=True) + p.to_tensor(missing))
+            shifted_values.append(value)
+        weights = p.nn.functional.softmax(p.concat(scores, axis=-1), axis=-1)
+        attn = p.matmul(weights[..., :S], values[0])
+        for i, value in enumerate(shifted_values):
+            attn = attn + weights[..., S + i: S + i + 1] * value
+        return self._linear(attn.transpose([0, 2, 1, 3]).reshape([B, S, n * d]), "self_attn.o_proj.weight")
 
     def weights(self) -> MtpLayerWeights:
         arrays = {name: self.params[name].numpy() for name in self.names}
         decoder = {name: arrays[name] for name in self.names[4:]}
         return MtpLayerWeights(enorm=arrays["enorm"], hnorm=arrays["hnorm"], embed_proj=arrays["embed_proj"],
                                hidden_proj=arrays["hidden_proj"], decoder=decoder)
+
+
+def _shifted(x, shift: int, axis: int):
+    """``x`` moved ``shift`` rows later along ``axis``: zeros in front, the last rows dropped."""
+    if shift == 0:
+        return x
+    p = require_paddle()
+    pad_shape = list(x.shape)
+    pad_shape[axis] = shift
+    kept = p.slice(x, axes=[axis], starts=[0], ends=[x.shape[axis] - shift])
+    return p.concat([p.zeros(pad_shape, dtype=x.dtype), kept], axis=axis)
 
 
 # --- training ---------------------------------------------------------------------------------
@@ -245,6 +297,11 @@ class TrainOptions:
     held_out: float = 0.05
     seed: int = 0
     resume: bool = False
+    #: Substeps trained, chained as the proposer runs them (``forward_depths``); each adds the
+    #: same distillation loss at its rows.
+    num_model_steps: int = 1
+    #: Start from this head (its weights and draft vocabulary) instead of a fresh one.
+    init: Optional[Path] = None
 
 
 def draft_vocabulary(sequences: list[Recorded], size: int) -> np.ndarray:
@@ -285,20 +342,26 @@ def _batch(sequences, windows, seq_len, lookup, paddle, with_current: bool = Fal
     return batch + (paddle.to_tensor(current),) if with_current else batch
 
 
-def evaluate(model: "TrainableMtp", sequences, windows, seq_len, lookup, cos, sin, batch_size=8) -> float:
-    """How often the head's argmax is the target's own (first-position acceptance under greedy
-    verification); a label outside the draft vocabulary counts as a miss."""
+def evaluate(model: "TrainableMtp", sequences, windows, seq_len, lookup, cos, sin, batch_size=8,
+             depths: int = 1) -> list[float]:
+    """Per substep, how often the head's argmax is the target's own, teacher-forced (substep 1:
+    first-position acceptance under greedy verification; substep ``d``: acceptance of draft
+    ``d`` when the drafts before it were right). A label outside the draft vocabulary counts
+    as a miss."""
     p = model.paddle
-    right = total = 0
+    right, total = np.zeros(depths), np.zeros(depths)
     with p.no_grad():
         for begin in range(0, len(windows), batch_size):
             part = windows[begin: begin + batch_size]
             tokens, states, targets, real = _batch(sequences, part, seq_len, lookup, p)
             rope = _rope_for(cos, sin, [start for _, start in part], seq_len, p)
-            guess = model.forward(tokens, states, *rope).argmax(axis=-1).numpy()
-            right += int(((guess == targets) & real & (targets >= 0)).sum())
-            total += int(real.sum())
-    return right / max(total, 1)
+            for depth, logits in enumerate(model.forward_depths(tokens, states, *rope, depths)):
+                rows = real.copy()
+                rows[:, :depth] = False
+                guess = logits.argmax(axis=-1).numpy()
+                right[depth] += int(((guess == targets) & rows & (targets >= 0)).sum())
+                total[depth] += int(rows.sum())
+    return (right / np.maximum(total, 1)).tolist()
 
 
 def _rope_for(cos, sin, starts, seq_len, paddle):
@@ -324,6 +387,11 @@ def train(sequences: list[Recorded], target, config, options: TrainOptions, prog
         saved = json.loads(state_file.read_text())
         vocab = np.asarray(saved["draft_vocab"], dtype=np.int64)
         init = load_mtp_layers(output / "head.safetensors", config.hidden_size)[0]
+    elif options.init is not None:
+        init = load_mtp_layers(options.init, config.hidden_size)[0]
+        if init.draft_vocab is None:
+            raise SpecdecError(f"--init: {options.init} has no draft vocabulary")
+        saved, vocab = {"step": 0, "history": []}, np.asarray(init.draft_vocab, dtype=np.int64)
     else:
         saved, vocab, init = {"step": 0, "history": []}, draft_vocabulary(train_set, options.draft_vocab_size), None
     lookup = np.full(config.vocab_size, -1, np.int64)
@@ -350,8 +418,8 @@ def train(sequences: list[Recorded], target, config, options: TrainOptions, prog
         windows = [train_windows[i] for i in picks]
         tokens, states, _, real, current = _batch(train_set, windows, options.seq_len, lookup, paddle,
                                                   with_current=True)
-        logits = model.forward(tokens, states, *_rope_for(cos, sin, [s for _, s in windows], options.seq_len, paddle))
-        loss = distillation_loss(model, logits, current, real)
+        rope = _rope_for(cos, sin, [s for _, s in windows], options.seq_len, paddle)
+        loss = chained_loss(model, model.forward_depths(tokens, states, *rope, options.num_model_steps), current, real)
         loss.backward()
         optimizer.step()
         optimizer.clear_grad()
@@ -365,12 +433,24 @@ def train(sequences: list[Recorded], target, config, options: TrainOptions, prog
             _checkpoint(model, optimizer, output, vocab, step, saved["history"] + [{"step": step, "loss": loss_value}])
     if bar is not None:
         bar.close()
-    accuracy = evaluate(model, held, held_windows, options.seq_len, lookup, cos, sin)
+    accuracy = evaluate(model, held, held_windows, options.seq_len, lookup, cos, sin, depths=options.num_model_steps)
     history = saved["history"] + [{"step": step, "loss": loss_value, "held_out_accuracy": accuracy}]
     _checkpoint(model, optimizer, output, vocab, step, history)
-    return {"steps": step, "loss": loss_value, "held_out_first_position_acceptance": accuracy,
+    return {"steps": step, "loss": loss_value, "held_out_first_position_acceptance": accuracy[0],
+            "held_out_accuracy_per_substep": [round(a, 4) for a in accuracy],
             "held_out_positions": sum(len(s.tokens) for s in held), "train_positions": sum(len(s.tokens) for s in train_set),
             "draft_vocab_size": int(len(vocab)), "minutes": (time.perf_counter() - started) / 60}
+
+
+def chained_loss(model: TrainableMtp, logits: list, current, real: np.ndarray):
+    """The mean of :func:`distillation_loss` over the substeps' logits, each at the rows that
+    have a chain (depth ``d`` starts at row ``d - 1``)."""
+    losses = []
+    for depth, depth_logits in enumerate(logits, start=1):
+        rows = real.copy()
+        rows[:, : depth - 1] = False
+        losses.append(distillation_loss(model, depth_logits, current, rows))
+    return sum(losses[1:], losses[0]) / len(losses)
 
 
 def distillation_loss(model: TrainableMtp, logits, current, real: np.ndarray):

@@ -59,6 +59,16 @@ def test_train_mtp_beats_an_untrained_head_and_resumes(tmp_path, model_session, 
     assert resumed["steps"] == 50 and resumed["draft_vocab_size"] == report["draft_vocab_size"]
     history = json.loads((out / "trainer.json").read_text())["history"]
     assert [h["step"] for h in history][-1] == 50 and any(h["step"] == 40 for h in history)
+
+    # Substeps 2 and 3 trained on top of the trained head (--init), chained as the proposer runs them.
+    chained = tmp_path / "chained"
+    chained.mkdir()
+    shutil.copy(out / "data.npz", chained / "data.npz")
+    report = train([str(corpus), str(code)], chained, "--max-steps", "6", "--resume", "--init",
+                   str(out / "head.safetensors"), "--num-model-steps", "3")
+    assert report["steps"] == 6 and report["draft_vocab_size"] == resumed["draft_vocab_size"]
+    first, second, third = report["held_out_accuracy_per_substep"]
+    assert abs(first - report["held_out_first_position_acceptance"]) < 1e-3 and 0 <= third <= 1 and 0 <= second <= 1
     capsys.readouterr()
 
 
@@ -69,3 +79,5 @@ def test_bad_corpus_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f'error: --corpus: {bad}:2: expected a string or {{"prompt": ...}}'
     assert main(["train-mtp", "--corpus", str(bad), "--output", str(tmp_path / "o"), "--held-out", "1"]) == 2
     assert "--held-out: must be in [0, 1), got 1.0" in capsys.readouterr().err
+    assert main(["train-mtp", "--corpus", str(bad), "--output", str(tmp_path / "o"), "--num-model-steps", "9"]) == 2
+    assert "--num-model-steps: must be between 1 and 8, got 9" in capsys.readouterr().err
