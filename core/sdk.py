@@ -24,8 +24,10 @@ plugin or an engine module; a test holds the built-ins to it. What is here:
 - native code: :func:`load_cpu_ops` (the engine's compiled CPU operators), and for a plugin
   that compiles its own, :func:`kernel_build_dir` (where a source version is built, shared
   with the engine's kernels) and :class:`KernelUnavailable` (raise it when it cannot build);
-- :func:`load_plugins`, for a plugin's tools that run an engine with plugins of their own (such
-  as ``specdec train-mtp``'s recording proposer).
+- :func:`load_plugins`, for a plugin's tools that run an engine with plugins of their own;
+- for training model-based proposers: :class:`HiddenStateRecorder` (runs the target and keeps
+  its hidden state and argmax at every position, as :class:`RecordedSequence`),
+  :func:`save_recorded` and :func:`load_recorded`.
 
 Conformance checks for each kind are in :mod:`specdec.testing`.
 """
@@ -41,6 +43,7 @@ from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, r
                     target_choice, target_distribution, top_tokens)
 from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer
 from .proposer_context import ProposerContext, TargetModel
+from .recording import HiddenStateRecorder, RecordedSequence, load_recorded, save_recorded
 from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
 from .verify_builders import (accepted_prefix, assemble_output, at_positions, check_inputs, draft_mask,
                               pad_beyond_drafts, prefix_match_result)
@@ -56,4 +59,5 @@ __all__ = [
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
     "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_plugins",
+    "HiddenStateRecorder", "RecordedSequence", "save_recorded", "load_recorded",
 ]

@@ -27,96 +27,16 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import Drafts, SpecdecError, load_plugins, require_paddle
+from specdec.sdk import (HiddenStateRecorder, RecordedSequence, SpecdecError, load_recorded, require_paddle,
+                         save_recorded)
 
 from .weights import MtpLayerWeights, load_mtp_layers, save_mtp_layers
-
-
-# --- 1. collecting hidden states and labels ---------------------------------------------------
-
-
-@attrs.define
-class Recorded:
-    """One training sequence: ``tokens [m]``, ``states [m, H]`` (float16, the target's hidden
-    state at each position) and ``labels [m]`` (the target's argmax at each position)."""
-
-    tokens: np.ndarray
-    states: np.ndarray
-    labels: np.ndarray
-
-
-class _Recorder(specdec.Proposer):
-    """Drafts nothing; keeps each request's hidden states and the target's argmax there."""
-
-    NAME = "_train_mtp_recorder"
-    NEEDS_HIDDEN_STATES = True
-    #: The instance the engine built last (the trainer reads what it recorded).
-    latest: Optional["_Recorder"] = None
-
-    def setup(self, context: specdec.ProposerContext) -> None:
-        self.target = context.target
-        self.config_of_target = context.model_config
-        self.parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        _Recorder.latest = self
-
-    def propose(self, batch: specdec.ProposalBatch) -> Drafts:
-        for request in batch.requests:
-            if len(request.hidden_positions):
-                labels = np.asarray(self.target.logits(request.hidden_states).argmax(axis=-1), dtype=np.int64)
-                self.parts.setdefault(request.request_id, []).append(
-                    (np.asarray(request.hidden_positions), np.asarray(request.hidden_states, dtype=np.float16),
-                     labels))
-        return Drafts.empty(len(batch))
-
-
-def recording_llm(model: str, batch_size: int, progress: bool = True) -> tuple[Any, _Recorder]:
-    """The target loaded once with the recording proposer (no prefix cache: every position is
-    computed, so every state is recorded), and that proposer (its ``target`` and
-    ``config_of_target`` serve training too)."""
-    plugins = load_plugins()
-    plugins.proposers.register(_Recorder, "specdec train-mtp")
-    llm = specdec.LLM(model, {"method": _Recorder.NAME}, plugins=plugins, progress=progress,
-                      enable_prefix_caching=False, max_num_seqs=batch_size)
-    return llm, _Recorder.latest
-
-
-def collect(llm, recorder: _Recorder, prompts: list[str], texts: list[str], *, max_tokens: int, window: int,
-            batch_size: int, progress: bool = True) -> list[Recorded]:
-    """Run the target of ``llm`` (see :func:`recording_llm`) over ``prompts`` (answered with
-    its chat template, up to ``max_tokens``) and ``texts`` (read in windows of ``window``
-    tokens); return the recorded sequences."""
-    requests: list[tuple[list[int], int]] = []
-    for prompt in prompts:
-        requests.append((llm.encode_prompt(prompt, use_chat_template=True), max_tokens))
-    for text in texts:
-        ids = llm.tokenizer.encode(text)
-        # max_tokens 2: the second step hands over the states of every prompt position.
-        requests.extend((ids[start: start + window], 2) for start in range(0, max(len(ids) - 8, 1), window))
-    sequences = []
-    for start in range(0, len(requests), 4 * batch_size):
-        chunk = requests[start: start + 4 * batch_size]
-        outputs = llm.generate([ids for ids, _ in chunk], [specdec.SamplingParams(max_tokens=n, temperature=0.0)
-                                                         for _, n in chunk], progress=progress)
-        for (ids, _), output in zip(chunk, outputs):
-            parts = recorder.parts.pop(output.request_id, [])
-            if not parts:
-                continue
-            positions = np.concatenate([p for p, _, _ in parts])
-            tokens = np.array(ids + output.token_ids, dtype=np.int64)[: len(positions)]
-            if len(positions) < 8 or not np.array_equal(positions, np.arange(len(positions))):
-                continue  # too short, or recomputed after a preemption
-            sequences.append(Recorded(tokens, np.concatenate([s for _, s, _ in parts]),
-                                      np.concatenate([lab for _, _, lab in parts])))
-        if progress:
-            print(f"collected {sum(len(s.tokens) for s in sequences)} positions from {len(sequences)} sequences",
-                  file=sys.stderr)
-    return sequences
 
 
 # --- 2. the trainable head --------------------------------------------------------------------
@@ -304,14 +224,14 @@ class TrainOptions:
     init: Optional[Path] = None
 
 
-def draft_vocabulary(sequences: list[Recorded], size: int) -> np.ndarray:
+def draft_vocabulary(sequences: list[RecordedSequence], size: int) -> np.ndarray:
     """The ``size`` most frequent labels (the target's own tokens), sorted by id."""
     counts = np.bincount(np.concatenate([s.labels for s in sequences]))
     size = min(size, int((counts > 0).sum()))
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int64)
 
 
-def _windows(sequences: list[Recorded], seq_len: int) -> list[tuple[int, int]]:
+def _windows(sequences: list[RecordedSequence], seq_len: int) -> list[tuple[int, int]]:
     return [(i, start) for i, s in enumerate(sequences) for start in range(0, len(s.tokens) - 1, seq_len)]
 
 
@@ -370,7 +290,7 @@ def _rope_for(cos, sin, starts, seq_len, paddle):
     return (paddle.to_tensor(cos[index][:, :, None, :]), paddle.to_tensor(sin[index][:, :, None, :]))
 
 
-def train(sequences: list[Recorded], target, config, options: TrainOptions, progress: bool = True) -> dict:
+def train(sequences: list[RecordedSequence], target, config, options: TrainOptions, progress: bool = True) -> dict:
     """Train a head on ``sequences``; write it to ``options.output``; return the report."""
     paddle = require_paddle()
     paddle.seed(options.seed)
@@ -522,20 +442,6 @@ def read_corpus(paths: Iterable[str]) -> tuple[list[str], list[str]]:
 # --- the command ------------------------------------------------------------------------------
 
 
-def save_recorded(sequences: list[Recorded], path: Path) -> None:
-    """Keep collected data next to the checkpoints (``--resume`` skips collecting again)."""
-    np.savez(path, lengths=np.array([len(s.tokens) for s in sequences]),
-             tokens=np.concatenate([s.tokens for s in sequences]),
-             states=np.concatenate([s.states for s in sequences]), labels=np.concatenate([s.labels for s in sequences]))
-
-
-def load_recorded(path: Path) -> list[Recorded]:
-    with np.load(path) as data:  # each access of an npz member reads it anew: once each
-        lengths, tokens, states, labels = data["lengths"], data["tokens"], data["states"], data["labels"]
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    return [Recorded(tokens[a:b], states[a:b], labels[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
 def measure_acceptance(model: Optional[str], head: Path, prompts: list[str], num_model_steps: int, max_tokens: int,
                        progress: bool = False, llm=None) -> dict:
     """Greedy runs of ``mtp`` with ``head`` on ``prompts``: the mean acceptance length (tokens
@@ -568,19 +474,18 @@ def train_mtp(model: str, corpus: list[str], options: TrainOptions, *, max_token
     output = Path(options.output)
     output.mkdir(parents=True, exist_ok=True)
     data_file = output / "data.npz"
-    llm, recorder = recording_llm(model, collect_batch, progress=progress)
+    recorder = HiddenStateRecorder(model, collect_batch, progress=progress)
     if options.resume and data_file.exists():
         sequences = load_recorded(data_file)
     else:
-        sequences = collect(llm, recorder, train_prompts, texts, max_tokens=max_tokens, window=window,
-                            batch_size=collect_batch, progress=progress)
+        sequences = recorder.record(recorder.prompts(train_prompts, max_tokens) + recorder.texts(texts, window))
         if not sequences:
             raise SpecdecError("--corpus: nothing to train on (every text shorter than 8 tokens?)")
         save_recorded(sequences, data_file)
-    report = train(sequences, recorder.target, recorder.config_of_target, options, progress=progress)
+    report = train(sequences, recorder.context.target, recorder.context.model_config, options, progress=progress)
     if held_prompts:
         report["held_out_prompts"] = measure_acceptance(model, output / "head.safetensors", held_prompts,
-                                                        num_model_steps=3, max_tokens=max_tokens, llm=llm)
+                                                        num_model_steps=3, max_tokens=max_tokens, llm=recorder.llm)
     (output / "report.json").write_text(json.dumps(report, indent=2))
     return report
 

@@ -14,7 +14,8 @@ import specdec
 import specdec.sdk
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN_ROOTS = [ROOT / "plugins", ROOT / "examples" / "specdec-plugin-lastn" / "specdec_plugin_lastn"]
+PLUGIN_ROOTS = [ROOT / "plugins", ROOT / "examples" / "specdec-plugin-lastn" / "specdec_plugin_lastn",
+                ROOT / "examples" / "specdec-plugin-medusa" / "specdec_plugin_medusa"]
 #: The specdec modules a plugin may import.
 PUBLIC_MODULES = {"specdec", "specdec.sdk"}
 
@@ -66,7 +67,9 @@ def test_the_plugin_files_are_found():
     names = {path.relative_to(ROOT).as_posix() for path in plugin_files()}
     assert {"plugins/verify/rejection.py", "plugins/accept/accept_all.py", "plugins/ngram/compiled.py",
             "plugins/attention/cpu_backend.py",
-            "examples/specdec-plugin-lastn/specdec_plugin_lastn/__init__.py"} <= names
+            "plugins/mtp/proposer.py", "plugins/hybrid/proposer.py",
+            "examples/specdec-plugin-lastn/specdec_plugin_lastn/__init__.py",
+            "examples/specdec-plugin-medusa/specdec_plugin_medusa/proposer.py"} <= names
 
 
 @pytest.mark.parametrize("path", plugin_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -93,8 +96,9 @@ def _module_name(path: Path) -> str:
     relative = path.relative_to(ROOT)
     if relative.parts[0] == "plugins":
         parts = ["specdec", *relative.with_suffix("").parts]
-    else:
-        parts = list(path.relative_to(PLUGIN_ROOTS[1].parent).with_suffix("").parts)
+    else:  # an example package: its import name starts at its own folder
+        root = next(root for root in PLUGIN_ROOTS[1:] if root in path.parents)
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -103,6 +107,12 @@ def _module_name(path: Path) -> str:
 @pytest.mark.parametrize("path", plugin_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_plugin_module_imports(path):
     importlib.import_module(_module_name(path))
+
+
+def test_docs_list_every_sdk_name():
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    section = text[text.index("## The SDK"): text.index("## specdec_register_proposers")]
+    assert [name for name in specdec.sdk.__all__ if f"`{name}`" not in section] == []
 
 
 def test_the_sdk_exports_what_it_lists():
