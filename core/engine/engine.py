@@ -293,6 +293,11 @@ class Engine:
             rng=np.random.default_rng(seed),
             detokenizer=DetokenizeStream(self.tokenizer),
         )
+        if sampling.seed is not None and sampling.temperature > 0 and self.proposer.NEEDS_HIDDEN_STATES:
+            # A model proposer's drafts depend on the hidden states it is given, and a cached
+            # prefix gives none for its positions; sampled tokens depend on the drafts. Computing
+            # the whole prompt keeps a seeded request's tokens the same from run to run.
+            request.prefix_keys = []
         self.scheduler.waiting.append(request)
         return request
 

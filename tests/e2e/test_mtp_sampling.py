@@ -98,3 +98,20 @@ def test_sampled_mtp_drafts_keep_the_target_distribution(model_session, engine_p
 def test_drafts_not_drawn_from_their_probs_fail_the_same_test(model_session, engine_plugins):
     first, second, _ = second_tokens(model_session, ArgmaxDraftsWithProbs.NAME)
     assert fit_p_value(model_session, first, second) < FAIL_P_VALUE
+
+
+def test_a_seeded_sampled_request_repeats_its_tokens(model_session):
+    """Also when its prompt is in the prefix cache the second time (a model proposer then
+    computes the prompt anyway: its drafts depend on the states of every position)."""
+    prompts = ["Write a short story about a dragon.", "Explain recursion.", "Add a docstring: def f(x): return x*2"]
+    sampling = [SamplingParams(max_tokens=48, temperature=t, seed=1) for t in (0.8, 0.0, 1.0)]
+    llm = model_session.llm
+    llm.set_speculative_config({"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2,
+                                "num_speculative_tokens": 5})
+    try:
+        first = llm.generate(prompts, sampling, use_chat_template=True)
+        second = llm.generate(prompts, sampling, use_chat_template=True)  # the prompts' prefix now cached
+    finally:
+        llm.set_speculative_config(None)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert sum(o.metrics.num_draft_tokens for o in first) > 0
