@@ -4,7 +4,10 @@ As the seed system's ``mtp_strategy: with_ngram``: each step the model proposer 
 drafts up to ``num_model_steps`` tokens; then the lookup proposer (``ngram``) continues from
 the request's tokens followed by those drafts, up to ``num_speculative_tokens`` in all. Where
 the model drafts nothing (a request whose state it has not caught up with), the lookup drafts
-alone. Both are other registered proposers, built through the public
+alone. With ``draft_lookup_first: n`` a request whose context the lookup matches over at
+least ``n`` tokens gets the lookup's draft alone (a long match is a near-certain draft that
+a model draft in front of it would only put at risk). Both parts are other registered
+proposers, built through the public
 :meth:`specdec.ProposerContext.create_proposer`; any model proposer and any proposer that
 drafts from a request's own tokens compose this way.
 
@@ -20,7 +23,7 @@ import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import Drafts, ProposalBatch, ProposalRequest
+from specdec.sdk import Drafts, ProposalBatch, ProposalRequest, in_range
 
 #: Appended to a request id for the lookup proposer's one-step request.
 LOOKUP_SUFFIX = "/hybrid-lookup"
@@ -32,10 +35,15 @@ class HybridConfig:
 
     :ivar draft_model_method: the proposer that drafts first (a registered method name).
     :ivar draft_lookup_method: the proposer that continues the draft.
+    :ivar draft_lookup_first: when the lookup, on the context alone, matches a suffix of at
+        least this many tokens (its ``Drafts.classes``), its draft goes first and the model
+        drafts nothing for that request this step; 0 (the default, the seed system's order)
+        never. A long match is a near-certain draft the model's would only cut short.
     """
 
     draft_model_method: str = "mtp"
     draft_lookup_method: str = "ngram"
+    draft_lookup_first: int = attrs.field(default=0, validator=in_range(0, 64))
 
 
 class HybridProposer(specdec.Proposer):
@@ -68,23 +76,42 @@ class HybridProposer(specdec.Proposer):
         self.model.on_request_finish(request_id)
 
     def propose(self, batch: ProposalBatch) -> Drafts:
-        model_batch = ProposalBatch([attrs.evolve(r, max_draft_len=min(r.max_draft_len, self.model_steps))
-                                     for r in batch.requests])
+        """Model drafts then lookup drafts after them; with ``draft_lookup_first``, the lookup's
+        own draft for requests where it matched a long suffix. Classes: 0 for a model-first
+        draft, the matched length for a lookup-first one (the adaptive draft length learns
+        each kind's acceptance)."""
+        rest: dict[int, list[int]] = {}
+        classes = np.zeros(len(batch), dtype=np.int64)
+        if self.config.draft_lookup_first:
+            for b, (draft, matched) in self._long_matches(batch).items():
+                rest[b], classes[b] = draft, matched
+        # The model runs for every request (it must see every hidden state); it drafts for the others.
+        model_batch = ProposalBatch([attrs.evolve(r, max_draft_len=0 if b in rest else min(r.max_draft_len, self.model_steps))
+                                     for b, r in enumerate(batch.requests)])
         model_drafts = self.model.propose(model_batch).clipped(
             np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64))
         first = model_drafts.to_lists()
         lookups = [(b, self._lookup_request(r, first[b])) for b, r in enumerate(batch.requests)
-                   if r.max_draft_len > len(first[b])]
-        rest: list[list[int]] = [[] for _ in batch.requests]
-        classes = np.zeros(len(batch), dtype=np.int64)
+                   if b not in rest and r.max_draft_len > len(first[b])]
         if lookups:
             found = self._look_up([request for _, request in lookups])
             for row, (b, _) in enumerate(lookups):
                 rest[b] = found.token_ids[row, : found.lengths[row]].tolist()
-                if found.classes is not None:
-                    classes[b] = found.classes[row]
-        drafts = [a + b for a, b in zip(first, rest)]
+        drafts = [first[b] + rest.get(b, []) for b in range(len(batch))]
         return Drafts.from_lists(drafts, probs=self._probs(model_drafts, drafts), classes=classes)
+
+    def _long_matches(self, batch: ProposalBatch) -> dict[int, tuple[list[int], int]]:
+        """Per batch row: the lookup's draft on the context alone and its matched length,
+        where that length is at least ``draft_lookup_first``."""
+        rows = [b for b, r in enumerate(batch.requests) if r.max_draft_len > 0]
+        if not rows:
+            return {}
+        found = self._look_up([self._lookup_request(batch.requests[b], []) for b in rows])
+        if found.classes is None:
+            return {}
+        return {b: (found.token_ids[row, : found.lengths[row]].tolist(), int(found.classes[row]))
+                for row, b in enumerate(rows)
+                if found.lengths[row] > 0 and found.classes[row] >= self.config.draft_lookup_first}
 
     def _lookup_request(self, request: ProposalRequest, drafted: list[int]) -> ProposalRequest:
         tokens = np.concatenate([request.token_ids, np.asarray(drafted, dtype=np.int64)])

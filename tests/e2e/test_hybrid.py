@@ -39,6 +39,13 @@ def test_hybrid_is_lossless_at_temperature_zero(model_session, batch):
     assert all(o.metrics.num_draft_tokens <= 5 * o.metrics.num_steps for o in outputs)
 
 
+def test_hybrid_with_lookup_first_is_lossless(model_session):
+    spec = {**SEED_SPEC, "draft_lookup_first": 3}
+    outputs = assert_equal_to_naive(model_session, spec, 3, "hybrid (lookup first)")
+    assert model_session.llm.engine.proposer.config.draft_lookup_first == 3
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
+
+
 def test_hybrid_with_suffix_lookup_is_lossless(model_session):
     spec = {"method": "hybrid", "draft_lookup_method": "suffix", "num_model_steps": 1, "num_speculative_tokens": 4,
             "adaptive_draft_length": False}
