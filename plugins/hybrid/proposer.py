@@ -86,8 +86,9 @@ class HybridProposer(specdec.Proposer):
             for b, (draft, matched) in self._long_matches(batch).items():
                 rest[b], classes[b] = draft, matched
         # The model runs for every request (it must see every hidden state); it drafts for the others.
-        model_batch = ProposalBatch([attrs.evolve(r, max_draft_len=0 if b in rest else min(r.max_draft_len, self.model_steps))
-                                     for b, r in enumerate(batch.requests)])
+        model_batch = ProposalBatch([
+            attrs.evolve(r, max_draft_len=0 if b in rest else min(r.max_draft_len, self.model_steps))
+            for b, r in enumerate(batch.requests)])
         model_drafts = self.model.propose(model_batch).clipped(
             np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64))
         first = model_drafts.to_lists()
