@@ -720,7 +720,8 @@ def _check_model_keys(config: SpeculativeConfig, proposer_cls: type, plugins, so
             continue
         users = [f"'{name}'" for name, cls in _registered(plugins.proposers)
                  if key in getattr(cls, "USED_MODEL_KEYS", ())]
-        used_by = f"method{'s' if len(users) > 1 else ''} {_join(users)}" if users else "model-based methods such as 'mtp' (none is installed)"
+        used_by = (f"method{'s' if len(users) > 1 else ''} {_join(users)}" if users
+                   else "model-based methods such as 'mtp' (none is installed)")
         raise ConfigError(f"{source}.{key}: method '{config.method}' does not use it; it is read by {used_by}")
 
 
