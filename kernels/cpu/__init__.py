@@ -1,6 +1,7 @@
 """CPU kernels for small-batch decoding, compiled on first use as paddle custom operators.
 
-``load_cpu_ops()`` builds ``specdec_cpu_ops.cc`` with the system C++ compiler through
+``load_cpu_ops()`` builds the ``.cc`` sources here (float kernels in ``specdec_cpu_ops.cc``,
+weight-only quantized ones in ``specdec_quant_ops.cc``) with the system C++ compiler through
 ``paddle.utils.cpp_extension`` (cached across runs) and returns the module, or raises
 :class:`KernelUnavailable` with the reason (no AVX2/FMA/F16C, no compiler, not on CPU).
 Each operator has a numpy twin in :mod:`specdec.kernels.cpu.reference`.
@@ -13,7 +14,10 @@ import hashlib
 import os
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("specdec_cpu_ops.cc")
+KERNEL_DIR = Path(__file__).parent
+SOURCES = (KERNEL_DIR / "specdec_cpu_ops.cc", KERNEL_DIR / "specdec_quant_ops.cc")
+#: Everything the build reads: the sources and the files they include.
+BUILD_INPUTS = SOURCES + tuple(sorted(KERNEL_DIR.glob("*.h"))) + tuple(sorted(KERNEL_DIR.glob("*.inc")))
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
@@ -32,12 +36,17 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def kernel_build_dir(source: Path) -> Path:
-    """Where ``source`` is built: one folder per source version (its hash) under
-    ``$SPECDEC_KERNEL_CACHE``, else ~/.cache/specdec/kernels, so that checkouts with different
-    kernels never share a build."""
+def kernel_build_dir(*sources: Path) -> Path:
+    """Where native code made of ``sources`` (default: the engine's kernels) is built: one
+    folder per version of those files (a hash of them all) under ``$SPECDEC_KERNEL_CACHE``,
+    else ~/.cache/specdec/kernels, so that checkouts with different kernels never share a
+    build."""
+    inputs = sources or BUILD_INPUTS
     root = Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
-    return root / hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for path in inputs:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return root / digest.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,7 +63,7 @@ def load_cpu_ops():
     import logging
     import warnings
 
-    build_dir = kernel_build_dir(SOURCE)
+    build_dir = kernel_build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     saved_warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache
@@ -66,7 +75,7 @@ def load_cpu_ops():
             logging.getLogger("utils.cpp_extension").setLevel(logging.WARNING)
             return load(
                 name="specdec_cpu_ops",
-                sources=[str(SOURCE)],
+                sources=[str(path) for path in SOURCES],
                 extra_cxx_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread"],
                 extra_ldflags=["-pthread"],
                 build_directory=str(build_dir),

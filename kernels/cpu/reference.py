@@ -100,3 +100,62 @@ def rms_matmul_swiglu(x: np.ndarray, gate_up_panels: np.ndarray, eps: float) -> 
     rows = both.reshape(len(x), -1, 2, 8)
     gate, up = rows[:, :, 0].reshape(len(x), -1), rows[:, :, 1].reshape(len(x), -1)
     return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+
+
+# --- weight-only quantized kernels (specdec_quant_ops.cc) -------------------------------------
+
+#: ggml type id -> the ``gguf`` package's name for it (the formats the quantized kernels read).
+GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+
+
+def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.ndarray:
+    """``[N, cols]`` float64 rows of a quantized weight given as the kernels take it (``data``
+    uint8, ``layout`` ``[S, 4]`` of type, rows, byte offset, bytes per row), dequantized by the
+    ``gguf`` package (llama.cpp's formats, independently of the kernels)."""
+    import gguf
+
+    parts = []
+    for type_id, rows, offset, row_bytes in layout.tolist():
+        blocks = data[offset:offset + rows * row_bytes].reshape(rows, row_bytes)
+        qtype = gguf.GGMLQuantizationType[GGML_TYPE_NAMES[type_id]]
+        parts.append(gguf.quants.dequantize(blocks, qtype).reshape(rows, cols))
+    return np.concatenate(parts).astype(np.float64)
+
+
+def quantize_activations(x: np.ndarray) -> np.ndarray:
+    """``x`` as the kernels see it: each block of 32 rounded to int8 steps of ``max|x| / 127``
+    (float32 arithmetic, round half to even), returned dequantized (float64)."""
+    rows, cols = x.shape
+    blocks = x.astype(np.float32).reshape(rows, cols // 32, 32)
+    scale = np.abs(blocks).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(scale != 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inverse[..., None])
+    return (q.astype(np.float64) * scale[..., None]).reshape(rows, cols)
+
+
+def q_matmul(x, gain, data, layout, epilogue, eps, normalize):
+    """``h @ W^T`` with ``h = rms_norm(x) * gain`` (``normalize``) or ``x``; ``epilogue``
+    ``[2, N]`` (scale, bias per column) or empty."""
+    h = x.astype(np.float64)
+    if normalize:
+        h = rms_norm(x, eps).astype(np.float64) * (gain if np.size(gain) else 1.0)
+    out = quantize_activations(h.astype(np.float32)) @ dequantize_weight(data, layout, x.shape[1]).T
+    if np.size(epilogue):
+        out = out * epilogue[0] + epilogue[1]
+    return out.astype(np.float32)
+
+
+def q_layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps):
+    """The rest of a decoder layer after attention (see the kernel)."""
+    x1 = x.astype(np.float64) + q_matmul(attn, [], wo, lo, [], eps, False)
+    both = q_matmul(x1.astype(np.float32), gain, wgu, lgu, [], eps, True).astype(np.float64)
+    inner = both.shape[1] // 2
+    gate, up = both[:, :inner], both[:, inner:]
+    act = (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+    return (x1 + q_matmul(act, [], wd, ld, [], eps, False)).astype(np.float32)
+
+
+def q_embedding(ids, data, layout, cols):
+    """Rows ``ids`` of a quantized table, dequantized."""
+    return dequantize_weight(data, layout, cols)[np.asarray(ids)].astype(np.float32)

@@ -13,6 +13,8 @@
 //       each request's rows over its own positions [0, context + t]. Keys are cached in
 //       transposed tiles of 8 positions; the cache is float32 or float16 (computation is float32).
 #include "paddle/extension.h"
+#include "simd_math.h"
+#include "work_pool.h"
 
 #include <immintrin.h>
 
@@ -29,133 +31,15 @@
 
 namespace {
 
-// A tiny pool for the parallel loops of these kernels. Unlike an OpenMP parallel region, a loop
-// never waits for a worker that has not started: the caller claims chunks itself, and workers
-// that wake up late find nothing left. On a busy machine (another process on the other core) an
-// OpenMP barrier would wait a whole scheduler time slice for the descheduled thread, every call.
-class WorkPool {
- public:
-  struct Job {
-    const std::function<void(int64_t)>* fn;
-    int64_t total;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-
-  static WorkPool& get() {
-    static WorkPool pool;
-    return pool;
-  }
-
-  // Runs fn(0) .. fn(chunks - 1), in any order, on the caller and the workers.
-  void parallel_for(int64_t chunks, const std::function<void(int64_t)>& fn) {
-    if (workers_.empty() || chunks <= 1) {
-      for (int64_t i = 0; i < chunks; ++i) fn(i);
-      return;
-    }
-    Job job;
-    job.fn = &fn;
-    job.total = chunks;
-    current_.store(&job, std::memory_order_release);
-    if (sleeping_.load(std::memory_order_acquire) > 0) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      wake_.notify_all();
-    }
-    work(job);
-    while (job.done.load(std::memory_order_acquire) < job.total) _mm_pause();
-    // A worker may have picked up the job pointer just before it was cleared: wait it out. The
-    // store and the loads are sequentially consistent (as are the worker's increment and load),
-    // so either the worker sees nullptr or this loop sees the worker (Dekker's handshake).
-    current_.store(nullptr, std::memory_order_seq_cst);
-    while (active_.load(std::memory_order_seq_cst) > 0) _mm_pause();
-  }
-
-  ~WorkPool() {
-    stop_.store(true);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      wake_.notify_all();
-    }
-    for (auto& t : workers_) t.join();
-  }
-
- private:
-  WorkPool() {
-    int threads = static_cast<int>(std::thread::hardware_concurrency());
-    if (const char* env = std::getenv("SPECDEC_NUM_THREADS")) threads = std::atoi(env);
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { loop(); });
-  }
-
-  static void work(Job& job) {
-    int64_t i;
-    while ((i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.total) {
-      (*job.fn)(i);
-      job.done.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  void loop() {
-    while (!stop_.load(std::memory_order_relaxed)) {
-      active_.fetch_add(1, std::memory_order_seq_cst);
-      Job* job = current_.load(std::memory_order_seq_cst);
-      if (job != nullptr) work(*job);
-      active_.fetch_sub(1, std::memory_order_acq_rel);
-      if (job != nullptr) {
-        _mm_pause();  // all its chunks are claimed; look again shortly
-        continue;
-      }
-      // Spin a little (the next kernel call is usually microseconds away), then sleep.
-      bool found = false;
-      for (int spin = 0; spin < 20000 && !found; ++spin) {
-        _mm_pause();
-        found = current_.load(std::memory_order_acquire) != nullptr;
-      }
-      if (found) continue;
-      std::unique_lock<std::mutex> lock(mutex_);
-      sleeping_.fetch_add(1);
-      wake_.wait(lock, [this] { return current_.load() != nullptr || stop_.load(); });
-      sleeping_.fetch_sub(1);
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  std::atomic<Job*> current_{nullptr};
-  std::atomic<int> active_{0};
-  std::atomic<int> sleeping_{0};
-  std::atomic<bool> stop_{false};
-  std::mutex mutex_;
-  std::condition_variable wake_;
-};
+using specdec_cpu::WorkPool;
+using specdec_cpu::exp8;
+using specdec_cpu::hsum8;
+using specdec_cpu::swiglu8;
 
 constexpr int kPanel = 16;  // columns per weight panel: two AVX2 registers
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// exp for 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp on [-87, 88]).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-// silu(g) * u = g / (1 + exp(-g)) * u
-inline __m256 swiglu8(__m256 g, __m256 u) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-  return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
-}
 
 enum class Epilogue { kStore, kAddResidual, kSwiglu };
 
@@ -400,13 +284,6 @@ void block_scores(const float* const* queries, const T* const* tiles, int64_t nu
   int64_t i = 0;
   for (; i + TT <= num_tiles; i += TT) score_tiles<N, TT>(queries, tiles, i, D, scores, ld);
   for (; i < num_tiles; ++i) score_tiles<N, 1>(queries, tiles, i, D, scores, ld);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 inline float hmax8(__m256 v) {

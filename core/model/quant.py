@@ -1,0 +1,128 @@
+"""Weight-only quantized matrices: GGML blocks as a GGUF file stores them, or float weights
+quantized at load (``wint8``, ``wint4``).
+
+A :class:`QuantizedMatrix` is ``[rows, cols]`` in one or more *segments* of rows, each in one
+GGML block format: q, k and v (or gate and up) stay one matrix, and so one kernel call, even
+when the file stores them in different formats (Q4_K_M files keep some in Q6_K). The CPU
+kernels (``specdec_q_*`` in specdec.kernels.cpu) read the blocks as they are.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+#: The block formats the kernels compute on: name -> (ggml type id, elements, bytes) per block.
+BLOCK_FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
+                 "Q6_K": (14, 256, 210)}
+TYPE_IDS = {name: type_id for name, (type_id, _, _) in BLOCK_FORMATS.items()}
+TYPE_NAMES = {type_id: name for name, type_id in TYPE_IDS.items()}
+
+#: ``quantization`` values that quantize float weights at load, and the format each uses.
+LOAD_TIME_FORMATS = {"wint8": "Q8_0", "wint4": "Q4_0"}
+
+
+def row_bytes(type_name: str, cols: int) -> int:
+    """Bytes of one row of ``cols`` elements in ``type_name``."""
+    _, elems, size = BLOCK_FORMATS[type_name]
+    return cols // elems * size
+
+
+@attrs.frozen
+class Segment:
+    """``rows`` consecutive rows of a matrix in one format: ``data`` is ``[rows, row_bytes]`` uint8."""
+
+    type_name: str
+    data: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+
+@attrs.frozen
+class QuantizedMatrix:
+    """A weight ``[rows, cols]`` (Hugging Face ``[out, in]`` orientation) in GGML blocks."""
+
+    cols: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(segment.rows for segment in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(segment.data.nbytes for segment in self.segments)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @classmethod
+    def stacked(cls, matrices: list["QuantizedMatrix"]) -> "QuantizedMatrix":
+        """The matrices' rows one after the other (neighbouring segments of one format merge)."""
+        if len({m.cols for m in matrices}) != 1:
+            raise ValueError("stacked matrices must have the same number of columns")
+        merged: list[Segment] = []
+        for segment in (s for m in matrices for s in m.segments):
+            if merged and merged[-1].type_name == segment.type_name:
+                merged[-1] = Segment(segment.type_name, np.concatenate([merged[-1].data, segment.data]))
+            else:
+                merged.append(segment)
+        return cls(matrices[0].cols, tuple(merged))
+
+    def take_rows(self, order: np.ndarray) -> "QuantizedMatrix":
+        """The rows in ``order`` (a permutation; rows are independent runs of blocks)."""
+        if len(self.segments) != 1:
+            raise ValueError("take_rows needs a matrix of one format")
+        segment = self.segments[0]
+        return QuantizedMatrix(self.cols, (Segment(segment.type_name, np.ascontiguousarray(segment.data[order])),))
+
+    def dequantize(self) -> np.ndarray:
+        """``[rows, cols]`` float32 (through the ``gguf`` package: an independent reference)."""
+        import gguf
+
+        parts = [gguf.quants.dequantize(np.asarray(s.data), gguf.GGMLQuantizationType[s.type_name])
+                 for s in self.segments]
+        return np.concatenate(parts).reshape(self.rows, self.cols).astype(np.float32)
+
+
+def quantize(weight: np.ndarray, method: str) -> QuantizedMatrix:
+    """Quantize a float ``[rows, cols]`` weight for ``quantization: wint8`` or ``wint4``.
+
+    - ``wint8``: int8 per output channel, scale ``max|row| / 127``; stored as Q8_0 blocks whose
+      scales all hold the channel's scale (rounded to half precision once, then used for every
+      element), so the Q8_0 kernel runs it.
+    - ``wint4``: int4 in groups of 32 along the input, one half-precision scale per group:
+      llama.cpp's Q4_0 (its reference rounding, through the ``gguf`` package).
+    """
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"quantization {method}: rows of {cols} elements are not whole groups of 32")
+    if method == "wint8":
+        scale = (np.abs(weight).max(axis=1) / np.float32(127)).astype(np.float16)
+        inverse = np.where(scale == 0, np.float32(0), np.float32(1) / scale.astype(np.float32))
+        q = np.clip(np.rint(weight * inverse[:, None]), -127, 127).astype(np.int8)
+        blocks = np.empty((rows, cols // 32, 34), np.uint8)
+        blocks[:, :, :2] = np.repeat(scale.view(np.uint8).reshape(rows, 1, 2), cols // 32, axis=1)
+        blocks[:, :, 2:] = q.view(np.uint8).reshape(rows, cols // 32, 32)
+        return QuantizedMatrix(cols, (Segment("Q8_0", blocks.reshape(rows, -1)),))
+    if method == "wint4":
+        import gguf
+
+        data = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_0)
+        return QuantizedMatrix(cols, (Segment("Q4_0", data.reshape(rows, -1)),))
+    raise ValueError(f"unknown quantization method {method!r}")
+
+
+def layout_array(matrix: QuantizedMatrix) -> tuple[np.ndarray, np.ndarray]:
+    """``(data, layout)`` for the kernels: every segment's bytes back to back (uint8), and
+    ``[segments, 4]`` int64 rows of (ggml type id, rows, byte offset, bytes per row)."""
+    layout, offset = [], 0
+    for segment in matrix.segments:
+        layout.append((TYPE_IDS[segment.type_name], segment.rows, offset, segment.data.shape[1]))
+        offset += segment.data.nbytes
+    data = np.concatenate([np.ascontiguousarray(s.data).reshape(-1) for s in matrix.segments])
+    return data, np.array(layout, dtype=np.int64)

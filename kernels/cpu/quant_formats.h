@@ -1,0 +1,171 @@
+// The GGML block formats the quantized kernels compute on as stored (the layouts of ggml's
+// ggml-common.h), unpacked 32 elements at a time for integer dot products.
+//
+// A weight row of K elements is K / kElems blocks of kBytes each; a block unpacks into kSub
+// sub-blocks of 32 elements. In a sub-block, element i is  scale[i / 4] * q[i] + min:  q holds
+// 32 signed 8-bit values in element order and scale has one float per group of 4 elements (the
+// groups an int8 dot product sums into one 32-bit lane), so that formats whose scales change
+// every 16 elements (Q6_K) fit the same kernel.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace specdec_cpu {
+
+// ggml's type ids (enum ggml_type), as GGUF files store them.
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+struct SubBlock {
+  __m256i q;
+  __m256 scale;
+  float min;
+};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 16 bytes -> 32 values: the low nibbles (elements 0..15), then the high nibbles (16..31).
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <int Type>
+struct Format;
+
+// Q8_0: {half d; int8 q[32]}: d * q.
+template <>
+struct Format<kQ8_0> {
+  static constexpr int kElems = 32, kBytes = 34, kSub = 1;
+  static constexpr bool kHasMin = false;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    out[0] = {load32(b + 2), _mm256_set1_ps(half_at(b)), 0.f};
+  }
+};
+
+// Q4_0: {half d; uint8 nibbles[16]}: d * (nibble - 8).
+template <>
+struct Format<kQ4_0> {
+  static constexpr int kElems = 32, kBytes = 18, kSub = 1;
+  static constexpr bool kHasMin = false;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    out[0] = {_mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)), _mm256_set1_ps(half_at(b)), 0.f};
+  }
+};
+
+// Q4_1: {half d; half m; uint8 nibbles[16]}: d * nibble + m.
+template <>
+struct Format<kQ4_1> {
+  static constexpr int kElems = 32, kBytes = 20, kSub = 1;
+  static constexpr bool kHasMin = true;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    out[0] = {nibbles16(b + 4), _mm256_set1_ps(half_at(b)), half_at(b + 2)};
+  }
+};
+
+// Q4_K: {half d; half dmin; uint8 scales[12]; uint8 nibbles[128]}: 8 sub-blocks of 32, each
+// d * sc_j * nibble - dmin * m_j with 6-bit sc_j, m_j; 32 bytes hold sub-blocks 2k (low nibbles)
+// and 2k+1 (high nibbles).
+template <>
+struct Format<kQ4_K> {
+  static constexpr int kElems = 256, kBytes = 144, kSub = 8;
+  static constexpr bool kHasMin = true;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qs = b + 16;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int k = 0; k < 4; ++k) {
+      const __m256i bytes = load32(qs + 32 * k);
+      int sc, m;
+      scale_min_k4(2 * k, scales, &sc, &m);
+      out[2 * k] = {_mm256_and_si256(bytes, mask), _mm256_set1_ps(d * sc), -dmin * m};
+      scale_min_k4(2 * k + 1, scales, &sc, &m);
+      out[2 * k + 1] = {_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), _mm256_set1_ps(d * sc), -dmin * m};
+    }
+  }
+};
+
+// Q6_K: {uint8 ql[128]; uint8 qh[64]; int8 scales[16]; half d}: 6-bit values (4 low bits in ql,
+// 2 high bits in qh), each d * scale * (q - 32) with a scale per 16 elements.
+template <>
+struct Format<kQ6_K> {
+  static constexpr int kElems = 256, kBytes = 210, kSub = 8;
+  static constexpr bool kHasMin = false;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), offset = _mm256_set1_epi8(32);
+    for (int n = 0; n < 2; ++n) {
+      const __m256i low0 = load32(ql + 64 * n), low1 = load32(ql + 64 * n + 32), high = load32(qh + 32 * n);
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(low0, m4), _mm256_slli_epi16(_mm256_and_si256(high, m2), 4)),
+          _mm256_or_si256(_mm256_and_si256(low1, m4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), m2), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), m4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), m2), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), m4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), m2), 4)),
+      };
+      for (int t = 0; t < 4; ++t) {
+        const int s = 8 * n + 2 * t;  // elements 0..15 use scales[s], 16..31 scales[s + 1]
+        out[4 * n + t] = {_mm256_sub_epi8(q[t], offset),
+                          _mm256_set_m128(_mm_set1_ps(d * sc[s + 1]), _mm_set1_ps(d * sc[s])), 0.f};
+      }
+    }
+  }
+};
+
+// Calls fn(Format<T>{}) for the format of `type`; false if the type is not one of these.
+template <typename Fn>
+inline bool with_format(int type, Fn&& fn) {
+  switch (type) {
+    case kQ4_0: fn(Format<kQ4_0>{}); return true;
+    case kQ4_1: fn(Format<kQ4_1>{}); return true;
+    case kQ8_0: fn(Format<kQ8_0>{}); return true;
+    case kQ4_K: fn(Format<kQ4_K>{}); return true;
+    case kQ6_K: fn(Format<kQ6_K>{}); return true;
+    default: return false;
+  }
+}
+
+// One row of K elements of a weight in format F, dequantized into out[0:K].
+template <typename F>
+inline void dequantize_row(const uint8_t* row, int64_t K, float* out) {
+  SubBlock sub[F::kSub];
+  alignas(32) int8_t q[32];
+  alignas(32) float scale[8];
+  for (int64_t b = 0; b < K / F::kElems; ++b) {
+    F::unpack(row + b * F::kBytes, sub);
+    for (int s = 0; s < F::kSub; ++s) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), sub[s].q);
+      _mm256_store_ps(scale, sub[s].scale);
+      float* o = out + b * F::kElems + s * 32;
+      for (int i = 0; i < 32; ++i) o[i] = scale[i / 4] * q[i] + sub[s].min;
+    }
+  }
+}
+
+}  // namespace specdec_cpu

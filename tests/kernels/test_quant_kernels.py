@@ -1,0 +1,154 @@
+"""The weight-only quantized CPU kernels against their numpy twins, on random GGML blocks of
+every format they read, under both instruction-set paths (AVX2, and AVX-512 VNNI where the
+CPU has it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec.kernels.cpu import reference
+from specdec.model.quant import BLOCK_FORMATS, QuantizedMatrix, Segment, layout_array, quantize
+
+paddle = pytest.importorskip("paddle")
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+ISAS = ["avx2"] + (["vnni"] if {"avx512_vnni", "avx512vl", "avx512bw"} <= _cpu_flags() else [])
+
+#: Byte offsets of the half-precision scale fields in each block format (the rest of a block is
+#: any bytes at all: nibbles, 6-bit scales, int8 values).
+HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from specdec.kernels.cpu import load_cpu_ops
+
+    return load_cpu_ops()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Runs the test with the kernels on one instruction set (read at every call)."""
+    monkeypatch.setenv("SPECDEC_CPU_ISA", request.param)
+    return request.param
+
+
+def random_blocks(rng, type_name: str, rows: int, cols: int) -> Segment:
+    """``rows`` rows of random blocks: random bytes, with finite half-precision scales."""
+    _, elems, size = BLOCK_FORMATS[type_name]
+    blocks = rng.integers(0, 256, size=(rows, cols // elems, size), dtype=np.uint8)
+    for offset in HALF_FIELDS[type_name]:
+        scales = (rng.uniform(0.002, 0.05, size=(rows, cols // elems)) * rng.choice([-1, 1], (rows, cols // elems)))
+        blocks[:, :, offset:offset + 2] = scales.astype(np.float16).view(np.uint8).reshape(rows, cols // elems, 2)
+    return Segment(type_name, blocks.reshape(rows, -1))
+
+
+def tensors(matrix: QuantizedMatrix):
+    data, layout = layout_array(matrix)
+    return data, layout, paddle.to_tensor(data), paddle.to_tensor(layout)
+
+
+def _close(got, want):
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * scale)
+
+
+@pytest.mark.parametrize("type_name,cols", [("Q8_0", 96), ("Q4_0", 160), ("Q4_1", 576), ("Q4_K", 256),
+                                            ("Q4_K", 768), ("Q6_K", 512)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 37])
+def test_q_matmul_matches_reference(ops, isa, type_name, cols, rows):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 19, cols),))  # odd N
+    data, layout, data_t, layout_t = tensors(matrix)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    got = ops.specdec_q_matmul(paddle.to_tensor(x), paddle.empty([0]), data_t, layout_t, paddle.empty([0]),
+                               1e-5, False).numpy()
+    _close(got, reference.q_matmul(x, [], data, layout, [], 1e-5, False))
+    # The twin is a faithful model: against float x, the int8 activations err by far more.
+    exact = x.astype(np.float64) @ matrix.dequantize().T.astype(np.float64)
+    assert np.abs(got - exact).max() > 10 * np.abs(got - reference.q_matmul(x, [], data, layout, [], 1e-5,
+                                                                            False)).max()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_q_matmul_mixed_segments_norm_and_epilogue(ops, isa, rows):
+    """q (Q4_K), k (Q4_K) and v (Q6_K) as one matrix, with RMSNorm, gain, column scale and bias."""
+    rng = np.random.default_rng(rows)
+    cols = 512
+    matrix = QuantizedMatrix.stacked([
+        QuantizedMatrix(cols, (random_blocks(rng, "Q4_K", 24, cols),)),
+        QuantizedMatrix(cols, (random_blocks(rng, "Q4_K", 8, cols),)),
+        QuantizedMatrix(cols, (random_blocks(rng, "Q6_K", 8, cols),)),
+    ])
+    assert [s.type_name for s in matrix.segments] == ["Q4_K", "Q6_K"]
+    data, layout, data_t, layout_t = tensors(matrix)
+    x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+    gain = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    epilogue = np.stack([rng.uniform(0.1, 1, 40), rng.standard_normal(40)]).astype(np.float32)
+    got = ops.specdec_q_matmul(paddle.to_tensor(x), paddle.to_tensor(gain), data_t, layout_t,
+                               paddle.to_tensor(epilogue), 1e-5, True).numpy()
+    _close(got, reference.q_matmul(x, gain, data, layout, epilogue, 1e-5, True))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_q_layer_tail_matches_reference(ops, isa, rows):
+    rng = np.random.default_rng(50 + rows)
+    hidden, inner = 96, 160
+    wo = QuantizedMatrix(hidden, (random_blocks(rng, "Q4_1", hidden, hidden),))
+    gate_up = QuantizedMatrix.stacked([QuantizedMatrix(hidden, (random_blocks(rng, "Q4_0", inner, hidden),)),
+                                       QuantizedMatrix(hidden, (random_blocks(rng, "Q8_0", inner, hidden),))])
+    down = QuantizedMatrix(inner, (random_blocks(rng, "Q4_1", hidden, inner),))
+    attn = rng.standard_normal((rows, hidden)).astype(np.float32)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    gain = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    parts = [tensors(m) for m in (wo, gate_up, down)]
+    got = ops.specdec_q_layer_tail(paddle.to_tensor(attn), paddle.to_tensor(x), parts[0][2], parts[0][3],
+                                   paddle.to_tensor(gain), parts[1][2], parts[1][3], parts[2][2], parts[2][3],
+                                   1e-5).numpy()
+    want = reference.q_layer_tail(attn, x, parts[0][0], parts[0][1], gain, parts[1][0], parts[1][1], parts[2][0],
+                                  parts[2][1], 1e-5)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("type_name,cols", [("Q8_0", 64), ("Q4_0", 64), ("Q4_1", 96), ("Q4_K", 256),
+                                            ("Q6_K", 256)])
+def test_q_embedding_matches_gguf_dequantize(ops, type_name, cols):
+    rng = np.random.default_rng(cols)
+    matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 11, cols),))
+    data, layout, data_t, layout_t = tensors(matrix)
+    ids = np.array([3, 0, 10, 3], dtype=np.int64)
+    got = ops.specdec_q_embedding(paddle.to_tensor(ids), data_t, layout_t, cols).numpy()
+    np.testing.assert_allclose(got, reference.q_embedding(ids, data, layout, cols), rtol=1e-6, atol=1e-7)
+
+
+def test_q_matmul_rejects_mismatched_rows(ops):
+    matrix = QuantizedMatrix(256, (random_blocks(np.random.default_rng(0), "Q4_K", 4, 256),))
+    _, _, data_t, layout_t = tensors(matrix)
+    with pytest.raises(Exception, match="do not hold 288 elements"):
+        ops.specdec_q_matmul(paddle.ones([1, 288]), paddle.empty([0]), data_t, layout_t, paddle.empty([0]),
+                             1e-5, False)
+
+
+@pytest.mark.parametrize("method,worst", [("wint8", 0.005), ("wint4", 0.13)])
+def test_load_time_quantization_round_trips(method, worst):
+    """wint8 keeps one scale per output channel; wint4 one per group of 32 (Q4_0: steps of max/8,
+    and the side opposite the largest magnitude clips at 7/8 of it)."""
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((24, 96)).astype(np.float32)
+    matrix = quantize(weight, method)
+    assert matrix.shape == (24, 96)
+    restored = matrix.dequantize()
+    error = np.abs(restored - weight).max(axis=1) / np.abs(weight).max(axis=1)
+    assert error.max() < worst
+    if method == "wint8":  # every element of a row is a multiple of the row's one scale
+        steps = restored / (np.abs(restored).max(axis=1, keepdims=True) / 127)
+        np.testing.assert_allclose(steps, np.rint(steps), atol=1e-3)
