@@ -37,6 +37,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default=None, help="auto (default), cpu (the CPU kernels) or paddle (reference)")
     parser.add_argument("--dtype", default=None,
                         help="weight storage: auto (default: float16 with the CPU kernels), float32 or float16")
+    parser.add_argument("--quantization", default=None,
+                        help="weight-only quantization: auto (default: gguf for a quantized GGUF file), none, "
+                             "wint8, wint4 or gguf (compute on the file's blocks as stored)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (batch size, default 256)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token rows per step (default 2048); longer prompts are prefilled in chunks")

@@ -64,6 +64,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 MTP_STRATEGIES = ("default", "with_ngram")
 KERNELS = ("auto", "cpu", "paddle")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
+QUANTIZATIONS = ("auto", "none", "wint8", "wint4", "gguf")
 
 
 # --- values described the way users wrote them ------------------------------------------------
@@ -439,6 +440,11 @@ class EngineConfig:
     :ivar num_kv_blocks: blocks in the KV cache pool; ``None`` sizes the pool from
         ``kv_cache_memory_gb``.
     :ivar kv_cache_memory_gb: the KV cache budget in GiB when ``num_kv_blocks`` is not set.
+    :ivar quantization: weight-only quantization of the target: ``none`` (float weights, as
+        ``dtype`` says), ``wint8`` (int8 per output channel), ``wint4`` (int4 in groups of 32),
+        ``gguf`` (compute on a GGUF file's quantized blocks as stored, no dequantized copy);
+        ``auto`` is ``gguf`` for a GGUF file with quantized matrices when the CPU kernels are
+        in use, else ``none``. The quantized paths need the CPU kernels.
     :ivar kv_cache_dtype: how cached keys and values are stored: ``auto`` follows the weights
         (``float16``) with the ``cpu`` attention backend and is ``float32`` with any other;
         ``float16`` halves the cache's memory and the bytes attention reads per step.
@@ -455,6 +461,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kernels: str = attrs.field(default="auto", validator=one_of(*KERNELS))
     dtype: str = attrs.field(default="auto", validator=one_of(*DTYPES))
+    quantization: str = attrs.field(default="auto", validator=one_of(*QUANTIZATIONS))
     seed: int = attrs.field(default=0, validator=in_range(0))
     max_num_seqs: int = attrs.field(default=MAX_NUM_SEQS, validator=in_range(1, MAX_NUM_SEQS))
     max_num_batched_tokens: int = attrs.field(default=2048, validator=in_range(1, 1 << 20))
@@ -475,8 +482,8 @@ class EngineConfig:
 
 
 #: The engine keys of the YAML file (and of the matching CLI flags), in documentation order.
-ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "kernels", "dtype", "seed", "max_num_seqs",
-               "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache_dtype",
+ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "kernels", "dtype", "quantization", "seed",
+               "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache_dtype",
                "enable_prefix_caching", "max_stop_strings", "max_stop_string_length")
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import attrs
-import numpy as np
 
 from .attention import AttentionBackend
 
@@ -50,10 +49,7 @@ class TargetModel:
 
     def embed(self, token_ids):
         """``[n, H]`` embeddings of ``token_ids`` (``[n]`` int64)."""
-        paddle = self._model.paddle
-        ids = token_ids if isinstance(token_ids, paddle.Tensor) else paddle.to_tensor(np.asarray(token_ids, np.int64))
-        with paddle.no_grad():
-            return paddle.gather(self._model.embed, ids.reshape([-1]).astype("int64"))
+        return self._model.embed_tokens(token_ids)
 
     def logits(self, hidden_states):
         """``[n, V]`` logits of last-layer hidden states ``[n, H]`` (before the final norm),

@@ -52,6 +52,26 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str, weight_dtype: str)
     return weight_dtype if backend == "cpu" else "float32"
 
 
+def resolve_quantization(config: EngineConfig, kernels: str) -> str:
+    """What ``config.quantization`` comes to for this model and these kernels: ``auto`` is
+    ``gguf`` for a GGUF file with quantized matrices on the CPU kernels, else ``none``; a
+    quantized path the model or the kernels cannot take is a one-line error."""
+    from ..model.gguf_loader import has_quantized_matrices
+    from ..model.resolve import resolve_model_path
+
+    quantization = config.quantization
+    path = resolve_model_path(config.model)
+    is_gguf = path.suffix == ".gguf"
+    if quantization == "auto":
+        return "gguf" if kernels == "cpu" and is_gguf and has_quantized_matrices(path) else "none"
+    if quantization != "none" and kernels != "cpu":
+        raise SpecdecError(f"quantization: {quantization} needs the CPU kernels (kernels: cpu or auto)")
+    if quantization == "gguf" and not is_gguf:
+        raise SpecdecError(f"quantization: gguf computes on a GGUF file's blocks, and {config.model} is not a "
+                           f"GGUF file; use wint8 or wint4")
+    return quantization
+
+
 def resolve_kernels(config: EngineConfig) -> tuple[str, str]:
     """``(kernels, weight dtype)`` that ``config.kernels`` and ``config.dtype`` come to here:
     ``cpu`` when the CPU kernels build (and run on CPU tensors), else ``paddle``; ``auto`` dtype
@@ -140,7 +160,9 @@ class Engine:
             backend = "cpu" if self.kernels == "cpu" else "paddle"
         attention_cls = self.plugins.get("attention_backends", backend, "attention_backend")
 
-        model_config, weights, self.tokenizer = load_checkpoint(config.model, progress=progress)
+        self.quantization = resolve_quantization(config, self.kernels)
+        model_config, weights, self.tokenizer = load_checkpoint(config.model, progress=progress,
+                                                                keep_quantized=self.quantization == "gguf")
         self.model_config = model_config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
@@ -150,7 +172,8 @@ class Engine:
         # Builds the layers and calls self.attention.setup (which records the cache's shape).
         self.model = LlamaModel(model_config, weights, self.attention,
                                 max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1, kernels=self.kernels,
-                                weight_dtype=self.weight_dtype, kv_cache_dtype=self.kv_cache_dtype)
+                                weight_dtype=self.weight_dtype, kv_cache_dtype=self.kv_cache_dtype,
+                                quantization=self.quantization)
         del weights
         self.block_size = config.block_size
         self.kv = self._allocate_kv_cache()

@@ -192,6 +192,14 @@ def unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def _unpermuted(array, num_heads: int):
+    """:func:`unpermute_rope` of a float array, or of a quantized matrix's rows."""
+    if isinstance(array, np.ndarray):
+        return unpermute_rope(array, num_heads)
+    order = unpermute_rope(np.arange(array.rows), num_heads)
+    return array.take_rows(order)
+
+
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -202,8 +210,31 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf(path: str | Path, progress: bool = True):
-    """Read ``path``: returns ``(ModelConfig, weights, tokenizer)`` with HF-named float32 weights."""
+def quantized_matrix(tensor):
+    """A GGUF matrix in one of the formats the quantized kernels read, as a
+    :class:`~specdec.model.quant.QuantizedMatrix` over the file's bytes (not copied), or
+    ``None`` for any other type."""
+    from .quant import BLOCK_FORMATS, QuantizedMatrix, Segment
+
+    if tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
+        return None
+    cols = int(tensor.shape[0])  # GGUF lists dimensions fastest-first
+    return QuantizedMatrix(cols, (Segment(tensor.tensor_type.name, tensor.data),))
+
+
+def has_quantized_matrices(path: str | Path) -> bool:
+    """Whether the GGUF file stores matrices in block formats the quantized kernels read."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return any(quantized_matrix(t) is not None for t in reader.tensors if hf_name(t.name))
+
+
+def load_gguf(path: str | Path, progress: bool = True, keep_quantized: bool = False):
+    """Read ``path``: returns ``(ModelConfig, weights, tokenizer)`` with HF-named weights:
+    float32 numpy arrays, except, with ``keep_quantized``, the matrices stored in a format the
+    quantized kernels read, which stay :class:`~specdec.model.quant.QuantizedMatrix` blocks (no
+    dequantized copy is made)."""
     import gguf
     from tqdm import tqdm
 
@@ -221,12 +252,13 @@ def load_gguf(path: str | Path, progress: bool = True):
         name = hf_name(tensor.name)
         if name is None:
             continue  # rope_freqs and other tensors the decoder does not use
-        array = dequantize(tensor)
+        blocks = quantized_matrix(tensor) if keep_quantized else None
+        array = dequantize(tensor) if blocks is None else blocks
         if conventions.rope == "norm":  # rows interleaved for llama.cpp's RoPE: back to halves
             if name.endswith(("q_proj.weight", "q_proj.bias")):
-                array = unpermute_rope(array, config.num_heads)
+                array = _unpermuted(array, config.num_heads)
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
-                array = unpermute_rope(array, config.num_kv_heads)
+                array = _unpermuted(array, config.num_kv_heads)
         weights[name] = array
     if config.attention_bias:  # llama: a layer may carry some of the three biases; zeros for the rest
         for i in range(config.num_layers):

@@ -47,29 +47,17 @@ def make_linear(paddle, config: ModelConfig, kernels: str, weight_dtype: str):
     return CpuKernelLinear(paddle, config.rms_norm_eps, load_cpu_ops(), weight_dtype)
 
 
-class LlamaModel:
-    """The decoder. Build it from HF-named float32 numpy weights and an attention backend."""
+class FloatWeights:
+    """The float path: weights fused (one QKV matrix, one gate/up matrix), RMSNorm gains and the
+    attention scale folded in, stored as ``linear`` streams them (``linear.py``)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], attention: AttentionBackend,
-                 max_positions: int | None = None, kernels: str = "paddle", weight_dtype: str = "float32",
-                 kv_cache_dtype: str = "float32"):
-        paddle = require_paddle()
+    def __init__(self, paddle, config: ModelConfig, w: dict[str, np.ndarray], linear):
         self.paddle = paddle
-        self.config = config
-        self.attention = attention
-        self.max_positions = max_positions or config.max_position_embeddings
-        self.linear = make_linear(paddle, config, kernels, weight_dtype)
-        cos, sin = rope_tables(config, self.max_positions)
-        attention.setup(num_layers=config.num_layers, num_heads=config.num_heads,
-                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=kv_cache_dtype,
-                        rope_cos=cos, rope_sin=sin)
-        self._load(weights)
-
-    def _load(self, w: dict[str, np.ndarray]) -> None:
-        c = self.config
-        pack = self.linear.pack
+        self.linear = linear
+        c = config
+        pack = linear.pack
         scale = 1.0 / np.sqrt(c.head_dim)
-        self.embed = self.paddle.to_tensor(w["model.embed_tokens.weight"])
+        self.embedding = paddle.to_tensor(w["model.embed_tokens.weight"])
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -83,8 +71,8 @@ class LlamaModel:
             layer = {
                 "qkv": pack(qkv),
                 "o": pack(w[p + "self_attn.o_proj.weight"].T),
-                "gate_up": self.linear.pack_gate_up(w[p + "mlp.gate_proj.weight"].T * mlp_gain,
-                                                    w[p + "mlp.up_proj.weight"].T * mlp_gain),
+                "gate_up": linear.pack_gate_up(w[p + "mlp.gate_proj.weight"].T * mlp_gain,
+                                               w[p + "mlp.up_proj.weight"].T * mlp_gain),
                 "down": pack(w[p + "mlp.down_proj.weight"].T),
                 "qkv_bias": None,
             }
@@ -94,14 +82,87 @@ class LlamaModel:
                     w[p + "self_attn.k_proj.bias"],
                     w[p + "self_attn.v_proj.bias"],
                 ]).astype(np.float32)
-                layer["qkv_bias"] = self.paddle.to_tensor(bias)
+                layer["qkv_bias"] = paddle.to_tensor(bias)
             self.layers.append(layer)
         head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head = pack(head.T * w["model.norm.weight"][:, None])
-        self.final_norm = self.paddle.to_tensor(w["model.norm.weight"])
-        #: ``[V, H]`` float32, for proposers (``specdec.TargetModel.lm_head``); the step uses
-        #: the packed ``lm_head``, with the final norm's gain folded in.
-        self.lm_head_weight = self.embed if c.tie_word_embeddings else self.paddle.to_tensor(head)
+        self.final_norm = paddle.to_tensor(w["model.norm.weight"])
+        self.lm_head_weight = self.embedding if c.tie_word_embeddings else paddle.to_tensor(head)
+
+    def embed(self, ids):
+        return self.paddle.gather(self.embedding, ids)
+
+    def attention_input(self, index: int, x):
+        layer = self.layers[index]
+        qkv = self.linear.rms_matmul(x, layer["qkv"])
+        return qkv if layer["qkv_bias"] is None else qkv + layer["qkv_bias"]
+
+    def layer_output(self, index: int, attn, x):
+        layer, linear = self.layers[index], self.linear
+        x = linear.matmul_add(attn, layer["o"], x)
+        return linear.matmul_add(linear.rms_matmul_swiglu(x, layer["gate_up"]), layer["down"], x)
+
+    def logits(self, x):
+        return self.linear.rms_matmul(x, self.lm_head)
+
+
+class LlamaModel:
+    """The decoder. Build it from HF-named weights (float32 numpy arrays, or
+    :class:`~specdec.model.quant.QuantizedMatrix` blocks from a GGUF file) and an attention
+    backend.
+
+    :param quantization: ``none`` (the float path: ``kernels`` and ``weight_dtype`` choose its
+        matmul), or ``gguf``, ``wint8``, ``wint4``: the weight-only quantized CPU kernels
+        (:class:`~specdec.model.quant_weights.QuantizedWeights`).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict, attention: AttentionBackend,
+                 max_positions: int | None = None, kernels: str = "paddle", weight_dtype: str = "float32",
+                 kv_cache_dtype: str = "float32", quantization: str = "none"):
+        paddle = require_paddle()
+        self.paddle = paddle
+        self.config = config
+        self.attention = attention
+        self.quantization = quantization
+        self.max_positions = max_positions or config.max_position_embeddings
+        cos, sin = rope_tables(config, self.max_positions)
+        attention.setup(num_layers=config.num_layers, num_heads=config.num_heads,
+                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=kv_cache_dtype,
+                        rope_cos=cos, rope_sin=sin)
+        if quantization == "none":
+            self.weights = FloatWeights(paddle, config, weights, make_linear(paddle, config, kernels, weight_dtype))
+        else:
+            if kernels != "cpu":
+                raise ValueError(f"quantization {quantization} needs the CPU kernels")
+            from specdec.kernels.cpu import load_cpu_ops
+
+            from .quant_weights import QuantizedWeights
+
+            self.weights = QuantizedWeights(paddle, config, weights, load_cpu_ops(), quantization)
+
+    @property
+    def embed(self):
+        """``[V, H]`` float32 paddle tensor: the token embedding (dequantized on first use when
+        the weights are quantized)."""
+        return self.weights.embedding
+
+    @property
+    def final_norm(self):
+        """``[H]`` float32 paddle tensor: the final RMSNorm's gain."""
+        return self.weights.final_norm
+
+    @property
+    def lm_head_weight(self):
+        """``[V, H]`` float32, for proposers (``specdec.TargetModel.lm_head``); the step uses
+        its own packed or quantized LM head, with the final norm's gain applied."""
+        return self.weights.lm_head_weight
+
+    def embed_tokens(self, token_ids):
+        """``[n, H]`` float32 paddle embeddings of ``token_ids`` (numpy or paddle int64)."""
+        p = self.paddle
+        ids = token_ids if isinstance(token_ids, p.Tensor) else p.to_tensor(np.asarray(token_ids, np.int64))
+        with p.no_grad():
+            return self.weights.embed(ids.reshape([-1]).astype("int64"))
 
     def forward(self, token_ids: np.ndarray, meta: AttentionMetadata,
                 logit_rows: np.ndarray, return_hidden: bool = False):
@@ -118,24 +179,20 @@ class LlamaModel:
         :returns: ``[M, V]`` float32 numpy logits, or ``(logits, hidden_states)``.
         """
         p = self.paddle
-        linear = self.linear
+        weights = self.weights
         with p.no_grad():
-            x = p.gather(self.embed, p.to_tensor(token_ids))
+            x = weights.embed(p.to_tensor(token_ids))
             self.attention.prepare(meta)
-            for index, layer in enumerate(self.layers):
-                qkv = linear.rms_matmul(x, layer["qkv"])
-                if layer["qkv_bias"] is not None:
-                    qkv = qkv + layer["qkv_bias"]
-                attn = self.attention.forward(index, qkv, meta)
-                x = linear.matmul_add(attn, layer["o"], x)
-                x = linear.matmul_add(linear.rms_matmul_swiglu(x, layer["gate_up"]), layer["down"], x)
+            for index in range(self.config.num_layers):
+                attn = self.attention.forward(index, weights.attention_input(index, x), meta)
+                x = weights.layer_output(index, attn, x)
             hidden = x
             if len(logit_rows) == 0:
                 logits = np.zeros((0, self.config.vocab_size), np.float32)
             else:
                 if len(logit_rows) != len(token_ids) or not np.array_equal(logit_rows, np.arange(len(token_ids))):
                     x = p.gather(x, p.to_tensor(logit_rows))
-                logits = linear.rms_matmul(x, self.lm_head).numpy()
+                logits = weights.logits(x).numpy()
         return (logits, hidden) if return_hidden else logits
 
     def logits_of_hidden(self, hidden_states):
@@ -147,4 +204,4 @@ class LlamaModel:
             x = x.astype("float32").reshape([-1, self.config.hidden_size])
             if x.shape[0] == 0:
                 return p.zeros([0, self.config.vocab_size], dtype="float32")
-            return self.linear.rms_matmul(x, self.lm_head)
+            return self.weights.logits(x)

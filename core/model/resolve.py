@@ -45,8 +45,9 @@ def resolve_model_path(model: str) -> Path:
     )
 
 
-def load_checkpoint(model: str, progress: bool = True):
-    """``(ModelConfig, weights, tokenizer)`` for ``model`` (alias, GGUF path or HF directory)."""
+def load_checkpoint(model: str, progress: bool = True, keep_quantized: bool = False):
+    """``(ModelConfig, weights, tokenizer)`` for ``model`` (alias, GGUF path or HF directory);
+    ``keep_quantized`` keeps a GGUF file's quantized matrices as blocks (see ``load_gguf``)."""
     path = resolve_model_path(model)
     if path.is_dir():
         from .hf_loader import load_hf_dir
@@ -54,4 +55,4 @@ def load_checkpoint(model: str, progress: bool = True):
         return load_hf_dir(path, progress=progress)
     from .gguf_loader import load_gguf
 
-    return load_gguf(path, progress=progress)
+    return load_gguf(path, progress=progress, keep_quantized=keep_quantized)

@@ -256,7 +256,7 @@ def e2e_runs(tmp_path_factory):
                  {BROKEN_MODULE: "import specdec_missing_dependency_cli_xyz\n"})
     prompts_file = tmp / "prompts.jsonl"
     prompts_file.write_text(json.dumps({"prompt": PROMPT}) + "\n\n"
-                            + json.dumps({"prompt": "What is the capital of France?", "id": 2}) + "\n")
+                            + json.dumps({"prompt": "What is the capital of Germany?", "id": 2}) + "\n")
     common = ["--output", "json", "--no-progress", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
     runs = {
         "ngram": (["generate", "--prompt", PROMPT, "--speculative-config",
@@ -326,8 +326,8 @@ def test_generate_prompts_file_with_a_broken_plugin_installed(e2e_runs):
     data = _ok(e2e_runs["jsonl+broken-plugin"])
     assert BROKEN_WARNING in result.stderr.splitlines()
     _check_schema(data, 2)
-    assert [r["prompt"] for r in data["results"]] == [PROMPT, "What is the capital of France?"]
-    assert "Paris" in data["results"][1]["text"]
+    assert [r["prompt"] for r in data["results"]] == [PROMPT, "What is the capital of Germany?"]
+    assert "Berlin" in data["results"][1]["text"]
     for item in data["results"]:  # naive
         assert item["metrics"]["num_drafts"] == 0 and item["metrics"]["num_steps"] == MAX_TOKENS
     # greedy ngram through the CLI reproduces plain greedy decoding of the same prompt

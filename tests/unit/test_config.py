@@ -505,7 +505,7 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
          "--config: unknown key 'zzz'; valid keys: attention_backend, block_size, dtype, enable_prefix_caching, kernels, "
          "kv_cache_dtype, kv_cache_memory_gb, max_model_len, max_num_batched_tokens, max_num_seqs, "
          "max_stop_string_length, max_stop_strings, model, "
-         "num_kv_blocks, seed, speculative_config"),
+         "num_kv_blocks, quantization, seed, speculative_config"),
         ({"block_size": 12}, {}, "--config.block_size: must be a multiple of 8, got 12"),
         ({}, {"enable_prefix_caching": "yes"}, "--enable-prefix-caching: expected bool, got str 'yes'"),
         ({"num_kv_blocks": 0}, {}, "--config.num_kv_blocks: must be >= 1, got 0"),
@@ -521,7 +521,8 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ({"speculative_config": ["ngram"]}, {}, "--config.speculative_config: expected a mapping, got list"),
         ([1], {}, "--config: expected a mapping, got list"),
         ({}, {"max_num_seq": 2}, "--max-num-seq: not an engine option; engine options: model, max_model_len, "
-         "attention_backend, kernels, dtype, seed, max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks, "
+         "attention_backend, kernels, dtype, quantization, seed, max_num_seqs, max_num_batched_tokens, block_size, "
+         "num_kv_blocks, "
          "kv_cache_memory_gb, kv_cache_dtype, enable_prefix_caching, max_stop_strings, max_stop_string_length"),
         ({"kv_cache_dtype": "fp8"}, {}, "--config.kv_cache_dtype: must be one of auto, float32, float16, got 'fp8'"),
         ({}, {"kv_cache_dtype": "float61"},

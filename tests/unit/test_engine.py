@@ -12,7 +12,9 @@ from specdec.workloads import code_edit_prompts
 
 pytestmark = pytest.mark.slow
 
-FRANCE = "What is the capital of France?"
+#: A question the default model answers in a few tokens, then stops at EOS (with `quantization: gguf`, as
+#: with llama.cpp on the same file, it no longer answers "What is the capital of France?" with Paris).
+CAPITAL = "What is the capital of Germany?"
 STORY = "Tell me a short story about a dragon who learns to bake bread."
 CODE = tuple(code_edit_prompts(5))
 # min_ngram_size 1 drafts at almost every step, so short sampled runs really exercise the
@@ -29,15 +31,15 @@ NGRAM_REJECTION = {"method": "ngram", "verify_strategy": "rejection", "min_ngram
 
 def test_eos_stops_generation_unless_ignored(model_session, llm):
     eos = llm.engine.eos_token_ids
-    [stopped] = model_session.run(None, [FRANCE], SamplingParams(max_tokens=48))
+    [stopped] = model_session.run(None, [CAPITAL], SamplingParams(max_tokens=48))
     assert stopped.finish_reason == "stop", stopped
     ids = stopped.token_ids
     assert 0 < len(ids) < 48 and stopped.num_generated_tokens == len(ids)
     assert ids[-1] in eos and not any(t in eos for t in ids[:-1])
-    assert "Paris" in stopped.text
+    assert "Berlin" in stopped.text
 
     limit = len(ids) + 6
-    [ignored] = model_session.run(None, [FRANCE], SamplingParams(max_tokens=limit, ignore_eos=True))
+    [ignored] = model_session.run(None, [CAPITAL], SamplingParams(max_tokens=limit, ignore_eos=True))
     assert ignored.finish_reason == "length"
     assert len(ignored.token_ids) == limit
     assert ignored.token_ids[: len(ids)] == ids  # the same tokens, EOS included, then more
@@ -46,8 +48,8 @@ def test_eos_stops_generation_unless_ignored(model_session, llm):
 def test_eos_with_speculation_matches_plain_decoding(model_session):
     """With speculation an EOS may come inside a chunk of accepted drafts: nothing after it may
     be kept, so the output equals plain decoding's."""
-    [naive] = model_session.run(None, [FRANCE], SamplingParams(max_tokens=48))
-    [spec] = model_session.run(NGRAM_GREEDY, [FRANCE], SamplingParams(max_tokens=48))
+    [naive] = model_session.run(None, [CAPITAL], SamplingParams(max_tokens=48))
+    [spec] = model_session.run(NGRAM_GREEDY, [CAPITAL], SamplingParams(max_tokens=48))
     assert spec.finish_reason == "stop"
     assert spec.token_ids == naive.token_ids and spec.text == naive.text
 
@@ -78,7 +80,7 @@ def test_requests_are_checked_against_the_engine(llm, fields, param, code):
 
     engine = llm.engine
     with pytest.raises(RequestError) as info:
-        engine.add_request(llm.encode_prompt(FRANCE), SamplingParams(**fields))
+        engine.add_request(llm.encode_prompt(CAPITAL), SamplingParams(**fields))
     assert (info.value.param, info.value.code) == (param, code), str(info.value)
     assert str(info.value).startswith(f"{param}: ") and "\n" not in str(info.value)
     assert not engine.has_unfinished()
@@ -86,7 +88,7 @@ def test_requests_are_checked_against_the_engine(llm, fields, param, code):
 
 def test_prompt_plus_max_tokens_may_fill_the_context_exactly(llm):
     engine = llm.engine
-    ids = llm.encode_prompt(FRANCE)
+    ids = llm.encode_prompt(CAPITAL)
     request = engine.add_request(ids, SamplingParams(max_tokens=engine.max_model_len - len(ids)))
     assert engine.abort_request(request.request_id)
 
@@ -121,7 +123,7 @@ def test_a_failing_plugin_ends_only_its_own_request(model_session, monkeypatch):
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     # The verify strategy finds its victim by a top_p no other request has (greedy ignores it).
     victim_sampling = SamplingParams(max_tokens=24, ignore_eos=True, top_p=0.999)
-    healthy = [CODE[0], CODE[1], FRANCE]
+    healthy = [CODE[0], CODE[1], CAPITAL]
     solo = [model_session.run(spec, [p], sampling)[0] for p in healthy]
 
     model_session.llm.set_speculative_config(spec)
@@ -274,9 +276,9 @@ def test_metrics_invariants_rejection_sampling(model_session):
 
 
 def test_metrics_invariants_with_eos_and_naive(model_session):
-    [spec] = model_session.run(NGRAM_GREEDY, [FRANCE], SamplingParams(max_tokens=48))
+    [spec] = model_session.run(NGRAM_GREEDY, [CAPITAL], SamplingParams(max_tokens=48))
     _check_invariants(spec, uncut=False, k=5)
-    [naive] = model_session.run(None, [FRANCE], SamplingParams(max_tokens=48))
+    [naive] = model_session.run(None, [CAPITAL], SamplingParams(max_tokens=48))
     _check_invariants(naive, uncut=True, k=0)
     assert naive.metrics.num_drafts == 0 and naive.metrics.num_steps == len(naive.token_ids)
     assert naive.metrics.mean_acceptance_length == 1.0
@@ -295,7 +297,7 @@ def test_num_speculative_tokens_bounds_drafts(model_session):
 # Batching (max_num_seqs > 1, set on the session engine's config between runs)
 
 
-BATCH_PROMPTS = (CODE[3], FRANCE, CODE[4])
+BATCH_PROMPTS = (CODE[3], CAPITAL, CODE[4])
 #: The middle request stops at EOS early, so the third joins the batch while the first runs.
 BATCH_PARAMS = (SamplingParams(max_tokens=32, ignore_eos=True), SamplingParams(max_tokens=32),
                 SamplingParams(max_tokens=32, ignore_eos=True))
@@ -322,14 +324,14 @@ def test_batch_equals_one_at_a_time(model_session, one_at_a_time, spec, max_num_
 
 def test_kv_blocks_are_released(model_session, llm):
     engine = llm.engine
-    model_session.run(NGRAM_GREEDY, [FRANCE, CODE[0]], SamplingParams(max_tokens=4), max_num_seqs=2,
+    model_session.run(NGRAM_GREEDY, [CAPITAL, CODE[0]], SamplingParams(max_tokens=4), max_num_seqs=2,
                       cache=False)
     assert engine.num_free_kv_blocks == engine.num_kv_blocks
     assert not engine.has_unfinished()
 
 
 def test_outputs_come_back_in_prompt_order(model_session):
-    prompts = [FRANCE, "Name three colours."]
+    prompts = [CAPITAL, "Name three colours."]
     batch = model_session.run(None, prompts, SamplingParams(max_tokens=8), max_num_seqs=2)
     assert [o.prompt for o in batch] == prompts
     assert all(o.num_prompt_tokens == len(model_session.prompt_ids(p)) for o, p in zip(batch, prompts))
@@ -338,7 +340,7 @@ def test_outputs_come_back_in_prompt_order(model_session):
 
 def test_abort_a_queued_and_a_running_request(llm):
     engine = llm.engine
-    ids = llm.encode_prompt(FRANCE, use_chat_template=True)
+    ids = llm.encode_prompt(CAPITAL, use_chat_template=True)
     running = engine.add_request(ids, SamplingParams(max_tokens=50))
     engine.step()
     queued = engine.add_request(ids, SamplingParams(max_tokens=50))
@@ -386,7 +388,7 @@ def test_adaptive_statistics_are_kept_per_method(model_session):
                       cache=False)
     learned = engine.acceptance, engine.step_costs
     assert learned[1].costs() != StepCostModel().costs()  # it has measured steps
-    model_session.run(None, [FRANCE], SamplingParams(max_tokens=8), cache=False)
+    model_session.run(None, [CAPITAL], SamplingParams(max_tokens=8), cache=False)
     assert engine.step_costs is not learned[1]
     llm.set_speculative_config({"method": "ngram"})
     assert (engine.acceptance, engine.step_costs) == learned
@@ -439,8 +441,8 @@ def test_kv_cache_dtype_auto_is_float16_and_float32_holds_half_the_blocks(model_
     assert narrow.engine.kv.pool.num_blocks == 2 * wide.engine.kv.pool.num_blocks
     sampling = SamplingParams(max_tokens=24, temperature=0.0)
     for engine_llm in (wide, narrow):
-        [answer] = engine_llm.generate(FRANCE, sampling, use_chat_template=True)
-        assert "Paris" in answer.text, answer.text
+        [answer] = engine_llm.generate(CAPITAL, sampling, use_chat_template=True)
+        assert "Berlin" in answer.text, answer.text
 
 
 def test_engine_resolves_the_kv_cache_dtype():
@@ -512,7 +514,7 @@ def test_on_request_start_runs_in_the_step_that_admits_the_request(model_session
     monkeypatch.setattr(engine.scheduler, "max_num_seqs", 4)  # both admitted in one step
     # Prompts without a common prefix (not even the chat template's): a request whose prefix
     # another one is computing waits to share its blocks.
-    good = engine.add_request(model_session.prompt_ids(FRANCE, chat=False),
+    good = engine.add_request(model_session.prompt_ids(CAPITAL, chat=False),
                               SamplingParams(max_tokens=32, ignore_eos=True), request_id="start-good")
     bad = engine.add_request(model_session.prompt_ids(STORY, chat=False), SamplingParams(max_tokens=6),
                              request_id="start-bad")

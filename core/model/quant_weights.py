@@ -1,0 +1,130 @@
+"""The quantized path of the decoder: weights as GGML blocks, three native calls per layer.
+
+Per layer, a step makes these calls (plus one embedding lookup and one LM head per step):
+
+1. ``specdec_q_matmul``: RMSNorm, the norm's gain, the fused QKV matmul, the attention scale
+   on the query columns and the q/k/v biases;
+2. the attention backend's ``forward`` (with the ``cpu`` backend, one call: RoPE, the KV-cache
+   write and attention);
+3. ``specdec_q_layer_tail``: the output projection and residual, RMSNorm, gate/up, SwiGLU,
+   down and residual.
+
+Blocks stay as stored, so gains and the attention scale cannot be folded into the weights as
+the float path does: the kernels apply them on the way in and out instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .config import ModelConfig
+from .quant import LOAD_TIME_FORMATS, QuantizedMatrix, layout_array, quantize
+
+log = logging.getLogger(__name__)
+
+
+def as_quantized(weight, quantization: str, name: str) -> QuantizedMatrix:
+    """``weight`` in blocks: GGUF blocks as they are (``gguf``), float weights quantized for
+    ``wint8``/``wint4``. A float matrix of a quantized GGUF file (some files keep small ones in
+    F16/F32) is quantized per output channel, as ``wint8`` would."""
+    if isinstance(weight, QuantizedMatrix):
+        return weight
+    method = quantization if quantization in LOAD_TIME_FORMATS else "wint8"
+    if quantization == "gguf":
+        log.info("%s is stored as floats in the GGUF file: quantized to int8 per channel", name)
+    return quantize(np.asarray(weight, np.float32), method)
+
+
+class QuantizedWeights:
+    """Same interface as :class:`specdec.model.llama.FloatWeights`, over quantized matrices.
+
+    :param quantization: ``gguf`` (blocks as the file stores them), ``wint8`` or ``wint4``
+        (float weights quantized here; see :func:`specdec.model.quant.quantize`).
+    """
+
+    def __init__(self, paddle, config: ModelConfig, w: dict, ops, quantization: str):
+        self.paddle = paddle
+        self.ops = ops
+        self.config = config
+        self.eps = float(config.rms_norm_eps)
+        self._none = paddle.empty([0], dtype="float32")
+
+        def matrix(*names: str):
+            parts = [as_quantized(w[name], quantization, name) for name in names]
+            stacked = parts[0] if len(parts) == 1 else QuantizedMatrix.stacked(parts)
+            data, layout = layout_array(stacked)
+            return paddle.to_tensor(data), paddle.to_tensor(layout)
+
+        def vector(name: str):
+            return paddle.to_tensor(np.ascontiguousarray(w[name], dtype=np.float32))
+
+        c = config
+        scale = np.concatenate([np.full(c.q_size, c.head_dim ** -0.5), np.ones(2 * c.kv_size)])
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            bias = np.zeros(c.q_size + 2 * c.kv_size)
+            if c.attention_bias:
+                bias = np.concatenate([w[p + f"self_attn.{part}_proj.bias"] for part in "qkv"]) * scale
+            self.layers.append({
+                "qkv": matrix(*(p + f"self_attn.{part}_proj.weight" for part in "qkv")),
+                "qkv_epilogue": paddle.to_tensor(np.stack([scale, bias]).astype(np.float32)),
+                "attn_gain": vector(p + "input_layernorm.weight"),
+                "o": matrix(p + "self_attn.o_proj.weight"),
+                "mlp_gain": vector(p + "post_attention_layernorm.weight"),
+                "gate_up": matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down": matrix(p + "mlp.down_proj.weight"),
+            })
+        self.embedding_blocks = matrix("model.embed_tokens.weight")
+        self.lm_head = self.embedding_blocks if c.tie_word_embeddings else matrix("lm_head.weight")
+        self.final_norm = vector("model.norm.weight")
+        self._float_embedding = None
+        self._float_lm_head = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of quantized weights one step reads (each matrix once; the embedding's few
+        rows aside, unless it is also the LM head)."""
+        matrices = [m for layer in self.layers for m in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+        return sum(int(data.shape[0]) for data, _ in matrices + [self.lm_head])
+
+    def embed(self, ids):
+        data, layout = self.embedding_blocks
+        return self.ops.specdec_q_embedding(ids, data, layout, self.config.hidden_size)
+
+    def attention_input(self, index: int, x):
+        layer = self.layers[index]
+        data, layout = layer["qkv"]
+        return self.ops.specdec_q_matmul(x, layer["attn_gain"], data, layout, layer["qkv_epilogue"], self.eps, True)
+
+    def layer_output(self, index: int, attn, x):
+        layer = self.layers[index]
+        return self.ops.specdec_q_layer_tail(attn, x, *layer["o"], layer["mlp_gain"], *layer["gate_up"],
+                                             *layer["down"], self.eps)
+
+    def logits(self, x):
+        data, layout = self.lm_head
+        return self.ops.specdec_q_matmul(x, self.final_norm, data, layout, self._none, self.eps, True)
+
+    def _dequantized(self, blocks):
+        data, layout = blocks
+        rows = int(layout.numpy()[:, 1].sum())
+        ids = self.paddle.arange(rows, dtype="int64")
+        return self.ops.specdec_q_embedding(ids, data, layout, self.config.hidden_size)
+
+    @property
+    def embedding(self):
+        """``[V, H]`` float32, dequantized on first use (proposers that read the table: MTP)."""
+        if self._float_embedding is None:
+            self._float_embedding = self._dequantized(self.embedding_blocks)
+        return self._float_embedding
+
+    @property
+    def lm_head_weight(self):
+        """``[V, H]`` float32, dequantized on first use."""
+        if self.lm_head is self.embedding_blocks:
+            return self.embedding
+        if self._float_lm_head is None:
+            self._float_lm_head = self._dequantized(self.lm_head)
+        return self._float_lm_head
