@@ -117,12 +117,55 @@ def quantize(weight: np.ndarray, method: str) -> QuantizedMatrix:
     raise ValueError(f"unknown quantization method {method!r}")
 
 
-def layout_array(matrix: QuantizedMatrix) -> tuple[np.ndarray, np.ndarray]:
-    """``(data, layout)`` for the kernels: every segment's bytes back to back (uint8), and
-    ``[segments, 4]`` int64 rows of (ggml type id, rows, byte offset, bytes per row)."""
+#: The kernels' ids for Q4_0 / Q4_1 / Q8_0 rows in the split layout (:func:`split_rows`).
+SPLIT_TYPE_IDS = {"Q4_0": 102, "Q4_1": 103, "Q8_0": 108}
+#: Per split format: (block bytes, quant bytes, byte ranges of the block's halves d and m).
+_SPLIT_FIELDS = {"Q4_0": (18, 16, [(0, 2)]), "Q4_1": (20, 16, [(0, 2), (2, 4)]), "Q8_0": (34, 32, [(0, 2)])}
+#: Bytes after the last row: split rows read a little past their scales (see the kernel).
+SLACK_BYTES = 16
+
+
+def split_rows(type_name: str, data: np.ndarray) -> np.ndarray:
+    """Q4_0 / Q4_1 / Q8_0 rows ``[rows, blocks * size]`` regrouped as the kernels read them
+    fastest: each row becomes [the quants of every block][every d][every m (Q4_1)], in block
+    order. The same bytes, moved: nothing is dequantized or rounded."""
+    size, quant, halves = _SPLIT_FIELDS[type_name]
+    rows = data.shape[0]
+    blocks = np.asarray(data).reshape(rows, -1, size)
+    parts = [blocks[:, :, size - quant:]] + [blocks[:, :, a:b] for a, b in halves]
+    return np.concatenate([part.reshape(rows, -1) for part in parts], axis=1)
+
+
+def unsplit_rows(type_name: str, data: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`split_rows`."""
+    size, quant, halves = _SPLIT_FIELDS[type_name]
+    rows, count = data.shape[0], data.shape[1] // size
+    parts, offset = [], quant * count
+    for _ in halves:
+        parts.append(data[:, offset:offset + 2 * count].reshape(rows, count, 2))
+        offset += 2 * count
+    parts.append(data[:, :quant * count].reshape(rows, count, quant))
+    return np.concatenate(parts, axis=2).reshape(rows, -1)
+
+
+def packed_size(matrix: QuantizedMatrix) -> int:
+    """Bytes of :func:`layout_array`'s data for ``matrix``."""
+    return matrix.nbytes + SLACK_BYTES
+
+
+def layout_array(matrix: QuantizedMatrix, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(data, layout)`` for the kernels: every segment's rows back to back (uint8; Q8_0 rows
+    split, :func:`split_rows`, and Q4_0 / Q4_1 rows when their length is a multiple of 64; then
+    ``SLACK_BYTES`` zeros), and ``[segments, 4]`` int64 rows of (kernel type id, rows, byte
+    offset, bytes per row). ``out`` (``packed_size`` uint8s) receives the data if given."""
+    data_out = np.empty(packed_size(matrix), np.uint8) if out is None else out
     layout, offset = [], 0
     for segment in matrix.segments:
-        layout.append((TYPE_IDS[segment.type_name], segment.rows, offset, segment.data.shape[1]))
-        offset += segment.data.nbytes
-    data = np.concatenate([np.ascontiguousarray(s.data).reshape(-1) for s in matrix.segments])
-    return data, np.array(layout, dtype=np.int64)
+        data, type_id = np.asarray(segment.data), TYPE_IDS[segment.type_name]
+        if segment.type_name in SPLIT_TYPE_IDS and (segment.type_name == "Q8_0" or matrix.cols % 64 == 0):
+            data, type_id = split_rows(segment.type_name, data), SPLIT_TYPE_IDS[segment.type_name]
+        layout.append((type_id, segment.rows, offset, data.shape[1]))
+        data_out[offset:offset + data.nbytes] = data.reshape(-1)
+        offset += data.nbytes
+    data_out[offset:] = 0
+    return data_out, np.array(layout, dtype=np.int64)

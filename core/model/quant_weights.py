@@ -16,11 +16,12 @@ the float path does: the kernels apply them on the way in and out instead.
 from __future__ import annotations
 
 import logging
+import mmap
 
 import numpy as np
 
 from .config import ModelConfig
-from .quant import LOAD_TIME_FORMATS, QuantizedMatrix, layout_array, quantize
+from .quant import LOAD_TIME_FORMATS, QuantizedMatrix, layout_array, packed_size, quantize
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,39 @@ def as_quantized(weight, quantization: str, name: str) -> QuantizedMatrix:
     return quantize(np.asarray(weight, np.float32), method)
 
 
+class WeightArena:
+    """One anonymous memory mapping that holds every quantized matrix, backed by 2 MiB pages
+    where the kernel allows (``MADV_HUGEPAGE``): a decode step streams all the weights, and on
+    4 KiB pages that is a TLB miss every 4 KiB. The paddle tensors are views of it (DLPack,
+    no copy)."""
+
+    ALIGN = 64
+
+    def __init__(self, paddle, total_bytes: int):
+        self.paddle = paddle
+        self.size = max(1, total_bytes)
+        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # not supported here: 4 KiB pages, same results
+                pass
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.used = 0
+
+    @classmethod
+    def slot(cls, nbytes: int) -> int:
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
+
+    def put(self, matrix: QuantizedMatrix):
+        """``(data, layout)`` paddle tensors of ``matrix``, its data placed in the arena."""
+        size = packed_size(matrix)
+        out = self.array[self.used:self.used + size]
+        self.used += self.slot(size)
+        data, layout = layout_array(matrix, out=out)
+        return self.paddle.utils.dlpack.from_dlpack(data), self.paddle.to_tensor(layout)
+
+
 class QuantizedWeights:
     """Same interface as :class:`specdec.model.llama.FloatWeights`, over quantized matrices.
 
@@ -51,16 +85,22 @@ class QuantizedWeights:
         self.eps = float(config.rms_norm_eps)
         self._none = paddle.empty([0], dtype="float32")
 
+        c = config
+        layer_names = [[f"model.layers.{i}.{name}" for name in
+                        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                         "mlp.down_proj.weight")] for i in range(c.num_layers)]
+        quantized = {name: as_quantized(w[name], quantization, name)
+                     for name in [n for names in layer_names for n in names] + self._table_names(c)}
+        self.arena = WeightArena(paddle, sum(WeightArena.slot(packed_size(m)) for m in quantized.values()))
+
         def matrix(*names: str):
-            parts = [as_quantized(w[name], quantization, name) for name in names]
-            stacked = parts[0] if len(parts) == 1 else QuantizedMatrix.stacked(parts)
-            data, layout = layout_array(stacked)
-            return paddle.to_tensor(data), paddle.to_tensor(layout)
+            parts = [quantized.pop(name) for name in names]
+            return self.arena.put(parts[0] if len(parts) == 1 else QuantizedMatrix.stacked(parts))
 
         def vector(name: str):
             return paddle.to_tensor(np.ascontiguousarray(w[name], dtype=np.float32))
 
-        c = config
         scale = np.concatenate([np.full(c.q_size, c.head_dim ** -0.5), np.ones(2 * c.kv_size)])
         self.layers = []
         for i in range(c.num_layers):
@@ -82,6 +122,10 @@ class QuantizedWeights:
         self.final_norm = vector("model.norm.weight")
         self._float_embedding = None
         self._float_lm_head = None
+
+    @staticmethod
+    def _table_names(config: ModelConfig) -> list[str]:
+        return ["model.embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
 
     def weight_bytes(self) -> int:
         """Bytes of quantized weights one step reads (each matrix once; the embedding's few

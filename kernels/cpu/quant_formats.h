@@ -15,8 +15,12 @@
 
 namespace specdec_cpu {
 
-// ggml's type ids (enum ggml_type), as GGUF files store them.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+// ggml's type ids (enum ggml_type), as GGUF files store them, and layouts of our own: Q4_0,
+// Q4_1 and Q8_0 rows "split" (kQ4_0S, kQ4_1S, kQ8_0S): the same bytes as the row's stored
+// blocks, moved so that a row is [the quants of every block][every d][every m (Q4_1)], all in
+// block order. Two neighbouring Q4 blocks' nibbles (one Q8_0 block's int8s) then fill one
+// 32-byte vector and eight blocks' scales one vector: nothing is dequantized or rounded.
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_0S = 102, kQ4_1S = 103, kQ8_0S = 108 };
 
 struct SubBlock {
   __m256i q;
@@ -137,6 +141,35 @@ struct Format<kQ6_K> {
     }
   }
 };
+
+// Split rows: K / 32 blocks, 16 + 2 (+ 2 with a min) bytes each, regrouped (see QType).
+template <bool HasMin>
+struct SplitQ4 {
+  static constexpr int kElems = 32, kBytes = HasMin ? 20 : 18;
+  // One row of K elements dequantized into out[0:K].
+  static inline void dequantize_row(const uint8_t* row, int64_t K, float* out) {
+    const int64_t blocks = K / 32;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* qs = row + 16 * b;
+      const float d = half_at(row + 16 * blocks + 2 * b);
+      const float m = HasMin ? half_at(row + 18 * blocks + 2 * b) : -8.f * d;
+      for (int i = 0; i < 16; ++i) {
+        out[32 * b + i] = d * (qs[i] & 0xF) + m;
+        out[32 * b + 16 + i] = d * (qs[i] >> 4) + m;
+      }
+    }
+  }
+};
+
+// Split Q8_0 rows: [32 int8 of every block][every d].
+inline void dequantize_split_q8_row(const uint8_t* row, int64_t K, float* out) {
+  const int64_t blocks = K / 32;
+  const int8_t* q = reinterpret_cast<const int8_t*>(row);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float d = half_at(row + 32 * blocks + 2 * b);
+    for (int i = 0; i < 32; ++i) out[32 * b + i] = d * q[32 * b + i];
+  }
+}
 
 // Calls fn(Format<T>{}) for the format of `type`; false if the type is not one of these.
 template <typename Fn>

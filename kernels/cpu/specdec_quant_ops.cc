@@ -1,5 +1,6 @@
 // Weight-only quantized CPU kernels, as paddle custom operators: the matmuls compute on GGML
-// blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quant_formats.h), never on a dequantized copy.
+// blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quant_formats.h; Q4_0 and Q4_1 with each
+// row's bytes regrouped, "split"), never on a dequantized copy.
 //
 // Activations are quantized to int8 per 32 elements (scale = max|x| / 127, round to nearest
 // even), as llama.cpp does, and each weight sub-block is multiplied with integer dot products:
@@ -33,42 +34,82 @@
 namespace {
 
 using specdec_cpu::Format;
+using specdec_cpu::half_at;
 using specdec_cpu::hsum8;
+using specdec_cpu::load32;
 using specdec_cpu::SubBlock;
 using specdec_cpu::swiglu8;
 using specdec_cpu::with_format;
 using specdec_cpu::WorkPool;
 
-// Activation rows quantized to int8 in blocks of 32: q [M, K], and per block its scale d and
-// the sum of its dequantized values (for formats with a min).
+// Activation rows quantized to int8 in blocks of 32: q [M, K] in element order, and per block
+// its scale d and the sum of its dequantized values (for formats with a min), [M, ld] with ld
+// the block count rounded up to 8 (zeros past the end, so that eight blocks load as a vector).
+// With `pairs`, also the order split Q4 rows want: per pair of blocks (A, B), A[0:16] B[0:16]
+// A[16:32] B[16:32]; with `biased`, q + 128 as unsigned bytes (split Q8_0 rows, whose signed
+// weights take the other operand of the dot product).
 struct QuantizedRows {
-  int64_t M = 0, K = 0, blocks = 0;
+  int64_t M = 0, K = 0, blocks = 0, ld = 0;
   const int8_t* q = nullptr;
+  const int8_t* pairs = nullptr;
+  const uint8_t* biased = nullptr;
   const float* d = nullptr;
   const float* sum = nullptr;
-  std::vector<int8_t> q_store;
+  std::vector<int8_t> q_store, pair_store;
+  std::vector<uint8_t> biased_store;
   std::vector<float> d_store, sum_store;
 
-  QuantizedRows(const float* x, int64_t rows, int64_t cols) : M(rows), K(cols), blocks(cols / 32) {
+  QuantizedRows(const float* x, int64_t rows, int64_t cols, bool with_pairs, bool with_biased)
+      : M(rows), K(cols), blocks(cols / 32), ld((cols / 32 + 7) / 8 * 8) {
     q_store.resize(M * K);
-    d_store.resize(M * blocks);
-    sum_store.resize(M * blocks);
+    d_store.assign(M * ld, 0.f);
+    sum_store.assign(M * ld, 0.f);
+    const __m256 sign_bit = _mm256_set1_ps(-0.f);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t j = 0; j < blocks; ++j) {
         const float* in = x + m * K + j * 32;
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(in[i]));
-        const float scale = amax / 127.f;
-        const float inverse = scale != 0.f ? 1.f / scale : 0.f;
-        int8_t* out = q_store.data() + (m * blocks + j) * 32;
-        int total = 0;
-        for (int i = 0; i < 32; ++i) {
-          out[i] = static_cast<int8_t>(std::nearbyint(in[i] * inverse));
-          total += out[i];
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(in + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
         }
-        d_store[m * blocks + j] = scale;
-        sum_store[m * blocks + j] = scale * static_cast<float>(total);
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float scale = _mm_cvtss_f32(m4) / 127.f;
+        const __m256 inverse = _mm256_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+        // Round half to even (the MXCSR default), then narrow 32 x int32 to 32 x int8 in order.
+        __m256i q32[4];
+        for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+        const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_store.data() + m * K + j * 32), q8);
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1));
+        const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+        const int total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+        d_store[m * ld + j] = scale;
+        sum_store[m * ld + j] = scale * static_cast<float>(total);
       }
+    }
+    if (with_pairs) {
+      pair_store.resize(M * K);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j + 1 < blocks; j += 2) {
+          const int8_t* a = q_store.data() + m * K + 32 * j;
+          int8_t* out = pair_store.data() + m * K + 32 * j;
+          std::memcpy(out, a, 16);
+          std::memcpy(out + 16, a + 32, 16);
+          std::memcpy(out + 32, a + 16, 16);
+          std::memcpy(out + 48, a + 48, 16);
+        }
+      pairs = pair_store.data();
+    }
+    if (with_biased) {
+      biased_store.resize(M * K);
+      for (int64_t i = 0; i < M * K; ++i) biased_store[i] = static_cast<uint8_t>(q_store[i] + 128);
+      biased = biased_store.data();
     }
     q = q_store.data();
     d = d_store.data();
@@ -94,15 +135,32 @@ struct Epilogue {
 };
 
 int64_t block_elems(int type) {
+  if (type == specdec_cpu::kQ4_0S || type == specdec_cpu::kQ4_1S || type == specdec_cpu::kQ8_0S) return 32;
   int64_t elems = 0;
   with_format(type, [&](auto format) { elems = decltype(format)::kElems; });
   return elems;
 }
 
 int64_t block_bytes(int type) {
+  if (type == specdec_cpu::kQ4_0S) return 18;
+  if (type == specdec_cpu::kQ4_1S) return 20;
+  if (type == specdec_cpu::kQ8_0S) return 34;
   int64_t bytes = 0;
   with_format(type, [&](auto format) { bytes = decltype(format)::kBytes; });
   return bytes;
+}
+
+bool is_split(int type) {
+  return type == specdec_cpu::kQ4_0S || type == specdec_cpu::kQ4_1S || type == specdec_cpu::kQ8_0S;
+}
+
+// Row `row` of a segment, dequantized into out[0:K].
+void dequantize_row(const WeightSegment& seg, int64_t row, int64_t K, float* out) {
+  const uint8_t* data = seg.data + row * seg.row_bytes;
+  if (seg.type == specdec_cpu::kQ4_0S) return specdec_cpu::SplitQ4<false>::dequantize_row(data, K, out);
+  if (seg.type == specdec_cpu::kQ4_1S) return specdec_cpu::SplitQ4<true>::dequantize_row(data, K, out);
+  if (seg.type == specdec_cpu::kQ8_0S) return specdec_cpu::dequantize_split_q8_row(data, K, out);
+  with_format(seg.type, [&](auto format) { specdec_cpu::dequantize_row<decltype(format)>(data, K, out); });
 }
 
 // Reads and checks a weight's layout against K, the row length the caller multiplies with.
@@ -118,10 +176,14 @@ QuantWeight parse_weight(const paddle::Tensor& data, const paddle::Tensor& layou
     const int64_t count = rows[4 * s + 1], offset = rows[4 * s + 2], row_bytes = rows[4 * s + 3];
     const int64_t elems = block_elems(type);
     PD_CHECK(elems > 0, what, ": unsupported block type ", type);
+    PD_CHECK(type == specdec_cpu::kQ8_0S || !is_split(type) || K % 64 == 0, what,
+             ": split Q4 rows need a multiple of 64 elements");
     PD_CHECK(K % elems == 0 && row_bytes == K / elems * block_bytes(type), what, ": rows of type ", type,
              " do not hold ", K, " elements");
-    PD_CHECK(offset >= 0 && count >= 0 && offset + count * row_bytes <= data.numel(), what,
-             ": segment beyond the data");
+    // Split rows read up to 16 bytes past a row's scales (lanes then discarded): the data
+    // carries that much slack after its last row.
+    PD_CHECK(offset >= 0 && count >= 0 && offset + count * row_bytes + (is_split(type) ? 16 : 0) <= data.numel(),
+             what, ": segment beyond the data");
     w.segments.push_back({type, w.rows, count, row_bytes, base + offset});
     w.rows += count;
   }
@@ -131,8 +193,9 @@ QuantWeight parse_weight(const paddle::Tensor& data, const paddle::Tensor& layou
 // The 8-lane int8 dot product of each instruction set: lane i = sum of a[4i..4i+3] * b[4i..4i+3],
 // a unsigned, b signed.
 struct Avx2Dot {
-  static inline __m256i dot(__m256i a, __m256i b) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+  static constexpr bool kWide = false;  // maddubs saturates pair sums at 16 bits
+  static inline __m256i dot(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
   }
 };
 
@@ -144,7 +207,8 @@ using Dot = Avx2Dot;
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 struct VnniDot {
-  static inline __m256i dot(__m256i a, __m256i b) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b); }
+  static constexpr bool kWide = true;
+  static inline __m256i dot(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
 };
 
 namespace vnni {
@@ -162,8 +226,14 @@ bool use_vnni() {
 }
 
 void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, float* out) {
-  const QuantizedRows rows(x, M, K);
-  if (use_vnni())
+  bool with_pairs = false, with_biased = false;
+  for (const WeightSegment& seg : w.segments) {
+    with_pairs = with_pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
+    with_biased = with_biased || seg.type == specdec_cpu::kQ8_0S;
+  }
+  const bool vnni = use_vnni();
+  const QuantizedRows rows(x, M, K, with_pairs, with_biased && vnni);
+  if (vnni)
     vnni::matmul(rows, w, epi, out);
   else
     avx2::matmul(rows, w, epi, out);
@@ -259,13 +329,9 @@ std::vector<paddle::Tensor> QEmbedding(const paddle::Tensor& ids, const paddle::
   float* o = out.data<float>();
   for (int64_t t = 0; t < T; ++t) {
     PD_CHECK(id[t] >= 0 && id[t] < table.rows, "q_embedding: token id out of range");
-    for (const WeightSegment& seg : table.segments) {
-      if (id[t] < seg.first_row || id[t] >= seg.first_row + seg.rows) continue;
-      const uint8_t* row = seg.data + (id[t] - seg.first_row) * seg.row_bytes;
-      with_format(seg.type, [&](auto format) {
-        specdec_cpu::dequantize_row<decltype(format)>(row, cols, o + t * cols);
-      });
-    }
+    for (const WeightSegment& seg : table.segments)
+      if (id[t] >= seg.first_row && id[t] < seg.first_row + seg.rows)
+        dequantize_row(seg, id[t] - seg.first_row, cols, o + t * cols);
   }
   return {out};
 }

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from specdec.kernels.cpu import reference
-from specdec.model.quant import BLOCK_FORMATS, QuantizedMatrix, Segment, layout_array, quantize
+from specdec.model.quant import (BLOCK_FORMATS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment, layout_array,
+                                 quantize, split_rows, unsplit_rows)
 
 paddle = pytest.importorskip("paddle")
 
@@ -62,8 +63,10 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * scale)
 
 
-@pytest.mark.parametrize("type_name,cols", [("Q8_0", 96), ("Q4_0", 160), ("Q4_1", 576), ("Q4_K", 256),
-                                            ("Q4_K", 768), ("Q6_K", 512)])
+#: Q8_0 rows, and Q4_0 / Q4_1 rows whose length is a multiple of 64, run split (layout_array);
+#: Q4 rows of 160 and 96 do not.
+@pytest.mark.parametrize("type_name,cols", [("Q8_0", 96), ("Q4_0", 160), ("Q4_0", 128), ("Q4_1", 96),
+                                            ("Q4_1", 576), ("Q4_K", 256), ("Q4_K", 768), ("Q6_K", 512)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 37])
 def test_q_matmul_matches_reference(ops, isa, type_name, cols, rows):
     rng = np.random.default_rng(rows * 1000 + cols)
@@ -102,7 +105,7 @@ def test_q_matmul_mixed_segments_norm_and_epilogue(ops, isa, rows):
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_q_layer_tail_matches_reference(ops, isa, rows):
     rng = np.random.default_rng(50 + rows)
-    hidden, inner = 96, 160
+    hidden, inner = 128, 192
     wo = QuantizedMatrix(hidden, (random_blocks(rng, "Q4_1", hidden, hidden),))
     gate_up = QuantizedMatrix.stacked([QuantizedMatrix(hidden, (random_blocks(rng, "Q4_0", inner, hidden),)),
                                        QuantizedMatrix(hidden, (random_blocks(rng, "Q8_0", inner, hidden),))])
@@ -128,6 +131,18 @@ def test_q_embedding_matches_gguf_dequantize(ops, type_name, cols):
     ids = np.array([3, 0, 10, 3], dtype=np.int64)
     got = ops.specdec_q_embedding(paddle.to_tensor(ids), data_t, layout_t, cols).numpy()
     np.testing.assert_allclose(got, reference.q_embedding(ids, data, layout, cols), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_split_rows_move_bytes_only(type_name):
+    rng = np.random.default_rng(3)
+    segment = random_blocks(rng, type_name, 5, 192)
+    split = split_rows(type_name, segment.data)
+    assert split.shape == segment.data.shape
+    assert sorted(split.reshape(-1).tolist()) == sorted(segment.data.reshape(-1).tolist())
+    np.testing.assert_array_equal(unsplit_rows(type_name, split), segment.data)
+    data, layout = layout_array(QuantizedMatrix(192, (segment,)))
+    assert layout[0, 0] == SPLIT_TYPE_IDS[type_name] and len(data) == segment.data.nbytes + SLACK_BYTES
 
 
 def test_q_matmul_rejects_mismatched_rows(ops):

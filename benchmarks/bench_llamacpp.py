@@ -1,0 +1,184 @@
+"""specdec against llama.cpp on the same GGUF file, the same prompts, in one run.
+
+    python benchmarks/bench_llamacpp.py --llama-python /path/to/venv/bin/python
+        [--model smollm2-135m-instruct | FILE.gguf] [--prompts 6] [--max-tokens 128]
+        [--methods naive,ngram,suffix] [--quantization gguf] [--threads 2]
+
+llama.cpp is the peer users would otherwise pick; it is a benchmark-only install, in a venv of
+its own (so that nothing of it reaches specdec's environment):
+
+    python -m venv /tmp/llama-venv
+    CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llama-venv/bin/pip install llama-cpp-python==0.3.36   # ~6 min
+
+Both engines get the same token ids: the code-edit prompts rendered with the model's chat
+template by specdec's tokenizer. Greedy decoding, at most ``--max-tokens`` new tokens, stop
+at EOS, batch 1. llama.cpp runs in a subprocess of ``--llama-python`` (after specdec, never at
+the same time), with ``--threads`` threads; its rows are plain decoding and its prompt-lookup
+decoding (``LlamaPromptLookupDecoding``, 5 tokens). Each engine's KV cache is emptied
+before every prompt, so every request pays its prefill.
+
+Columns: prefill tok/s (prompt tokens / time to the first token), decode tok/s (tokens after
+the first / the time they took), end-to-end tok/s (new tokens / the whole request), ms per
+decode step, and the memory-bandwidth floor of a step: the bytes of weights one step reads
+divided by the bandwidth measured in the same run (2 threads streaming a 1 GiB buffer). A
+plain decode step cannot take less; a speculative step reads the weights once for several
+tokens, so its floor per token is lower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+import specdec
+from specdec.metrics import SpecMetrics
+from specdec.workloads import code_edit_prompts
+
+#: Runs in the llama.cpp venv: reads {"model", "threads", "prompts": [[ids]], "max_tokens",
+#: "eos": [ids], "lookup": bool} on stdin, prints one JSON line per prompt.
+LLAMA_SCRIPT = r'''
+import json, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+job = json.loads(sys.stdin.read())
+draft = LlamaPromptLookupDecoding(num_pred_tokens=5) if job["lookup"] else None
+llm = Llama(model_path=job["model"], n_threads=job["threads"], n_threads_batch=job["threads"], n_ctx=4096,
+            n_batch=512, verbose=False, draft_model=draft)
+eos = set(job["eos"])
+def run(ids):
+    llm.reset()
+    start = time.perf_counter(); first = None; out = []
+    for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        if first is None:
+            first = time.perf_counter()
+        if token in eos:
+            break
+        out.append(token)
+        if len(out) >= job["max_tokens"]:
+            break
+    return start, first, time.perf_counter(), out
+run(job["prompts"][0])  # warm-up
+for ids in job["prompts"]:
+    start, first, end, out = run(ids)
+    print(json.dumps({"prompt_tokens": len(ids), "tokens": len(out), "first_s": first - start, "total_s": end - start,
+                      "ids": out}), flush=True)
+'''
+
+
+def measure_bandwidth(threads: int = 2, size: int = 1 << 30) -> float:
+    """GB/s that ``threads`` threads read from memory (each sums its part of a buffer far larger
+    than the caches; numpy releases the GIL while it sums)."""
+    buffer = np.ones(size // 8, dtype=np.int64)
+    parts = np.array_split(buffer, threads)
+    best = 0.0
+    for _ in range(3):
+        workers = [threading.Thread(target=part.sum) for part in parts]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = max(best, size / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def run_llamacpp(python: str, model_path: str, threads: int, prompts: list[list[int]], max_tokens: int,
+                 eos: list[int], lookup: bool) -> list[dict]:
+    job = {"model": model_path, "threads": threads, "prompts": prompts, "max_tokens": max_tokens, "eos": eos,
+           "lookup": lookup}
+    done = subprocess.run([python, "-c", LLAMA_SCRIPT], input=json.dumps(job), capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"llama.cpp run failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def row(name, results, steps, weight_bytes, bandwidth):
+    prompt = sum(r["prompt_tokens"] for r in results)
+    first = sum(r["first_s"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    total = sum(r["total_s"] for r in results)
+    decode_time = total - first
+    decode_tokens = tokens - len(results)
+    step_ms = decode_time / max(1, steps) * 1e3
+    return {"engine": name, "prefill": prompt / first, "decode": decode_tokens / decode_time, "e2e": tokens / total,
+            "step_ms": step_ms, "floor_ms": weight_bytes / bandwidth / 1e6, "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-python", required=True, help="python of a venv with llama-cpp-python")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--methods", default="naive,ngram,suffix")
+    parser.add_argument("--quantization", default="gguf")
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    from specdec.model.resolve import resolve_model_path
+
+    model_path = str(resolve_model_path(args.model))
+    bandwidth = measure_bandwidth(args.threads)
+    llm = specdec.LLM(model=args.model, quantization=args.quantization, progress=False)
+    weights = llm.engine.model.weights
+    weight_bytes = weights.weight_bytes() if hasattr(weights, "weight_bytes") else None
+    prompts = [llm.encode_prompt(p, use_chat_template=True) for p in code_edit_prompts(args.prompts)]
+    sampling = specdec.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    configs = {"naive": {"method": "naive"},
+               "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
+               "suffix": {"method": "suffix", "num_speculative_tokens": args.k}}
+
+    rows, reference = [], None
+    for name in args.methods.split(","):
+        llm.set_speculative_config(configs[name])
+        llm.generate([prompts[0]], specdec.SamplingParams(max_tokens=16))  # warm-up
+        results, steps, same = [], 0, True
+        for ids in prompts:
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            [out] = llm.generate([ids], sampling)
+            total = time.perf_counter() - start
+            results.append({"prompt_tokens": len(ids), "tokens": out.num_generated_tokens,
+                            "first_s": out.first_token_s, "total_s": total, "ids": out.token_ids})
+            steps += SpecMetrics.total([out.metrics]).num_steps - 1  # the first token comes from the prefill
+        ids = [r["ids"] for r in results]
+        reference = reference or ids
+        same = ids == reference
+        rows.append({**row(f"specdec {name}", results, steps, weight_bytes, bandwidth), "same": same})
+    eos = sorted(llm.engine.eos_token_ids)
+    del llm
+
+    for lookup in (False, True):
+        results = run_llamacpp(args.llama_python, model_path, args.threads, prompts, args.max_tokens, eos, lookup)
+        steps = sum(r["tokens"] - 1 for r in results)  # plain: a step per token (lookup: unknown, shown per token)
+        name = "llama.cpp prompt lookup (5)" if lookup else "llama.cpp plain"
+        rows.append({**row(name, results, steps, weight_bytes, bandwidth),
+                     "same": [r["ids"] for r in results] == reference})
+
+    plain = next(r for r in rows if r["engine"] == "llama.cpp plain")
+    print(f"model {model_path.rsplit('/', 1)[-1]}, specdec quantization {args.quantization}, {len(prompts)} code-edit "
+          f"chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), greedy, at most "
+          f"{args.max_tokens} new tokens, {args.threads} threads")
+    print(f"weights read per step {weight_bytes / 1e6:.1f} MB, measured bandwidth {bandwidth:.1f} GB/s: "
+          f"floor {weight_bytes / bandwidth / 1e6:.2f} ms per step ({bandwidth * 1e9 / weight_bytes:.0f} steps/s)")
+    header = (f"{'engine':<30}{'prefill tok/s':>14}{'decode tok/s':>13}{'e2e tok/s':>11}{'e2e vs plain':>13}"
+              f"{'ms/step':>9}{'floor ms':>9}{'tokens':>8}{'same ids':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['engine']:<30}{r['prefill']:>14.0f}{r['decode']:>13.1f}{r['e2e']:>11.1f}"
+              f"{r['e2e'] / plain['e2e']:>12.2f}x{r['step_ms']:>9.2f}{r['floor_ms']:>9.2f}{r['tokens']:>8}"
+              f"{'yes' if r['same'] else 'no':>9}")
+    print("ms/step: decode time per target forward (llama.cpp lookup: per token); floor: weight bytes per step / "
+          "bandwidth; same ids: the tokens of specdec naive")
+
+
+if __name__ == "__main__":
+    main()
