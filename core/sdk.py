@@ -24,6 +24,8 @@ plugin or an engine module; a test holds the built-ins to it. What is here:
 - native code: :func:`load_cpu_ops` (the engine's compiled CPU operators), and for a plugin
   that compiles its own, :func:`kernel_build_dir` (where a source version is built, shared
   with the engine's kernels) and :class:`KernelUnavailable` (raise it when it cannot build);
+- :class:`QuantizedLinear` (a matrix quantized to ``wint8`` / ``wint4`` and multiplied by the
+  engine's quantized kernels: what a draft or MTP model's ``quantization`` runs on);
 - :func:`load_plugins`, for a plugin's tools that run an engine with plugins of their own;
 - for training model-based proposers: :class:`HiddenStateRecorder` (runs the target and keeps
   its hidden state and argmax at every position, as :class:`RecordedSequence`),
@@ -37,6 +39,7 @@ from .config import above, in_range, multiple_of, one_of
 from .errors import ConfigError, PluginError, SpecdecError, require_paddle
 from .hookspecs import hookimpl
 from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
+from .model.quant import QuantizedLinear
 from .plugin import Plugin
 from .plugin_manager import load_plugins
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
@@ -58,6 +61,6 @@ __all__ = [
     "prefix_match_result",
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
-    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_plugins",
+    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "QuantizedLinear", "load_plugins",
     "HiddenStateRecorder", "RecordedSequence", "save_recorded", "load_recorded",
 ]

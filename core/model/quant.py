@@ -169,3 +169,37 @@ def layout_array(matrix: QuantizedMatrix, out: np.ndarray | None = None) -> tupl
         offset += data.nbytes
     data_out[offset:] = 0
     return data_out, np.array(layout, dtype=np.int64)
+
+
+#: ``quantization`` values a draft or MTP model takes (``speculative_config.quantization``).
+DRAFT_QUANTIZATIONS = tuple(LOAD_TIME_FORMATS)
+
+
+class QuantizedLinear:
+    """``x @ W^T`` with ``W`` quantized at construction, through the CPU kernels: for plugins
+    that quantize their own matrices (an MTP or draft model's ``quantization``), exported as
+    ``specdec.sdk.QuantizedLinear``.
+
+    :param weight: ``[out, in]`` float weight (Hugging Face orientation); ``in`` a multiple of 32.
+    :param method: ``wint8`` or ``wint4`` (see :func:`quantize`).
+    """
+
+    def __init__(self, weight: np.ndarray, method: str):
+        from specdec.errors import SpecdecError, require_paddle
+        from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
+
+        if method not in LOAD_TIME_FORMATS:
+            raise SpecdecError(f"quantization: must be one of {', '.join(LOAD_TIME_FORMATS)}, got {method!r}")
+        try:
+            self._ops = load_cpu_ops()
+        except KernelUnavailable as exc:
+            raise SpecdecError(f"quantization: {method} needs the CPU kernels: {exc}") from None
+        paddle = require_paddle()
+        self.out_features, self.in_features = weight.shape
+        data, layout = layout_array(quantize(weight, method))
+        self._data, self._layout = paddle.to_tensor(data), paddle.to_tensor(layout)
+        self._none = paddle.empty([0], dtype="float32")
+
+    def __call__(self, x):
+        """``[M, in]`` float32 paddle tensor -> ``[M, out]``."""
+        return self._ops.specdec_q_matmul(x, self._none, self._data, self._layout, self._none, 0.0, False)

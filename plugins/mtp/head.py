@@ -12,15 +12,18 @@ from typing import Any
 
 import numpy as np
 
-from specdec.sdk import AttentionMetadata, require_paddle
+from specdec.sdk import AttentionMetadata, QuantizedLinear, require_paddle
 
 from .weights import MtpLayerWeights
 
 
 class MtpHead:
-    """The layer's weights as paddle tensors (``[in, out]`` for ``x @ W``) and its forward."""
+    """The layer's weights and its forward. Each matrix is a callable ``x -> x @ W^T``: float32
+    (``[in, out]`` paddle tensors), or with ``quantization`` (``wint8``, ``wint4``) quantized
+    and run by the engine's quantized kernels (:class:`specdec.sdk.QuantizedLinear`)."""
 
-    def __init__(self, weights: MtpLayerWeights, context: Any, cache_layers: Any, layer_index: int = 0):
+    def __init__(self, weights: MtpLayerWeights, context: Any, cache_layers: Any, layer_index: int = 0,
+                 quantization: str | None = None):
         paddle = require_paddle()
         self.paddle = paddle
         self.target = context.target
@@ -33,21 +36,27 @@ class MtpHead:
         def tensor(array: np.ndarray):
             return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
 
+        def linear(matrix: np.ndarray):  # [out, in] -> x @ matrix^T
+            if quantization is not None:
+                return QuantizedLinear(np.asarray(matrix, np.float32), quantization)
+            transposed = tensor(matrix.T)
+            return lambda x: paddle.matmul(x, transposed)
+
         d = weights.decoder
         scale = self.head_dim ** -0.5
         self.enorm, self.hnorm = tensor(weights.enorm), tensor(weights.hnorm)
-        self.embed_proj, self.hidden_proj = tensor(weights.embed_proj.T), tensor(weights.hidden_proj.T)
+        self.embed_proj, self.hidden_proj = linear(weights.embed_proj), linear(weights.hidden_proj)
         self.attn_norm = tensor(d["input_layernorm.weight"])
-        self.qkv = tensor(np.concatenate([d["self_attn.q_proj.weight"] * scale, d["self_attn.k_proj.weight"],
-                                          d["self_attn.v_proj.weight"]]).T)
+        self.qkv = linear(np.concatenate([d["self_attn.q_proj.weight"] * scale, d["self_attn.k_proj.weight"],
+                                          d["self_attn.v_proj.weight"]]))
         self.qkv_bias = None
         if "self_attn.q_proj.bias" in d:
             self.qkv_bias = tensor(np.concatenate([d["self_attn.q_proj.bias"] * scale, d["self_attn.k_proj.bias"],
                                                    d["self_attn.v_proj.bias"]]))
-        self.o = tensor(d["self_attn.o_proj.weight"].T)
+        self.o = linear(d["self_attn.o_proj.weight"])
         self.mlp_norm = tensor(d["post_attention_layernorm.weight"])
-        self.gate, self.up = tensor(d["mlp.gate_proj.weight"].T), tensor(d["mlp.up_proj.weight"].T)
-        self.down = tensor(d["mlp.down_proj.weight"].T)
+        self.gate, self.up = linear(d["mlp.gate_proj.weight"]), linear(d["mlp.up_proj.weight"])
+        self.down = linear(d["mlp.down_proj.weight"])
         self.final_norm = None if weights.final_norm is None else tensor(weights.final_norm)
         #: With a draft vocabulary: its token ids, and the LM head's rows for them with the final
         #: norm's gain folded in (``[K, H]``, contiguous: paddle's CPU matmul is 4x slower on a
@@ -78,15 +87,14 @@ class MtpHead:
         p = self.paddle
         with p.no_grad():
             embeds = self.target.embed(token_ids)
-            x = p.matmul(self._rms(embeds, self.enorm), self.embed_proj) + \
-                p.matmul(self._rms(hidden, self.hnorm), self.hidden_proj)
-            qkv = p.matmul(self._rms(x, self.attn_norm), self.qkv)
+            x = self.embed_proj(self._rms(embeds, self.enorm)) + self.hidden_proj(self._rms(hidden, self.hnorm))
+            qkv = self.qkv(self._rms(x, self.attn_norm))
             if self.qkv_bias is not None:
                 qkv = qkv + self.qkv_bias
             self.cache.prepare(meta)
-            x = x + p.matmul(self.cache.forward(self.layer_index, qkv, meta), self.o)
+            x = x + self.o(self.cache.forward(self.layer_index, qkv, meta))
             y = self._rms(x, self.mlp_norm)
-            x = x + p.matmul(p.nn.functional.silu(p.matmul(y, self.gate)) * p.matmul(y, self.up), self.down)
+            x = x + self.down(p.nn.functional.silu(self.gate(y)) * self.up(y))
         return x
 
     def logits(self, out):

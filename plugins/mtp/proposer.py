@@ -25,9 +25,11 @@ from specdec.sdk import (AttentionMetadata, Drafts, ProposalBatch, ProposalReque
                          sample_tokens)
 
 from .head import MtpHead
-from .weights import load_mtp_layers, quantize_wint8
+from .weights import load_mtp_layers
 
-QUANTIZATIONS = ("wint8",)
+#: The head's ``quantization``: its matrices quantized at load and run by the engine's
+#: quantized kernels (specdec.sdk.QuantizedLinear).
+QUANTIZATIONS = ("wint8", "wint4")
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
 #: The heads that ship with specdec, by the model name that selects their target.
 SHIPPED_HEADS = {"smollm2-135m-instruct": str(HEADS_DIR / "smollm2-135m-instruct.safetensors")}
@@ -56,14 +58,12 @@ class MtpProposer(specdec.Proposer):
             raise SpecdecError(f"mtp_strategy '{spec.mtp_strategy}' is not available yet; use 'default'")
         layers = load_mtp_layers(model, context.model_config.hidden_size)
         weights = layers[0]  # every substep reuses the first layer, as the seed system does
-        if spec.quantization == "wint8":
-            weights = quantize_wint8(weights)
         self.num_model_steps = spec.num_model_steps
         self.block_size = context.block_size
         self.hidden_size = context.model_config.hidden_size
         self.vocab_size = context.model_config.vocab_size
         self._fallback_rng = np.random.default_rng(0)  # for requests built without a generator
-        self.head = MtpHead(weights, context, context.create_cache_layers(1))
+        self.head = MtpHead(weights, context, context.create_cache_layers(1), quantization=spec.quantization)
         self.paddle = self.head.paddle
         #: Per request: the first hidden position the next proposal should bring (a different
         #: one means a fresh start: first proposal, prefix-cache hit, or preemption).

@@ -182,18 +182,3 @@ def save_mtp_layers(layers: list[MtpLayerWeights], path: str | Path, dtype: str 
     if vocab is not None:
         tensors[DRAFT_VOCAB] = np.ascontiguousarray(vocab, dtype=np.int64)
     save_file(tensors, str(path), metadata=metadata)
-
-
-def quantize_wint8(layer: MtpLayerWeights) -> MtpLayerWeights:
-    """``layer`` with every matrix rounded to weight-only int8 (one float scale per output
-    channel, ``max |W| / 127``), as ``quantization: wint8`` stores it. The head computes with
-    the dequantized values, so its drafts are those of the int8 weights."""
-
-    def rounded(matrix: np.ndarray) -> np.ndarray:
-        scale = np.abs(matrix).max(axis=1, keepdims=True) / 127.0
-        scale[scale == 0] = 1.0
-        return (np.clip(np.round(matrix / scale), -127, 127) * scale).astype(np.float32)
-
-    decoder = {name: rounded(value) if value.ndim == 2 else value for name, value in layer.decoder.items()}
-    return attrs.evolve(layer, embed_proj=rounded(layer.embed_proj), hidden_proj=rounded(layer.hidden_proj),
-                        decoder=decoder)

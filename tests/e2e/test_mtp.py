@@ -34,6 +34,29 @@ def test_mtp_is_lossless_at_temperature_zero(model_session, steps, batch):
     assert 0 < accepted < sum(o.metrics.num_draft_tokens for o in outputs)
 
 
+@pytest.mark.parametrize("quantization", ["wint8", "wint4"])
+def test_quantized_mtp_head_is_lossless_and_still_drafts_well(model_session, quantization):
+    """``quantization`` runs the head's matrices on the quantized kernels; acceptance stays near
+    the float32 head's (int8 per channel barely moves it; int4 in groups of 32 more)."""
+    from specdec.sdk import QuantizedLinear
+
+    base = {"method": "mtp", "num_model_steps": 1, "adaptive_draft_length": False}
+    float_head = model_session.run(base, PROMPTS, SAMPLING, max_num_seqs=5)
+    naive = model_session.run(None, PROMPTS, SAMPLING, max_num_seqs=5)
+    outputs = model_session.run({**base, "quantization": quantization}, PROMPTS, SAMPLING, max_num_seqs=5)
+    head = model_session.llm.engine.proposer.head
+    assert isinstance(head.qkv, QuantizedLinear) and isinstance(head.down, QuantizedLinear)
+    for prompt, got, want in zip(PROMPTS, outputs, naive):
+        message = model_session.describe_divergence(prompt, want.token_ids, got.token_ids, label=quantization)
+        assert message is None, message
+
+    def acceptance(runs):
+        return sum(o.metrics.num_accepted_tokens for o in runs) / sum(o.metrics.num_draft_tokens for o in runs)
+
+    floor = 0.9 if quantization == "wint8" else 0.6
+    assert acceptance(outputs) > floor * acceptance(float_head), (acceptance(outputs), acceptance(float_head))
+
+
 class CheckedMtp(MtpProposer):
     """``mtp`` that, after each catch-up, reruns its head over the whole sequence of a request
     that has computed every position itself, in a fresh cache, and records the difference at

@@ -5,9 +5,8 @@ blocks as stored keeps less memory resident than the float16 path.
 Tolerances (measured on the default SmolLM2-135M Q4_1 file, 37 positions of a chat prompt,
 against the float32 path over the same dequantized weights; logits have a standard deviation
 of about 8 there): ``gguf`` max |error| 2.9, RMS 0.47, top-1 agreement 95%; ``wint8`` max 2.6,
-RMS 0.51, top-1 100%. The error is that of quantizing each row's activations to int8 per 32
-(llama.cpp does the same, and on six chat questions the ``gguf`` path writes llama.cpp's text
-token for token; docs/models.md).
+RMS 0.51, top-1 100%. The error is that of quantizing each row's activations to int8 per 32,
+as llama.cpp does for these formats (docs/models.md, Accuracy).
 """
 
 from __future__ import annotations

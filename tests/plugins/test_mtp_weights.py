@@ -1,5 +1,5 @@
 """Loading MTP head weights: specdec's own layout and Xiaomi MiMo's (a tiny random checkpoint
-written the way MiMo's safetensors name and shape them), shape checks, wint8."""
+written the way MiMo's safetensors name and shape them), shape checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from specdec.errors import SpecdecError
-from specdec.plugins.mtp.weights import (DECODER_NAMES, MtpLayerWeights, load_mtp_layers, quantize_wint8,
+from specdec.plugins.mtp.weights import (DECODER_NAMES, MtpLayerWeights, load_mtp_layers,
                                          save_mtp_layers)
 
 H, I, NH, NKV, D, V = 64, 128, 4, 2, 16, 256
@@ -108,12 +108,3 @@ def test_bad_files_are_one_line_errors(tmp_path):
         load_mtp_layers(tmp_path / "broken.safetensors", H)
 
 
-def test_wint8_keeps_each_channel_within_half_a_step():
-    layer = random_layer(np.random.default_rng(3), final_norm=False)
-    quantized = quantize_wint8(layer)
-    for name in ("embed_proj", "hidden_proj"):
-        w, q = getattr(layer, name), getattr(quantized, name)
-        step = np.abs(w).max(axis=1, keepdims=True) / 127
-        assert np.all(np.abs(w - q) <= step / 2 + 1e-6)
-        assert len(np.unique(np.round(q / step))) <= 255
-    np.testing.assert_array_equal(quantized.enorm, layer.enorm)  # norms stay as they are
