@@ -102,6 +102,11 @@ class FloatWeights:
         x = linear.matmul_add(attn, layer["o"], x)
         return linear.matmul_add(linear.rms_matmul_swiglu(x, layer["gate_up"]), layer["down"], x)
 
+    def layer_output_and_next_input(self, index: int, attn, x):
+        """``(layer_output(index, attn, x), attention_input(index + 1, that))``."""
+        x = self.layer_output(index, attn, x)
+        return x, self.attention_input(index + 1, x)
+
     def logits(self, x):
         return self.linear.rms_matmul(x, self.lm_head)
 
@@ -183,9 +188,12 @@ class LlamaModel:
         with p.no_grad():
             x = weights.embed(p.to_tensor(token_ids))
             self.attention.prepare(meta)
-            for index in range(self.config.num_layers):
-                attn = self.attention.forward(index, weights.attention_input(index, x), meta)
-                x = weights.layer_output(index, attn, x)
+            last = self.config.num_layers - 1
+            qkv = weights.attention_input(0, x)
+            for index in range(last):
+                attn = self.attention.forward(index, qkv, meta)
+                x, qkv = weights.layer_output_and_next_input(index, attn, x)
+            x = weights.layer_output(last, self.attention.forward(last, qkv, meta), x)
             hidden = x
             if len(logit_rows) == 0:
                 logits = np.zeros((0, self.config.vocab_size), np.float32)

@@ -1,13 +1,16 @@
-"""The quantized path of the decoder: weights as GGML blocks, three native calls per layer.
+"""The quantized path of the decoder: weights as GGML blocks, two native calls per layer.
 
-Per layer, a step makes these calls (plus one embedding lookup and one LM head per step):
+A step makes one embedding lookup (``specdec_q_embedding``), the first layer's attention input
+(``specdec_q_matmul``: RMSNorm, the norm's gain, the fused QKV matmul, the attention scale on
+the query columns, the q/k/v biases), then per layer:
 
-1. ``specdec_q_matmul``: RMSNorm, the norm's gain, the fused QKV matmul, the attention scale
-   on the query columns and the q/k/v biases;
-2. the attention backend's ``forward`` (with the ``cpu`` backend, one call: RoPE, the KV-cache
-   write and attention);
-3. ``specdec_q_layer_tail``: the output projection and residual, RMSNorm, gate/up, SwiGLU,
-   down and residual.
+1. the attention backend's ``forward`` (with the ``cpu`` backend, one call: RoPE, the
+   KV-cache write and attention);
+2. ``specdec_q_layer_tail_qkv``: the output projection and residual, RMSNorm, gate/up,
+   SwiGLU, down and residual, then the next layer's attention input as above
+   (``specdec_q_layer_tail`` without it after the last layer);
+
+and the LM head (``specdec_q_matmul`` with the final norm): 3 + 2 * layers calls.
 
 Blocks stay as stored, so gains and the attention scale cannot be folded into the weights as
 the float path does: the kernels apply them on the way in and out instead.
@@ -146,6 +149,13 @@ class QuantizedWeights:
         layer = self.layers[index]
         return self.ops.specdec_q_layer_tail(attn, x, *layer["o"], layer["mlp_gain"], *layer["gate_up"],
                                              *layer["down"], self.eps)
+
+    def layer_output_and_next_input(self, index: int, attn, x):
+        """``(layer_output(index, attn, x), attention_input(index + 1, that))`` in one call."""
+        layer, following = self.layers[index], self.layers[index + 1]
+        return self.ops.specdec_q_layer_tail_qkv(attn, x, *layer["o"], layer["mlp_gain"], *layer["gate_up"],
+                                                 *layer["down"], following["attn_gain"], *following["qkv"],
+                                                 following["qkv_epilogue"], self.eps)
 
     def logits(self, x):
         data, layout = self.lm_head

@@ -166,3 +166,9 @@ def q_layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps):
 def q_embedding(ids, data, layout, cols):
     """Rows ``ids`` of a quantized table, dequantized."""
     return dequantize_weight(data, layout, cols)[np.asarray(ids)].astype(np.float32)
+
+
+def q_layer_tail_qkv(attn, x, wo, lo, gain, wgu, lgu, wd, ld, next_gain, wqkv, lqkv, epilogue, eps):
+    """:func:`q_layer_tail`, then the next layer's attention input over its output."""
+    out = q_layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps)
+    return out, q_matmul(out, next_gain, wqkv, lqkv, epilogue, eps, True)

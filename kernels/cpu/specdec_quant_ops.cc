@@ -16,6 +16,9 @@
 //   q_layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps) -> [M, H]: the rest of a decoder
 //       layer after attention: x1 = x + attn @ wo^T, h = rms_norm(x1) * gain,
 //       [g | u] = h @ wgu^T, x1 + (silu(g) * u) @ wd^T
+//   q_layer_tail_qkv(..., next_gain, wqkv, lqkv, epilogue, eps) -> (that, the next layer's
+//       q_matmul(that, next_gain, wqkv, lqkv, epilogue, eps, normalize)): two layers' work
+//       between two attention calls, in one call
 //   q_embedding(ids, w, layout, cols) -> [T, cols]: rows of a quantized table, dequantized
 #include "paddle/extension.h"
 #include "quant_formats.h"
@@ -282,10 +285,12 @@ std::vector<paddle::Tensor> QMatmul(const paddle::Tensor& x, const paddle::Tenso
   return {out};
 }
 
-std::vector<paddle::Tensor> QLayerTail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddle::Tensor& wo,
-                                       const paddle::Tensor& lo, const paddle::Tensor& gain,
-                                       const paddle::Tensor& wgu, const paddle::Tensor& lgu,
-                                       const paddle::Tensor& wd, const paddle::Tensor& ld, float eps) {
+namespace {
+
+// The rest of a decoder layer after attention, into out [M, H] (see q_layer_tail).
+void layer_tail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddle::Tensor& wo, const paddle::Tensor& lo,
+                const paddle::Tensor& gain, const paddle::Tensor& wgu, const paddle::Tensor& lgu,
+                const paddle::Tensor& wd, const paddle::Tensor& ld, float eps, float* out) {
   check_rows(attn, "q_layer_tail: attn");
   check_rows(x, "q_layer_tail: x");
   const int64_t M = x.shape()[0], H = x.shape()[1], A = attn.shape()[1];
@@ -313,10 +318,50 @@ std::vector<paddle::Tensor> QLayerTail(const paddle::Tensor& attn, const paddle:
     for (int64_t i = 0; i < I; i += 8)
       _mm256_storeu_ps(a + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(g + I + i)));
   }
-  auto out = paddle::empty({M, H}, paddle::DataType::FLOAT32, x.place());
   residual.residual = x1.data();
-  matmul(act.data(), M, I, down, residual, out.data<float>());
+  matmul(act.data(), M, I, down, residual, out);
+}
+
+// The next layer's attention input: rms_norm(x) * gain @ wqkv^T, scaled and biased per column.
+paddle::Tensor attention_input(const paddle::Tensor& x, const float* x_data, const paddle::Tensor& gain,
+                               const paddle::Tensor& w, const paddle::Tensor& layout, const paddle::Tensor& epilogue,
+                               float eps) {
+  const int64_t M = x.shape()[0], K = x.shape()[1];
+  const QuantWeight weight = parse_weight(w, layout, K, "q_matmul");
+  Epilogue epi;
+  if (epilogue.numel() > 0) {
+    PD_CHECK(epilogue.numel() == 2 * weight.rows, "q_matmul: epilogue must be [2, N]");
+    epi.scale = epilogue.data<float>();
+    epi.bias = epi.scale + weight.rows;
+  }
+  PD_CHECK(gain.numel() == 0 || gain.numel() == K, "q_matmul: gain must be [K]");
+  auto out = paddle::empty({M, weight.rows}, paddle::DataType::FLOAT32, x.place());
+  const std::vector<float> h = normalized(x_data, M, K, gain.numel() > 0 ? gain.data<float>() : nullptr, eps);
+  matmul(h.data(), M, K, weight, epi, out.data<float>());
+  return out;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> QLayerTail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddle::Tensor& wo,
+                                       const paddle::Tensor& lo, const paddle::Tensor& gain,
+                                       const paddle::Tensor& wgu, const paddle::Tensor& lgu,
+                                       const paddle::Tensor& wd, const paddle::Tensor& ld, float eps) {
+  auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps, out.data<float>());
   return {out};
+}
+
+std::vector<paddle::Tensor> QLayerTailQkv(const paddle::Tensor& attn, const paddle::Tensor& x,
+                                          const paddle::Tensor& wo, const paddle::Tensor& lo,
+                                          const paddle::Tensor& gain, const paddle::Tensor& wgu,
+                                          const paddle::Tensor& lgu, const paddle::Tensor& wd,
+                                          const paddle::Tensor& ld, const paddle::Tensor& next_gain,
+                                          const paddle::Tensor& wqkv, const paddle::Tensor& lqkv,
+                                          const paddle::Tensor& epilogue, float eps) {
+  auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps, out.data<float>());
+  return {out, attention_input(out, out.data<float>(), next_gain, wqkv, lqkv, epilogue, eps)};
 }
 
 std::vector<paddle::Tensor> QEmbedding(const paddle::Tensor& ids, const paddle::Tensor& w, const paddle::Tensor& layout,
@@ -347,6 +392,12 @@ PD_BUILD_OP(specdec_q_layer_tail)
     .Outputs({"Out"})
     .Attrs({"eps: float"})
     .SetKernelFn(PD_KERNEL(QLayerTail));
+
+PD_BUILD_OP(specdec_q_layer_tail_qkv)
+    .Inputs({"Attn", "X", "Wo", "Lo", "Gain", "Wgu", "Lgu", "Wd", "Ld", "NextGain", "Wqkv", "Lqkv", "Epilogue"})
+    .Outputs({"Out", "Qkv"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(QLayerTailQkv));
 
 PD_BUILD_OP(specdec_q_embedding)
     .Inputs({"Ids", "W", "Layout"})

@@ -115,6 +115,38 @@ def test_speculation_keeps_the_quantized_greedy_output(quantization):
 
 #: VmHWM (this process's peak resident set) rather than ru_maxrss, which Linux carries over
 #: from the pytest process that forked this one.
+def test_a_decode_step_makes_two_native_calls_per_layer():
+    """docs/models.md: 3 + 2 x layers calls for the quantized path (63 for 30 layers)."""
+    llm = engine("gguf")
+    model = llm.engine.model
+    calls = []
+
+    class Counting:
+        def __init__(self, ops):
+            self._ops = ops
+
+        def __getattr__(self, name):
+            op = getattr(self._ops, name)
+
+            def counted(*args):
+                calls.append(name)
+                return op(*args)
+            return counted
+
+    weights, attention = model.weights, model.attention
+    saved = weights.ops, attention.ops
+    weights.ops, attention.ops = Counting(weights.ops), Counting(attention.ops)
+    try:
+        ids = llm.encode_prompt(QUESTION, use_chat_template=True)
+        all_logits(llm, ids)
+    finally:
+        weights.ops, attention.ops = saved
+    layers = model.config.num_layers
+    assert len(calls) == 3 + 2 * layers == 63, sorted(set(calls))
+    assert calls.count("specdec_q_layer_tail_qkv") == layers - 1
+    assert calls.count("specdec_paged_attention") == layers
+
+
 _RSS_SCRIPT = """
 import json, sys
 import specdec

@@ -122,6 +122,32 @@ def test_q_layer_tail_matches_reference(ops, isa, rows):
     _close(got, want)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q_layer_tail_qkv_matches_reference(ops, isa, rows):
+    """The tail of one layer and the next layer's attention input, in one call."""
+    rng = np.random.default_rng(70 + rows)
+    hidden, inner, qkv_rows = 256, 256, 96
+    mats = [QuantizedMatrix(hidden, (random_blocks(rng, "Q4_K", hidden, hidden),)),
+            QuantizedMatrix(hidden, (random_blocks(rng, "Q4_1", 2 * inner, hidden),)),
+            QuantizedMatrix(inner, (random_blocks(rng, "Q6_K", hidden, inner),)),
+            QuantizedMatrix.stacked([QuantizedMatrix(hidden, (random_blocks(rng, "Q4_K", 64, hidden),)),
+                                     QuantizedMatrix(hidden, (random_blocks(rng, "Q8_0", 32, hidden),))])]
+    parts = [tensors(m) for m in mats]
+    attn = rng.standard_normal((rows, hidden)).astype(np.float32)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    gain, next_gain = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
+    epilogue = np.stack([rng.uniform(0.1, 1, qkv_rows), rng.standard_normal(qkv_rows)]).astype(np.float32)
+    got_x, got_qkv = ops.specdec_q_layer_tail_qkv(
+        paddle.to_tensor(attn), paddle.to_tensor(x), parts[0][2], parts[0][3], paddle.to_tensor(gain), parts[1][2],
+        parts[1][3], parts[2][2], parts[2][3], paddle.to_tensor(next_gain), parts[3][2], parts[3][3],
+        paddle.to_tensor(epilogue), 1e-5)
+    want_x, want_qkv = reference.q_layer_tail_qkv(attn, x, parts[0][0], parts[0][1], gain, parts[1][0], parts[1][1],
+                                                  parts[2][0], parts[2][1], next_gain, parts[3][0], parts[3][1],
+                                                  epilogue, 1e-5)
+    _close(got_x.numpy(), want_x)
+    _close(got_qkv.numpy(), want_qkv)
+
+
 @pytest.mark.parametrize("type_name,cols", [("Q8_0", 64), ("Q4_0", 64), ("Q4_1", 96), ("Q4_K", 256),
                                             ("Q6_K", 256)])
 def test_q_embedding_matches_gguf_dequantize(ops, type_name, cols):
