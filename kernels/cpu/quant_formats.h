@@ -110,35 +110,38 @@ struct Format<kQ4_K> {
   }
 };
 
-// Q6_K: {uint8 ql[128]; uint8 qh[64]; int8 scales[16]; half d}: 6-bit values (4 low bits in ql,
-// 2 high bits in qh), each d * scale * (q - 32) with a scale per 16 elements.
+// The 256 6-bit values of a Q6_K super-block, unsigned (0..63), as 8 vectors of 32 in element
+// order (the low 4 bits in ql, the high 2 in qh, as ggml's dequantize_row_q6_K reads them).
+inline void q6k_values(const uint8_t* b, __m256i* q) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i low0 = load32(ql + 64 * n), low1 = load32(ql + 64 * n + 32), high = load32(qh + 32 * n);
+    q[4 * n] = _mm256_or_si256(_mm256_and_si256(low0, m4), _mm256_slli_epi16(_mm256_and_si256(high, m2), 4));
+    q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(low1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), m2), 4));
+    q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), m2), 4));
+    q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), m2), 4));
+  }
+}
+
+// Q6_K: {uint8 ql[128]; uint8 qh[64]; int8 scales[16]; half d}: 6-bit values, each
+// d * scale * (q - 32) with a scale per 16 elements: sub-block s uses scales 2s and 2s + 1.
 template <>
 struct Format<kQ6_K> {
   static constexpr int kElems = 256, kBytes = 210, kSub = 8;
   static constexpr bool kHasMin = false;
   static inline void unpack(const uint8_t* b, SubBlock* out) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half_at(b + 208);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), offset = _mm256_set1_epi8(32);
-    for (int n = 0; n < 2; ++n) {
-      const __m256i low0 = load32(ql + 64 * n), low1 = load32(ql + 64 * n + 32), high = load32(qh + 32 * n);
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(low0, m4), _mm256_slli_epi16(_mm256_and_si256(high, m2), 4)),
-          _mm256_or_si256(_mm256_and_si256(low1, m4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), m2), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), m4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), m2), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), m4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), m2), 4)),
-      };
-      for (int t = 0; t < 4; ++t) {
-        const int s = 8 * n + 2 * t;  // elements 0..15 use scales[s], 16..31 scales[s + 1]
-        out[4 * n + t] = {_mm256_sub_epi8(q[t], offset),
-                          _mm256_set_m128(_mm_set1_ps(d * sc[s + 1]), _mm_set1_ps(d * sc[s])), 0.f};
-      }
-    }
+    __m256i q[8];
+    q6k_values(b, q);
+    for (int s = 0; s < 8; ++s)
+      out[s] = {_mm256_sub_epi8(q[s], _mm256_set1_epi8(32)),
+                _mm256_set_m128(_mm_set1_ps(d * sc[2 * s + 1]), _mm_set1_ps(d * sc[2 * s])), 0.f};
   }
 };
 

@@ -40,6 +40,7 @@ using specdec_cpu::Format;
 using specdec_cpu::half_at;
 using specdec_cpu::hsum8;
 using specdec_cpu::load32;
+using specdec_cpu::q6k_values;
 using specdec_cpu::SubBlock;
 using specdec_cpu::swiglu8;
 using specdec_cpu::with_format;
@@ -56,13 +57,15 @@ struct QuantizedRows {
   const int8_t* q = nullptr;
   const int8_t* pairs = nullptr;
   const uint8_t* biased = nullptr;
+  const int32_t* neg32 = nullptr;  // [M, K / 4]: -32 * the sum of each 4 activations (Q6_K)
   const float* d = nullptr;
   const float* sum = nullptr;
   std::vector<int8_t> q_store, pair_store;
   std::vector<uint8_t> biased_store;
+  std::vector<int32_t> neg32_store;
   std::vector<float> d_store, sum_store;
 
-  QuantizedRows(const float* x, int64_t rows, int64_t cols, bool with_pairs, bool with_biased)
+  QuantizedRows(const float* x, int64_t rows, int64_t cols, bool with_pairs, bool with_biased, bool with_neg32)
       : M(rows), K(cols), blocks(cols / 32), ld((cols / 32 + 7) / 8 * 8) {
     q_store.resize(M * K);
     d_store.assign(M * ld, 0.f);
@@ -113,6 +116,14 @@ struct QuantizedRows {
       biased_store.resize(M * K);
       for (int64_t i = 0; i < M * K; ++i) biased_store[i] = static_cast<uint8_t>(q_store[i] + 128);
       biased = biased_store.data();
+    }
+    if (with_neg32) {
+      neg32_store.resize(M * K / 4);
+      for (int64_t i = 0; i < M * K / 4; ++i) {
+        const int8_t* four = q_store.data() + 4 * i;
+        neg32_store[i] = -32 * (four[0] + four[1] + four[2] + four[3]);
+      }
+      neg32 = neg32_store.data();
     }
     q = q_store.data();
     d = d_store.data();
@@ -229,13 +240,14 @@ bool use_vnni() {
 }
 
 void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, float* out) {
-  bool with_pairs = false, with_biased = false;
+  bool with_pairs = false, with_biased = false, with_neg32 = false;
   for (const WeightSegment& seg : w.segments) {
     with_pairs = with_pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     with_biased = with_biased || seg.type == specdec_cpu::kQ8_0S;
+    with_neg32 = with_neg32 || seg.type == specdec_cpu::kQ6_K;
   }
   const bool vnni = use_vnni();
-  const QuantizedRows rows(x, M, K, with_pairs, with_biased && vnni);
+  const QuantizedRows rows(x, M, K, with_pairs, with_biased && vnni, with_neg32);
   if (vnni)
     vnni::matmul(rows, w, epi, out);
   else

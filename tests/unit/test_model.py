@@ -241,6 +241,37 @@ def test_cpu_path_with_many_rows_matches_reference():
     check_against_reference(model, config, weights, sequence, prefill=23, vocab_junk=17)
 
 
+def quantizable_config(tied: bool, bias: bool) -> ModelConfig:
+    """Widths that are multiples of 64, as the quantized formats need."""
+    return ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rope_theta=500.0, rms_norm_eps=1e-6,
+                       max_position_embeddings=64, tie_word_embeddings=tied, attention_bias=bias)
+
+
+@pytest.mark.parametrize("tied, bias", [(True, False), (False, True)], ids=["tied", "untied-qkv_bias"])
+@pytest.mark.parametrize("quantization", ["wint8", "wint4"])
+def test_quantized_small_model_tracks_the_reference(tied, bias, quantization):
+    """Float weights (as a safetensors checkpoint gives them) quantized at load: the logits of
+    every chunk stay near the float reference's (int8 weights and activations: within 0.1;
+    int4 weights: 0.6), biases, the attention scale and an untied head included; and chunked
+    steps equal one prefill exactly, as each row's activations are quantized on their own."""
+    from specdec.kernels.cpu import load_cpu_ops
+    from specdec.plugins.attention.cpu_backend import CpuAttention
+
+    load_cpu_ops()
+    config = quantizable_config(tied, bias)
+    weights = random_weights(config, seed=21)
+    model = _with_cache(LlamaModel(config, weights, CpuAttention(), max_positions=64, kernels="cpu",
+                                   quantization=quantization))
+    sequence = np.random.default_rng(4).integers(0, config.vocab_size, size=20)
+    whole = _forward(model, TABLE_B, sequence, 0)
+    reference = reference_logits(config, weights, sequence)
+    worst = {"wint8": 0.1, "wint4": 0.6}[quantization]
+    assert np.abs(whole - reference).max() < worst, np.abs(whole - reference).max()
+    assert np.abs(whole - reference).max() > 1e-4  # the weights really are quantized
+    check_against_reference(model, config, weights, sequence, prefill=12, vocab_junk=17, expected=whole)
+
+
 def test_small_model_logits_are_not_trivial():
     """Guard against a vacuous comparison: logits vary across positions and the head matters."""
     config = small_config(tied=False, bias=True)
