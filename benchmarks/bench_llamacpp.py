@@ -2,7 +2,7 @@
 
     python benchmarks/bench_llamacpp.py --llama-python /path/to/venv/bin/python
         [--model smollm2-135m-instruct | FILE.gguf] [--prompts 6] [--max-tokens 128]
-        [--methods naive,ngram,suffix] [--quantization gguf] [--threads 2]
+        [--methods naive,ngram,suffix] [--quantization gguf] [--threads 2] [--repeats 1]
 
 llama.cpp is the peer users would otherwise pick; it is a benchmark-only install, in a venv of
 its own (so that nothing of it reaches specdec's environment):
@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="gguf")
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts, engines taking turns")
     args = parser.parse_args()
 
     from specdec.model.resolve import resolve_model_path
@@ -150,35 +151,40 @@ def main() -> None:
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
                "suffix": {"method": "suffix", "num_speculative_tokens": args.k}}
 
-    rows, reference = [], None
-    for name in args.methods.split(","):
+    names = args.methods.split(",")
+    for name in names:  # warm-up
         llm.set_speculative_config(configs[name])
-        llm.generate([prompts[0]], specdec.SamplingParams(max_tokens=16))  # warm-up
-        results, steps, same = [], 0, True
-        for ids in prompts:
-            llm.reset_prefix_cache()
-            start = time.perf_counter()
-            [out] = llm.generate([ids], sampling)
-            total = time.perf_counter() - start
-            results.append({"prompt_tokens": len(ids), "tokens": out.num_generated_tokens,
-                            "first_s": out.first_token_s, "total_s": total, "ids": out.token_ids})
-            steps += SpecMetrics.total([out.metrics]).num_steps - 1  # the first token comes from the prefill
-        ids = [r["ids"] for r in results]
-        reference = reference or ids
-        rows.append({**row(f"specdec {name}", results, steps, weight_bytes, bandwidth), "ids": ids})
+        llm.generate([prompts[0]], specdec.SamplingParams(max_tokens=16))
     eos = sorted(llm.engine.eos_token_ids)
     STOP_IDS.update(eos)
+    engines = [f"specdec {name}" for name in names] + ["llama.cpp plain", "llama.cpp prompt lookup (5)"]
+    results = {engine: [] for engine in engines}
+    steps = dict.fromkeys(engines, 0)
+    # Passes alternate between the engines, so that this machine's slow spells hit them alike.
+    for _ in range(args.repeats):
+        for name in names:
+            llm.set_speculative_config(configs[name])
+            for ids in prompts:
+                llm.reset_prefix_cache()
+                start = time.perf_counter()
+                [out] = llm.generate([ids], sampling)
+                total = time.perf_counter() - start
+                results[f"specdec {name}"].append({"prompt_tokens": len(ids), "tokens": out.num_generated_tokens,
+                                                   "first_s": out.first_token_s, "total_s": total,
+                                                   "ids": out.token_ids})
+                steps[f"specdec {name}"] += SpecMetrics.total([out.metrics]).num_steps - 1  # 1st: prefill
+        for lookup, engine in ((False, engines[-2]), (True, engines[-1])):
+            done = run_llamacpp(args.llama_python, model_path, args.threads, prompts, args.max_tokens, eos, lookup)
+            results[engine].extend(done)
+            steps[engine] += sum(r["tokens"] - 1 for r in done)  # plain: a step a token (lookup: shown per token)
+    reference = [r["ids"] for r in results[engines[0]]]
+    rows = [{**row(engine, results[engine], steps[engine], weight_bytes, bandwidth),
+             "ids": [r["ids"] for r in results[engine]]} for engine in engines]
     del llm
 
-    for lookup in (False, True):
-        results = run_llamacpp(args.llama_python, model_path, args.threads, prompts, args.max_tokens, eos, lookup)
-        steps = sum(r["tokens"] - 1 for r in results)  # plain: a step per token (lookup: unknown, shown per token)
-        name = "llama.cpp prompt lookup (5)" if lookup else "llama.cpp plain"
-        rows.append({**row(name, results, steps, weight_bytes, bandwidth), "ids": [r["ids"] for r in results]})
-
     plain = next(r for r in rows if r["engine"] == "llama.cpp plain")
-    print(f"model {model_path.rsplit('/', 1)[-1]}, specdec quantization {args.quantization}, {len(prompts)} code-edit "
-          f"chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), greedy, at most "
+    print(f"model {model_path.rsplit('/', 1)[-1]}, specdec quantization {args.quantization}, {args.repeats} x "
+          f"{len(prompts)} code-edit chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), greedy, at most "
           f"{args.max_tokens} new tokens, {args.threads} threads")
     print(f"weights read per step {weight_bytes / 1e6:.1f} MB, measured bandwidth {bandwidth:.1f} GB/s: "
           f"floor {weight_bytes / bandwidth / 1e6:.2f} ms per step ({bandwidth * 1e9 / weight_bytes:.0f} steps/s)")

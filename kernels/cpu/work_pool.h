@@ -32,6 +32,9 @@ class WorkPool {
     return pool;
   }
 
+  // Threads that run a loop: the workers and the caller.
+  int64_t threads() const { return static_cast<int64_t>(workers_.size()) + 1; }
+
   // Runs fn(0) .. fn(chunks - 1), in any order, on the caller and the workers.
   void parallel_for(int64_t chunks, const std::function<void(int64_t)>& fn) {
     if (workers_.empty() || chunks <= 1) {
