@@ -274,29 +274,6 @@ void check_rows(const paddle::Tensor& x, const char* what) {
 
 }  // namespace
 
-std::vector<paddle::Tensor> QMatmul(const paddle::Tensor& x, const paddle::Tensor& gain, const paddle::Tensor& w,
-                                    const paddle::Tensor& layout, const paddle::Tensor& epilogue, float eps,
-                                    bool normalize) {
-  check_rows(x, "q_matmul: x");
-  const int64_t M = x.shape()[0], K = x.shape()[1];
-  const QuantWeight weight = parse_weight(w, layout, K, "q_matmul");
-  Epilogue epi;
-  if (epilogue.numel() > 0) {
-    PD_CHECK(epilogue.numel() == 2 * weight.rows, "q_matmul: epilogue must be [2, N]");
-    epi.scale = epilogue.data<float>();
-    epi.bias = epi.scale + weight.rows;
-  }
-  if (normalize && gain.numel() > 0) PD_CHECK(gain.numel() == K, "q_matmul: gain must be [K]");
-  auto out = paddle::empty({M, weight.rows}, paddle::DataType::FLOAT32, x.place());
-  if (normalize) {
-    const std::vector<float> h = normalized(x.data<float>(), M, K, gain.numel() > 0 ? gain.data<float>() : nullptr, eps);
-    matmul(h.data(), M, K, weight, epi, out.data<float>());
-  } else {
-    matmul(x.data<float>(), M, K, weight, epi, out.data<float>());
-  }
-  return {out};
-}
-
 namespace {
 
 // The rest of a decoder layer after attention, into out [M, H] (see q_layer_tail).
@@ -334,10 +311,10 @@ void layer_tail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddl
   matmul(act.data(), M, I, down, residual, out);
 }
 
-// The next layer's attention input: rms_norm(x) * gain @ wqkv^T, scaled and biased per column.
-paddle::Tensor attention_input(const paddle::Tensor& x, const float* x_data, const paddle::Tensor& gain,
-                               const paddle::Tensor& w, const paddle::Tensor& layout, const paddle::Tensor& epilogue,
-                               float eps) {
+// q_matmul on paddle tensors: x [M, K] (normalized first, with gain, when `normalize`).
+paddle::Tensor q_matmul(const paddle::Tensor& x, const paddle::Tensor& gain, const paddle::Tensor& w,
+                        const paddle::Tensor& layout, const paddle::Tensor& epilogue, float eps, bool normalize) {
+  check_rows(x, "q_matmul: x");
   const int64_t M = x.shape()[0], K = x.shape()[1];
   const QuantWeight weight = parse_weight(w, layout, K, "q_matmul");
   Epilogue epi;
@@ -346,14 +323,24 @@ paddle::Tensor attention_input(const paddle::Tensor& x, const float* x_data, con
     epi.scale = epilogue.data<float>();
     epi.bias = epi.scale + weight.rows;
   }
-  PD_CHECK(gain.numel() == 0 || gain.numel() == K, "q_matmul: gain must be [K]");
+  if (normalize && gain.numel() > 0) PD_CHECK(gain.numel() == K, "q_matmul: gain must be [K]");
   auto out = paddle::empty({M, weight.rows}, paddle::DataType::FLOAT32, x.place());
-  const std::vector<float> h = normalized(x_data, M, K, gain.numel() > 0 ? gain.data<float>() : nullptr, eps);
-  matmul(h.data(), M, K, weight, epi, out.data<float>());
+  if (normalize) {
+    const std::vector<float> h = normalized(x.data<float>(), M, K, gain.numel() > 0 ? gain.data<float>() : nullptr, eps);
+    matmul(h.data(), M, K, weight, epi, out.data<float>());
+  } else {
+    matmul(x.data<float>(), M, K, weight, epi, out.data<float>());
+  }
   return out;
 }
 
 }  // namespace
+
+std::vector<paddle::Tensor> QMatmul(const paddle::Tensor& x, const paddle::Tensor& gain, const paddle::Tensor& w,
+                                    const paddle::Tensor& layout, const paddle::Tensor& epilogue, float eps,
+                                    bool normalize) {
+  return {q_matmul(x, gain, w, layout, epilogue, eps, normalize)};
+}
 
 std::vector<paddle::Tensor> QLayerTail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddle::Tensor& wo,
                                        const paddle::Tensor& lo, const paddle::Tensor& gain,
@@ -373,7 +360,7 @@ std::vector<paddle::Tensor> QLayerTailQkv(const paddle::Tensor& attn, const padd
                                           const paddle::Tensor& epilogue, float eps) {
   auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
   layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps, out.data<float>());
-  return {out, attention_input(out, out.data<float>(), next_gain, wqkv, lqkv, epilogue, eps)};
+  return {out, q_matmul(out, next_gain, wqkv, lqkv, epilogue, eps, true)};
 }
 
 std::vector<paddle::Tensor> QEmbedding(const paddle::Tensor& ids, const paddle::Tensor& w, const paddle::Tensor& layout,
