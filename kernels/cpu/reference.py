@@ -129,11 +129,12 @@ def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.nda
     return np.concatenate(parts).astype(np.float64)
 
 
-def quantize_activations(x: np.ndarray) -> np.ndarray:
-    """``x`` as the kernels see it: each block of 32 rounded to int8 steps of ``max|x| / 127``
-    (float32 arithmetic, round half to even), returned dequantized (float64)."""
+def quantize_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """``x`` as the kernels see it: each block of ``block`` (32; 256 for Q4_K weights) rounded
+    to int8 steps of ``max|x| / 127`` (float32 arithmetic, round half to even), returned
+    dequantized (float64)."""
     rows, cols = x.shape
-    blocks = x.astype(np.float32).reshape(rows, cols // 32, 32)
+    blocks = x.astype(np.float32).reshape(rows, cols // block, block)
     scale = np.abs(blocks).max(axis=-1) / np.float32(127)
     with np.errstate(divide="ignore"):
         inverse = np.where(scale != 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
@@ -147,7 +148,14 @@ def q_matmul(x, gain, data, layout, epilogue, eps, normalize):
     h = x.astype(np.float64)
     if normalize:
         h = rms_norm(x, eps).astype(np.float64) * (gain if np.size(gain) else 1.0)
-    out = quantize_activations(h.astype(np.float32)) @ dequantize_weight(data, layout, x.shape[1]).T
+    weight = dequantize_weight(data, layout, x.shape[1])
+    # Per segment: Q4_K rows (ggml type 12) take activations quantized per 256.
+    parts, first = [], 0
+    for type_id, rows, _, _ in layout.tolist():
+        xq = quantize_activations(h.astype(np.float32), 256 if type_id == 12 else 32)
+        parts.append(xq @ weight[first:first + rows].T)
+        first += rows
+    out = np.concatenate(parts, axis=1)
     if np.size(epilogue):
         out = out * epilogue[0] + epilogue[1]
     return out.astype(np.float32)

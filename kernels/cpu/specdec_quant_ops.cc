@@ -3,7 +3,8 @@
 // row's bytes regrouped, "split"), never on a dequantized copy.
 //
 // Activations are quantized to int8 per 32 elements (scale = max|x| / 127, round to nearest
-// even), as llama.cpp does, and each weight sub-block is multiplied with integer dot products:
+// even), per 256 for Q4_K, as llama.cpp does, and each weight sub-block is multiplied with
+// integer dot products:
 // AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it (chosen at run
 // time; SPECDEC_CPU_ISA=avx2 forces the portable path). reference.py holds the numpy twins.
 //
@@ -58,14 +59,22 @@ struct QuantizedRows {
   const int8_t* pairs = nullptr;
   const uint8_t* biased = nullptr;
   const int32_t* neg32 = nullptr;  // [M, K / 4]: -32 * the sum of each 4 activations (Q6_K)
+  // With `k256` (Q4_K): the rows quantized again with one scale per 256 (d256 [M, K / 256]),
+  // and the dequantized sum of each 32 of those (sum256 [M, ld]).
+  const int8_t* q256 = nullptr;
+  const float* d256 = nullptr;
+  const float* sum256 = nullptr;
   const float* d = nullptr;
   const float* sum = nullptr;
   std::vector<int8_t> q_store, pair_store;
   std::vector<uint8_t> biased_store;
   std::vector<int32_t> neg32_store;
+  std::vector<int8_t> q256_store;
+  std::vector<float> d256_store, sum256_store;
   std::vector<float> d_store, sum_store;
 
-  QuantizedRows(const float* x, int64_t rows, int64_t cols, bool with_pairs, bool with_biased, bool with_neg32)
+  QuantizedRows(const float* x, int64_t rows, int64_t cols, bool with_pairs, bool with_biased, bool with_neg32,
+                bool with_k256)
       : M(rows), K(cols), blocks(cols / 32), ld((cols / 32 + 7) / 8 * 8) {
     q_store.resize(M * K);
     d_store.assign(M * ld, 0.f);
@@ -125,11 +134,41 @@ struct QuantizedRows {
       }
       neg32 = neg32_store.data();
     }
+    if (with_k256) quantize_per_256(x);
     q = q_store.data();
     d = d_store.data();
     sum = sum_store.data();
   }
+
+ private:
+  void quantize_per_256(const float* x);
 };
+
+void QuantizedRows::quantize_per_256(const float* x) {
+  q256_store.resize(M * K);
+  d256_store.resize(M * (K / 256));
+  sum256_store.assign(M * ld, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 256; ++b) {
+      const float* in = x + m * K + 256 * b;
+      float amax = 0.f;
+      for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(in[i]));
+      const float scale = amax / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
+      int8_t* out = q256_store.data() + m * K + 256 * b;
+      for (int j = 0; j < 8; ++j) {
+        int total = 0;
+        for (int i = 32 * j; i < 32 * j + 32; ++i) {
+          out[i] = static_cast<int8_t>(std::nearbyint(in[i] * inverse));
+          total += out[i];
+        }
+        sum256_store[m * ld + 8 * b + j] = scale * static_cast<float>(total);
+      }
+      d256_store[m * (K / 256) + b] = scale;
+    }
+  q256 = q256_store.data();
+  d256 = d256_store.data();
+  sum256 = sum256_store.data();
+}
 
 struct WeightSegment {
   int type;
@@ -211,6 +250,8 @@ struct Avx2Dot {
   static inline __m256i dot(__m256i acc, __m256i a, __m256i b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
   }
+  // acc + pairwise sums of a * b over 16-bit lanes, into 8 int32 lanes.
+  static inline __m256i dot16(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 };
 
 namespace avx2 {
@@ -223,6 +264,7 @@ using Dot = Avx2Dot;
 struct VnniDot {
   static constexpr bool kWide = true;
   static inline __m256i dot(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
+  static inline __m256i dot16(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 };
 
 namespace vnni {
@@ -240,14 +282,15 @@ bool use_vnni() {
 }
 
 void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, float* out) {
-  bool with_pairs = false, with_biased = false, with_neg32 = false;
+  bool with_pairs = false, with_biased = false, with_neg32 = false, with_k256 = false;
   for (const WeightSegment& seg : w.segments) {
     with_pairs = with_pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     with_biased = with_biased || seg.type == specdec_cpu::kQ8_0S;
     with_neg32 = with_neg32 || seg.type == specdec_cpu::kQ6_K;
+    with_k256 = with_k256 || seg.type == specdec_cpu::kQ4_K;
   }
   const bool vnni = use_vnni();
-  const QuantizedRows rows(x, M, K, with_pairs, with_biased && vnni, with_neg32);
+  const QuantizedRows rows(x, M, K, with_pairs, with_biased && vnni, with_neg32, with_k256);
   if (vnni)
     vnni::matmul(rows, w, epi, out);
   else
