@@ -23,6 +23,7 @@ import mmap
 
 import numpy as np
 
+from ..errors import SpecdecError
 from .config import ModelConfig
 from .quant import LOAD_TIME_FORMATS, QuantizedMatrix, layout_array, packed_size, quantize
 
@@ -37,8 +38,12 @@ def as_quantized(weight, quantization: str, name: str) -> QuantizedMatrix:
         return weight
     method = quantization if quantization in LOAD_TIME_FORMATS else "wint8"
     if quantization == "gguf":
-        log.info("%s is stored as floats in the GGUF file: quantized to int8 per channel", name)
-    return quantize(np.asarray(weight, np.float32), method)
+        log.info("%s is not in a block format the kernels read (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): quantized to "
+                 "int8 per channel", name)
+    try:
+        return quantize(np.asarray(weight, np.float32), method)
+    except ValueError as exc:  # rows that are not whole groups of 32
+        raise SpecdecError(f"quantization: {name}: {exc}; use quantization: none") from None
 
 
 class WeightArena:

@@ -193,3 +193,11 @@ def test_load_time_quantization_round_trips(method, worst):
     if method == "wint8":  # every element of a row is a multiple of the row's one scale
         steps = restored / (np.abs(restored).max(axis=1, keepdims=True) / 127)
         np.testing.assert_allclose(steps, np.rint(steps), atol=1e-3)
+
+
+def test_rows_that_are_not_whole_groups_are_a_one_line_error():
+    from specdec.errors import SpecdecError
+    from specdec.model.quant_weights import as_quantized
+
+    with pytest.raises(SpecdecError, match=r"^quantization: x\.weight: .*48 elements.*use quantization: none$"):
+        as_quantized(np.zeros((4, 48), np.float32), "wint8", "x.weight")
