@@ -53,17 +53,17 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str, weight_dtype: str)
 
 
 def resolve_quantization(config: EngineConfig, kernels: str) -> str:
-    """What ``config.quantization`` comes to for this model and these kernels: ``auto`` is
-    ``gguf`` for a GGUF file with quantized matrices on the CPU kernels, else ``none``; a
-    quantized path the model or the kernels cannot take is a one-line error."""
-    from ..model.gguf_loader import has_quantized_matrices
+    """What ``config.quantization`` comes to for this model and these kernels, before loading:
+    ``auto`` is ``gguf`` for a GGUF file on the CPU kernels (the engine turns it into ``none``
+    once loading finds no quantized matrix in the file), else ``none``; a quantized path the
+    model or the kernels cannot take is a one-line error."""
     from ..model.resolve import resolve_model_path
 
     quantization = config.quantization
     path = resolve_model_path(config.model)
     is_gguf = path.suffix == ".gguf"
     if quantization == "auto":
-        return "gguf" if kernels == "cpu" and is_gguf and has_quantized_matrices(path) else "none"
+        return "gguf" if kernels == "cpu" and is_gguf else "none"
     if quantization != "none" and kernels != "cpu":
         raise SpecdecError(f"quantization: {quantization} needs the CPU kernels (kernels: cpu or auto)")
     if quantization == "gguf" and not is_gguf:
@@ -147,6 +147,7 @@ class Engine:
         :raises SpecdecError: for an unresolved config, before any weight is read.
         """
         from ..model.llama import LlamaModel
+        from ..model.quant import QuantizedMatrix
         from ..model.resolve import load_checkpoint
         from ..plugin_manager import get_plugins
 
@@ -163,6 +164,8 @@ class Engine:
         self.quantization = resolve_quantization(config, self.kernels)
         model_config, weights, self.tokenizer = load_checkpoint(config.model, progress=progress,
                                                                 keep_quantized=self.quantization == "gguf")
+        if config.quantization == "auto" and not any(isinstance(w, QuantizedMatrix) for w in weights.values()):
+            self.quantization = "none"  # a GGUF file of float matrices
         self.model_config = model_config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)

@@ -222,14 +222,6 @@ def quantized_matrix(tensor):
     return QuantizedMatrix(cols, (Segment(tensor.tensor_type.name, tensor.data),))
 
 
-def has_quantized_matrices(path: str | Path) -> bool:
-    """Whether the GGUF file stores matrices in block formats the quantized kernels read."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return any(quantized_matrix(t) is not None for t in reader.tensors if hf_name(t.name))
-
-
 def load_gguf(path: str | Path, progress: bool = True, keep_quantized: bool = False):
     """Read ``path``: returns ``(ModelConfig, weights, tokenizer)`` with HF-named weights:
     float32 numpy arrays, except, with ``keep_quantized``, the matrices stored in a format the

@@ -171,10 +171,6 @@ def layout_array(matrix: QuantizedMatrix, out: np.ndarray | None = None) -> tupl
     return data_out, np.array(layout, dtype=np.int64)
 
 
-#: ``quantization`` values a draft or MTP model takes (``speculative_config.quantization``).
-DRAFT_QUANTIZATIONS = tuple(LOAD_TIME_FORMATS)
-
-
 class QuantizedLinear:
     """``x @ W^T`` with ``W`` quantized at construction, through the CPU kernels: for plugins
     that quantize their own matrices (an MTP or draft model's ``quantization``), exported as

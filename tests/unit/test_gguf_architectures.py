@@ -358,3 +358,4 @@ def test_rope_scaling_is_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="specdec.model.gguf_loader"):
         load_gguf(path, progress=False)
     assert "rope_freqs.weight" in caplog.text
+
