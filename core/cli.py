@@ -1,13 +1,14 @@
 """The ``specdec`` command line: ``generate``, ``serve``, ``demo`` and ``plugins``.
 
 Bad input of any kind ends with one line on stderr (``error: ...``) and exit code 2; ``--debug``
-shows the traceback instead.
+shows the traceback instead, and logs what the engine chose (kernels, attention backend, weights).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -33,8 +34,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help='speculative settings as JSON, or @file.json, e.g. \'{"method": "ngram"}\'')
     parser.add_argument("--config", default=None, metavar="FILE.yaml", help="engine and speculative settings")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-backend", default=None, help="auto (default), cpu or paddle")
-    parser.add_argument("--kernels", default=None, help="auto (default), cpu (the CPU kernels) or paddle (reference)")
+    parser.add_argument("--attention-backend", default=None, help="auto (default), cpu, triton or paddle")
+    parser.add_argument("--kernels", default=None,
+                        help="auto (default), cpu (the CPU kernels), triton (GPU) or paddle (reference)")
     parser.add_argument("--dtype", default=None,
                         help="weight storage: auto (default: float16 with the CPU kernels), float32 or float16")
     parser.add_argument("--quantization", default=None,
@@ -48,7 +50,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget in GiB (default 4)")
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="cached keys and values: auto (default: float16 with the cpu attention backend), "
-                             "float32 or float16")
+                             "float32, float16 or bfloat16 (triton backend)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="split the model over N ranks, one process each (default 1; docs/deployment.md)")
+    parser.add_argument("--tensor-parallel-timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long a step waits on the other ranks before the engine gives up (default 60)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="share the KV blocks of common prompt prefixes (default on)")
     parser.add_argument("--max-stop-strings", type=int, default=None, metavar="N",
@@ -374,6 +380,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get("SPECDEC_DEBUG") == "1"
+    if debug:  # also what the engine decided: kernels, attention backend, weights, cache
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("specdec").setLevel(logging.DEBUG)
     try:
         return args.func(args)
     except SpecdecError as exc:

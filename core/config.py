@@ -62,8 +62,8 @@ MAX_MODEL_STEPS = 8
 MAX_NUM_SEQS = 256
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 MTP_STRATEGIES = ("default", "with_ngram")
-KERNELS = ("auto", "cpu", "paddle")
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
+KERNELS = ("auto", "cpu", "paddle", "triton")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "wint8", "wint4", "gguf")
 
 
@@ -425,10 +425,13 @@ class EngineConfig:
     :ivar model: the target model: a name the model loader knows, or a path.
     :ivar max_model_len: the longest sequence (prompt + output); ``None`` = the model's own
         context length.
-    :ivar attention_backend: the attention backend's ``NAME``; ``auto`` picks ``cpu`` when the
-        CPU kernels are in use, else ``paddle``.
-    :ivar kernels: ``auto`` (the CPU kernels when they build here, else plain paddle), ``cpu``
-        or ``paddle`` (the reference path: plain paddle ops only).
+    :ivar attention_backend: the attention backend's ``NAME``; ``auto`` picks ``cpu`` with the
+        CPU kernels, ``triton`` with the Triton kernels, else ``paddle``.
+    :ivar kernels: ``auto`` (on a CUDA device the Triton kernels when triton imports, else
+        plain paddle; on the CPU the CPU kernels when they build here, else plain paddle),
+        ``cpu``, ``triton`` (paddle matmuls with Triton attention and fused verification; on
+        the CPU only under ``TRITON_INTERPRET=1``, for tests) or ``paddle`` (the reference
+        path: plain paddle ops only).
     :ivar dtype: how weights are stored (activations are float32): ``auto`` is ``float16`` with
         the CPU kernels (half the memory traffic) and ``float32`` on the reference path.
     :ivar seed: the engine seed (each request's generator derives from it).
@@ -447,7 +450,14 @@ class EngineConfig:
         in use, else ``none``. The quantized paths need the CPU kernels.
     :ivar kv_cache_dtype: how cached keys and values are stored: ``auto`` follows the weights
         (``float16``) with the ``cpu`` attention backend and is ``float32`` with any other;
-        ``float16`` halves the cache's memory and the bytes attention reads per step.
+        ``float16`` halves the cache's memory and the bytes attention reads per step;
+        ``bfloat16`` needs the ``triton`` backend.
+    :ivar tensor_parallel_size: ranks the model is split over (Megatron-style; docs/deployment.md):
+        one process per rank, which the engine starts itself on one machine. More than 1
+        runs the float32 ``paddle`` path (``kernels: paddle`` on CPUs, ``triton`` on GPUs)
+        and needs at least one KV head per rank.
+    :ivar tensor_parallel_timeout: seconds a tensor-parallel step may wait on the other ranks
+        before the engine gives up on them, fails the requests in flight and exits.
     :ivar enable_prefix_caching: requests whose prompts share leading full blocks (a common
         system prompt) share those blocks instead of computing them again.
     :ivar max_stop_strings: the most stop strings one request may give.
@@ -469,6 +479,8 @@ class EngineConfig:
     num_kv_blocks: int | None = attrs.field(default=None, validator=in_range(1))
     kv_cache_memory_gb: float = attrs.field(default=4.0, validator=in_range(0.001))
     kv_cache_dtype: str = attrs.field(default="auto", validator=one_of(*KV_CACHE_DTYPES))
+    tensor_parallel_size: int = attrs.field(default=1, validator=in_range(1, 64))
+    tensor_parallel_timeout: float = attrs.field(default=60.0, validator=in_range(1.0))
     enable_prefix_caching: bool = True
     max_stop_strings: int = attrs.field(default=16, validator=in_range(0, 1 << 16))
     max_stop_string_length: int = attrs.field(default=256, validator=in_range(1, 1 << 16))
@@ -484,6 +496,7 @@ class EngineConfig:
 #: The engine keys of the YAML file (and of the matching CLI flags), in documentation order.
 ENGINE_KEYS = ("model", "max_model_len", "attention_backend", "kernels", "dtype", "quantization", "seed",
                "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache_dtype",
+               "tensor_parallel_size", "tensor_parallel_timeout",
                "enable_prefix_caching", "max_stop_strings", "max_stop_string_length")
 
 

@@ -54,6 +54,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("reject_all", "specdec.plugins.accept.reject_all"),
     ("attention_paddle", "specdec.plugins.attention.paddle_backend"),
     ("attention_cpu", "specdec.plugins.attention.cpu_backend"),
+    ("attention_triton", "specdec.plugins.attention.triton_backend"),
 )
 
 

@@ -16,7 +16,8 @@ plugin or an engine module; a test holds the built-ins to it. What is here:
   :func:`recovered_tokens`;
 - the verify result builders: :func:`check_inputs`, :func:`draft_mask`,
   :func:`accepted_prefix`, :func:`assemble_output`, :func:`at_positions`,
-  :func:`pad_beyond_drafts`, :func:`prefix_match_result`;
+  :func:`pad_beyond_drafts`, :func:`prefix_match_result`, and :func:`verify_on_device` (the
+  fused Triton verify kernels, for inputs that carry ``device_logits``);
 - the validators for a plugin's attrs ``Config`` (they make config errors one line naming the
   key): :func:`in_range`, :func:`above`, :func:`one_of`, :func:`multiple_of`;
 - errors (:class:`SpecdecError`, :class:`ConfigError`, :class:`PluginError`) and
@@ -24,6 +25,8 @@ plugin or an engine module; a test holds the built-ins to it. What is here:
 - native code: :func:`load_cpu_ops` (the engine's compiled CPU operators), and for a plugin
   that compiles its own, :func:`kernel_build_dir` (where a source version is built, shared
   with the engine's kernels) and :class:`KernelUnavailable` (raise it when it cannot build);
+  :func:`load_triton_kernels` (the Triton kernel modules, ``attention`` and ``verify``, for
+  a CUDA device or Triton's interpreter);
 - :class:`QuantizedLinear` (a matrix quantized to ``wint8`` / ``wint4`` and multiplied by the
   engine's quantized kernels: what a draft or MTP model's ``quantization`` runs on);
 - :func:`load_plugins`, for a plugin's tools that run an engine with plugins of their own;
@@ -39,6 +42,7 @@ from .config import above, in_range, multiple_of, one_of
 from .errors import ConfigError, PluginError, SpecdecError, require_paddle
 from .hookspecs import hookimpl
 from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
+from .kernels.triton import load_triton_kernels
 from .model.quant import QuantizedLinear
 from .plugin import Plugin
 from .plugin_manager import load_plugins
@@ -49,7 +53,7 @@ from .proposer_context import ProposerContext, TargetModel
 from .recording import HiddenStateRecorder, RecordedSequence, load_recorded, save_recorded
 from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
 from .verify_builders import (accepted_prefix, assemble_output, at_positions, check_inputs, draft_mask,
-                              pad_beyond_drafts, prefix_match_result)
+                              pad_beyond_drafts, prefix_match_result, verify_on_device)
 
 __all__ = [
     "Plugin", "Proposer", "ProposalBatch", "ProposalRequest", "Drafts", "DRAFT_PAD", "ProposerContext", "TargetModel",
@@ -58,9 +62,9 @@ __all__ = [
     "processed_probs", "greedy_tokens", "one_hot", "sample_tokens", "target_choice", "target_distribution",
     "top_tokens", "residual_distribution", "recovered_tokens",
     "check_inputs", "draft_mask", "accepted_prefix", "assemble_output", "at_positions", "pad_beyond_drafts",
-    "prefix_match_result",
+    "prefix_match_result", "verify_on_device",
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
-    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "QuantizedLinear", "load_plugins",
+    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_triton_kernels", "QuantizedLinear", "load_plugins",
     "HiddenStateRecorder", "RecordedSequence", "save_recorded", "load_recorded",
 ]

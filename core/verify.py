@@ -7,7 +7,7 @@ there is no per-request Python loop inside a strategy.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import attrs
 import numpy as np
@@ -42,20 +42,47 @@ class BatchSampling:
         return BatchSampling(self.temperature[rows], self.top_p[rows], self.top_k[rows], self.uniforms[rows])
 
 
-@attrs.define(slots=True)
 class VerifyInputs:
     """What a verify strategy sees.
 
-    :ivar logits: ``[B, k+1, V]`` float32 target logits. Row ``j`` of request ``b`` is the
-        target's prediction after the context plus the first ``j`` drafts; rows beyond
-        ``drafts.lengths[b]`` are padding and must be ignored.
+    :ivar logits: ``[B, k+1, V]`` float32 numpy target logits. Row ``j`` of request ``b`` is
+        the target's prediction after the context plus the first ``j`` drafts; rows beyond
+        ``drafts.lengths[b]`` are padding and must be ignored. When the engine built the
+        inputs from ``device_logits``, this is copied to the host on first access only.
     :ivar drafts: the drafts being verified (``k = drafts.width``).
     :ivar sampling: per-request sampling settings and pre-drawn uniforms.
+    :ivar device_logits: the same logits as a tensor on the device the model ran on, when the
+        engine runs the Triton kernels (``kernels: triton``), else ``None``. A strategy with a
+        fused kernel verifies from it (:func:`specdec.sdk.verify_on_device`) and the logits
+        never leave the device; any other strategy reads ``logits`` as usual.
     """
 
-    logits: np.ndarray
-    drafts: Drafts
-    sampling: BatchSampling
+    __slots__ = ("drafts", "sampling", "device_logits", "_logits")
+
+    def __init__(self, logits: Optional[np.ndarray], drafts: Drafts, sampling: BatchSampling, device_logits=None):
+        if logits is None and device_logits is None:
+            raise ValueError("VerifyInputs needs logits or device_logits")
+        self._logits = logits
+        self.drafts = drafts
+        self.sampling = sampling
+        self.device_logits = device_logits
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            self._logits = self.device_logits.numpy()
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: np.ndarray) -> None:
+        self._logits = value
+        self.device_logits = None  # they no longer hold the same logits
+
+    @property
+    def logits_shape(self) -> tuple[int, ...]:
+        """The logits' shape, without copying device logits to the host."""
+        source = self._logits if self._logits is not None else self.device_logits
+        return tuple(source.shape)
 
 
 @attrs.define(slots=True)

@@ -18,6 +18,10 @@ import attrs
 import numpy as np
 import pytest
 
+# The Triton kernels run in Triton's interpreter on the CPU (there is no GPU here). It reads
+# the variable when a kernel is defined, so it is set before any test module imports one.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 MODEL_ALIAS = "smollm2-135m-instruct"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: What one top-1 vs top-2 logit margin has to exceed before a divergence between two greedy

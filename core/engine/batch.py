@@ -67,13 +67,19 @@ class PackedStep:
         """True when every row is a decoding request's last token or a draft (no prompt rows)."""
         return self.meta.num_rows == len(self.logit_rows)
 
-    def verify_logits(self, logits: np.ndarray) -> np.ndarray:
-        """``[B, k+1, V]`` from the ``[R, V]`` logits of :attr:`logit_rows`: a view when no
-        request needs padding, else a copy that repeats each request's last real row (the
-        padding is masked by the drafts' lengths and never read as a token)."""
+    def verify_logits(self, logits):
+        """``[B, k+1, V]`` from the ``[R, V]`` logits of :attr:`logit_rows` (a numpy array, or a
+        paddle tensor left on its device): a view when no request needs padding, else a copy
+        that repeats each request's last real row (the padding is masked by the drafts'
+        lengths and never read as a token)."""
+        shape = [self.num_decodes, self.width + 1, logits.shape[-1]]
         if self.padded_rows is None:
-            return logits.reshape(self.num_decodes, self.width + 1, logits.shape[-1])
-        return logits[self.padded_rows]
+            return logits.reshape(shape)
+        if isinstance(logits, np.ndarray):
+            return logits[self.padded_rows]
+        import paddle
+
+        return paddle.gather(logits, paddle.to_tensor(self.padded_rows.reshape(-1))).reshape(shape)
 
 
 def pack_step(decodes: Sequence[SequenceRows], drafts: Drafts, chunks: Sequence[SequenceRows],

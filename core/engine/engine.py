@@ -32,6 +32,7 @@ from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
 from .request import Request, RequestOutput
 from .scheduler import ScheduledStep, Scheduler
+from .tensor_parallel import exit_after_failure
 
 logger = logging.getLogger("specdec.engine")
 T = TypeVar("T")
@@ -73,34 +74,121 @@ def resolve_quantization(config: EngineConfig, kernels: str) -> str:
 
 
 def resolve_kernels(config: EngineConfig) -> tuple[str, str]:
-    """``(kernels, weight dtype)`` that ``config.kernels`` and ``config.dtype`` come to here:
-    ``cpu`` when the CPU kernels build (and run on CPU tensors), else ``paddle``; ``auto`` dtype
-    is float16 weights with the CPU kernels, float32 on the reference path."""
+    """``(kernels, weight dtype)`` that ``config.kernels`` and ``config.dtype`` come to here.
+
+    ``auto``: on a CUDA device ``triton`` when Triton can run there, else ``paddle``; on the
+    CPU ``cpu`` when the CPU kernels build (they take CPU tensors only), else ``paddle``, and
+    ``paddle`` with tensor parallelism (which splits the float32 paddle path only).
+    ``auto`` dtype is float16 weights with the CPU kernels, float32 with any other (the
+    ``paddle`` and ``triton`` paths multiply with paddle's float32 ops)."""
     from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
+    from specdec.kernels.triton import load_triton
 
     dtype = config.dtype
     if dtype == "bfloat16":
         raise SpecdecError("dtype: bfloat16 is not supported on this build; use float32 or float16")
     kernels = config.kernels
     if kernels == "auto":
-        kernels = "paddle" if _on_gpu() else "cpu"  # the CPU kernels take CPU tensors only
-        try:
-            load_cpu_ops()
-        except KernelUnavailable:
-            if dtype == "float16":
-                raise SpecdecError("dtype: float16 weights need the CPU kernels, which cannot be built "
-                                   "here; use dtype: float32") from None
-            kernels = "paddle"
+        if _on_gpu():
+            try:
+                load_triton()
+                kernels = "triton"
+            except KernelUnavailable:
+                kernels = "paddle"
+        elif config.tensor_parallel_size > 1:
+            kernels = "paddle"  # tensor parallelism splits the float32 paddle path only
+        else:
+            kernels = "cpu"
+            try:
+                load_cpu_ops()
+            except KernelUnavailable:
+                if dtype == "float16":
+                    raise SpecdecError("dtype: float16 weights need the CPU kernels, which cannot be built "
+                                       "here; use dtype: float32") from None
+                kernels = "paddle"
     elif kernels == "cpu":
+        if config.tensor_parallel_size > 1:
+            raise SpecdecError("kernels: cpu does not split over tensor_parallel_size ranks; use paddle (or auto)")
         try:
             load_cpu_ops()
         except KernelUnavailable as exc:
             raise SpecdecError(f"kernels: {exc}; use kernels: paddle") from None
+    elif kernels == "triton":
+        try:
+            load_triton()
+        except KernelUnavailable as exc:
+            raise SpecdecError(f"kernels: {exc}; use kernels: paddle") from None
     if dtype == "auto":
         dtype = "float16" if kernels == "cpu" else "float32"
-    if kernels == "paddle" and dtype != "float32":
+    if kernels != "cpu" and dtype != "float32":
         raise SpecdecError(f"dtype: {dtype} weights need the CPU kernels (kernels: cpu or auto)")
     return kernels, dtype
+
+
+@attrs.define
+class BuiltModel:
+    """What :func:`build_model` made: the model and what was resolved on the way."""
+
+    kernels: str
+    weight_dtype: str
+    quantization: str
+    backend: str
+    attention: Any
+    kv_cache_dtype: str
+    model_config: Any
+    max_model_len: int
+    model: Any
+    tokenizer: Any
+    #: With tensor parallelism, the whole embedding and LM head (numpy) for rank 0's proposers.
+    embedding: Any = None
+    lm_head: Any = None
+
+
+def build_model(config: EngineConfig, plugins, progress: bool = True, tensor_parallel=None) -> BuiltModel:
+    """Resolve kernels, attention backend, quantization and cache dtype for ``config``, load
+    the checkpoint and build the model (one rank's slice with ``tensor_parallel``, as
+    :class:`~specdec.model.llama.LlamaModel` takes it). The engine and the tensor-parallel
+    workers both build theirs here, so that every rank resolves the same way."""
+    from ..model.llama import LlamaModel
+    from ..model.quant import QuantizedMatrix
+    from ..model.resolve import load_checkpoint
+
+    kernels, weight_dtype = resolve_kernels(config)
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = {"cpu": "cpu", "triton": "triton"}.get(kernels, "paddle")
+    attention_cls = plugins.get("attention_backends", backend, "attention_backend")
+    quantization = resolve_quantization(config, kernels)
+    model_config, weights, tokenizer = load_checkpoint(config.model, progress=progress,
+                                                       keep_quantized=quantization == "gguf")
+    if config.quantization == "auto" and not any(isinstance(w, QuantizedMatrix) for w in weights.values()):
+        quantization = "none"  # a GGUF file of float matrices
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+    # Attention backends take no keys from the configuration (yet): their Config's defaults.
+    attention = attention_cls(attention_cls.Config() if attention_cls.Config is not None else None, None)
+    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, backend, weight_dtype)
+    embedding = lm_head = None
+    if tensor_parallel is not None and tensor_parallel[1] == 0:
+        embedding = weights["model.embed_tokens.weight"]
+        lm_head = embedding if model_config.tie_word_embeddings else weights["lm_head.weight"]
+    # Builds the layers and calls attention.setup (which records the cache's shape).
+    model = LlamaModel(model_config, weights, attention, max_positions=max_model_len + MAX_SPECULATIVE_TOKENS + 1,
+                       kernels=kernels, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype,
+                       quantization=quantization, tensor_parallel=tensor_parallel)
+    return BuiltModel(kernels=kernels, weight_dtype=weight_dtype, quantization=quantization, backend=backend,
+                      attention=attention, kv_cache_dtype=kv_cache_dtype, model_config=model_config,
+                      max_model_len=max_model_len, model=model, tokenizer=tokenizer, embedding=embedding,
+                      lm_head=lm_head)
+
+
+def _rows(logits, pick: np.ndarray):
+    """The rows ``pick`` of step logits (numpy, or a paddle tensor on its device)."""
+    if isinstance(logits, np.ndarray):
+        return logits[pick]
+    import paddle
+
+    return paddle.gather(logits, paddle.to_tensor(pick))
 
 
 @attrs.define(slots=True)
@@ -111,7 +199,8 @@ class _StepState:
     plan: ScheduledStep
     batch: ProposalBatch
     drafts: Optional[Drafts] = None
-    logits: Optional[np.ndarray] = None
+    #: ``[B, k+1, V]`` numpy logits, or a paddle tensor on the device with the Triton kernels.
+    logits: Any = None
     sampling: Optional[BatchSampling] = None
     result: Optional[VerifyResult] = None
     #: ``[T, H]`` last-layer hidden states of the step's packed rows, and each request's first
@@ -126,7 +215,7 @@ class _StepState:
             plan=self.plan.keeping(keep),
             batch=ProposalBatch([self.batch.requests[i] for i in rows]),
             drafts=None if self.drafts is None else self.drafts.select(pick),
-            logits=None if self.logits is None else self.logits[pick],
+            logits=None if self.logits is None else _rows(self.logits, pick),
             sampling=None if self.sampling is None else self.sampling.select(pick),
             result=None if self.result is None else self.result.select(pick),
             hidden=self.hidden,
@@ -146,42 +235,33 @@ class Engine:
             None).
         :raises SpecdecError: for an unresolved config, before any weight is read.
         """
-        from ..model.llama import LlamaModel
-        from ..model.quant import QuantizedMatrix
-        from ..model.resolve import load_checkpoint
         from ..plugin_manager import get_plugins
 
         self.plugins = plugins if plugins is not None else get_plugins()
         self.config = config
         # Resolve every plugin before loading weights, so a bad name fails fast.
         self._spec_plugin_classes(config.speculative)
-        self.kernels, self.weight_dtype = resolve_kernels(config)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "cpu" if self.kernels == "cpu" else "paddle"
-        attention_cls = self.plugins.get("attention_backends", backend, "attention_backend")
+        #: The other tensor-parallel ranks' processes (started here on one machine), if any.
+        self.tensor_parallel_workers: list = []
+        self._on_fatal: Callable[[str], None] = exit_after_failure
+        tensor_parallel = watchdog = None
+        if config.tensor_parallel_size > 1:
+            tensor_parallel, watchdog = self._join_tensor_parallel_group(config)
+        built = build_model(config, self.plugins, progress, tensor_parallel=tensor_parallel)
+        self.kernels, self.weight_dtype, self.quantization = built.kernels, built.weight_dtype, built.quantization
+        self.attention, self.kv_cache_dtype, self.tokenizer = built.attention, built.kv_cache_dtype, built.tokenizer
+        self.model_config, self.max_model_len, self.model = built.model_config, built.max_model_len, built.model
+        if tensor_parallel is not None:
+            from .tensor_parallel import TensorParallelModel
 
-        self.quantization = resolve_quantization(config, self.kernels)
-        model_config, weights, self.tokenizer = load_checkpoint(config.model, progress=progress,
-                                                                keep_quantized=self.quantization == "gguf")
-        if config.quantization == "auto" and not any(isinstance(w, QuantizedMatrix) for w in weights.values()):
-            self.quantization = "none"  # a GGUF file of float matrices
-        self.model_config = model_config
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
-        # Attention backends take no keys from the configuration (yet): their Config's defaults.
-        self.attention = attention_cls(attention_cls.Config() if attention_cls.Config is not None else None, None)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, backend, self.weight_dtype)
-        # Builds the layers and calls self.attention.setup (which records the cache's shape).
-        self.model = LlamaModel(model_config, weights, self.attention,
-                                max_positions=self.max_model_len + MAX_SPECULATIVE_TOKENS + 1, kernels=self.kernels,
-                                weight_dtype=self.weight_dtype, kv_cache_dtype=self.kv_cache_dtype,
-                                quantization=self.quantization)
-        del weights
+            self.model = TensorParallelModel(built.model, tensor_parallel[0], built.embedding, built.lm_head, watchdog)
+        logger.debug("kernels %s, attention backend %s, weights %s (quantization %s), kv cache %s, "
+                    "tensor parallel %d", self.kernels, built.backend, self.weight_dtype, self.quantization,
+                    self.kv_cache_dtype, config.tensor_parallel_size)
         self.block_size = config.block_size
         self.kv = self._allocate_kv_cache()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.hidden_states = PendingHiddenStates(self.model.paddle, model_config.hidden_size)
+        self.hidden_states = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
         #: What the adaptive draft length has learned, per method (see _build_spec_plugins).
         self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
         self._build_spec_plugins(config.speculative)
@@ -190,6 +270,46 @@ class Engine:
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self._ids = itertools.count()
 
+    def _join_tensor_parallel_group(self, config: EngineConfig):
+        """Become rank 0 of the tensor-parallel group: start the other ranks on this machine
+        (unless ``paddle.distributed.launch`` started them) and join the process group.
+        Returns ``((group, 0, world_size), watchdog)``."""
+        from ..errors import require_paddle
+        from ..model.tensor_parallel import CollectiveGroup
+        from .tensor_parallel import Watchdog, init_process_group, launched_rank, start_local_workers
+
+        paddle = require_paddle()
+        launched = launched_rank()
+        if launched is None:
+            self.tensor_parallel_workers = start_local_workers(config, config.tensor_parallel_size,
+                                                               "nccl" if _on_gpu() else "gloo")
+        elif launched != (0, config.tensor_parallel_size):
+            raise SpecdecError(f"tensor_parallel_size: {config.tensor_parallel_size}, but paddle.distributed.launch "
+                               f"made this rank {launched[0]} of {launched[1]}")
+        # Watched from here on: a rank that dies while loading, or a rendezvous that never
+        # completes, ends this process with the reason instead of blocking it for good.
+        watchdog = Watchdog(self.tensor_parallel_workers, config.tensor_parallel_timeout,
+                            lambda message: self._on_fatal(message))
+        with watchdog.step():
+            init_process_group(paddle)
+        group = CollectiveGroup(paddle)
+        return (group, 0, group.world_size), watchdog
+
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        """What to do when the engine cannot go on (a tensor-parallel rank died or hung):
+        ``handler(message)`` is called once, from a watchdog thread, while the engine thread
+        may be blocked for good. The default prints the message and exits the process; the
+        server fails the requests in flight first."""
+        self._on_fatal = handler
+
+    def close(self) -> None:
+        """Tell the other tensor-parallel ranks to stop (nothing to do with one rank)."""
+        if self.config.tensor_parallel_size > 1 and self.tensor_parallel_workers:
+            self.model.stop_workers()
+            for process in self.tensor_parallel_workers:
+                process.join(5)
+            self.tensor_parallel_workers = []
+
     def _allocate_kv_cache(self) -> KVCacheManager:
         """Size the block pool (``num_kv_blocks``, else what ``kv_cache_memory_gb`` holds), have
         the attention backend allocate the cache memory, and manage its blocks."""
@@ -197,6 +317,8 @@ class Engine:
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // self.attention.bytes_per_block(self.block_size))
         self.attention.init_cache(num_blocks, self.block_size)
+        if self.config.tensor_parallel_size > 1:
+            self.model.init_cache(num_blocks, self.block_size)
         return KVCacheManager(BlockPool(num_blocks, self.block_size, config.enable_prefix_caching))
 
     def _spec_plugin_classes(self, spec: SpeculativeConfig) -> list[type]:
@@ -531,7 +653,7 @@ class Engine:
         state.sampling = self._sampling(state.plan.decodes, state.drafts)
         state, state.result = self._isolated(
             f"verify strategy '{self.spec.verify_strategy}'", state,
-            lambda s: self._checked_result(self.verifier.verify(VerifyInputs(s.logits, s.drafts, s.sampling)), s),
+            lambda s: self._checked_result(self.verifier.verify(self._verify_inputs(s)), s),
             decoding)
         if not state.plan.decodes:
             return
@@ -625,18 +747,28 @@ class Engine:
              for r, rows in plan.chunks],
             self.block_size)
         started = time.perf_counter()
+        # The fused verify kernels read the logits where the model left them.
+        options = {"device_logits": True} if self.kernels == "triton" else {}
         if self.proposer.NEEDS_HIDDEN_STATES:
             logits, state.hidden = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows,
-                                                      return_hidden=True)
+                                                      return_hidden=True, **options)
             starts = packed.meta.cu_seqlens_q
             state.first_rows = {id(r): int(starts[i]) for i, r in enumerate(plan.requests)}
         else:
-            logits = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows)
+            logits = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows, **options)
         if packed.is_decode_only:
             # Only decode steps feed the cost model: a prefill row also attends over its
             # whole prompt, which would make every draft row look dearer than it is.
             self.step_costs.observe(packed.meta.num_rows, time.perf_counter() - started)
         return packed.verify_logits(logits)
+
+    @staticmethod
+    def _verify_inputs(state: _StepState) -> VerifyInputs:
+        """The verify strategy's inputs; device logits stay on the device (the strategy copies
+        them to the host only if it has no fused kernel)."""
+        if isinstance(state.logits, np.ndarray):
+            return VerifyInputs(state.logits, state.drafts, state.sampling)
+        return VerifyInputs(None, state.drafts, state.sampling, device_logits=state.logits)
 
     def _sampling(self, running: list[Request], drafts: Drafts) -> BatchSampling:
         batch_size, width = drafts.batch_size, drafts.width

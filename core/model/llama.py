@@ -34,14 +34,15 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np
 
 
 def make_linear(paddle, config: ModelConfig, kernels: str, weight_dtype: str):
-    """The matmul implementation for ``kernels``: ``paddle`` (reference) or ``cpu`` (the CPU
-    kernels). Choosing between them for ``auto`` is the engine's job (``resolve_kernels``)."""
-    if kernels == "paddle":
+    """The matmul implementation for ``kernels``: paddle's own ops for ``paddle`` (reference)
+    and ``triton`` (whose kernels are attention and verification: the matmuls stay paddle's),
+    or ``cpu`` (the CPU kernels). Choosing for ``auto`` is the engine's job (``resolve_kernels``)."""
+    if kernels in ("paddle", "triton"):
         if weight_dtype != "float32":
             raise ValueError(f"dtype {weight_dtype} needs the CPU kernels")
         return PaddleLinear(paddle, config.rms_norm_eps)
     if kernels != "cpu":
-        raise ValueError(f"kernels must be 'paddle' or 'cpu', got {kernels!r}")
+        raise ValueError(f"kernels must be 'paddle', 'triton' or 'cpu', got {kernels!r}")
     from specdec.kernels.cpu import load_cpu_ops
 
     return CpuKernelLinear(paddle, config.rms_norm_eps, load_cpu_ops(), weight_dtype)
@@ -119,11 +120,14 @@ class LlamaModel:
     :param quantization: ``none`` (the float path: ``kernels`` and ``weight_dtype`` choose its
         matmul), or ``gguf``, ``wint8``, ``wint4``: the weight-only quantized CPU kernels
         (:class:`~specdec.model.quant_weights.QuantizedWeights`).
+    :param tensor_parallel: ``(group, rank, world_size)`` to hold one rank's slice of the
+        model (:mod:`specdec.model.tensor_parallel`; the float32 ``paddle`` path only); the
+        attention backend then keeps that rank's heads. ``config`` stays the whole model's.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, attention: AttentionBackend,
                  max_positions: int | None = None, kernels: str = "paddle", weight_dtype: str = "float32",
-                 kv_cache_dtype: str = "float32", quantization: str = "none"):
+                 kv_cache_dtype: str = "float32", quantization: str = "none", tensor_parallel=None):
         paddle = require_paddle()
         self.paddle = paddle
         self.config = config
@@ -131,10 +135,26 @@ class LlamaModel:
         self.quantization = quantization
         self.max_positions = max_positions or config.max_position_embeddings
         cos, sin = rope_tables(config, self.max_positions)
-        attention.setup(num_layers=config.num_layers, num_heads=config.num_heads,
-                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=kv_cache_dtype,
+        local_config = config
+        if tensor_parallel is not None:
+            from .tensor_parallel import Shard, shard_weights
+
+            group, rank, world_size = tensor_parallel
+            shard = Shard.plan(config, rank, world_size)
+            local_config, weights = shard_weights(config, weights, shard)
+        attention.setup(num_layers=config.num_layers, num_heads=local_config.num_heads,
+                        num_kv_heads=local_config.num_kv_heads, head_dim=config.head_dim, dtype=kv_cache_dtype,
                         rope_cos=cos, rope_sin=sin)
-        if quantization == "none":
+        if tensor_parallel is not None:
+            from .tensor_parallel import TensorParallelWeights
+
+            if quantization != "none" or kernels not in ("paddle", "triton"):
+                raise ValueError("tensor parallelism runs the float32 paddle path (quantization none, kernels "
+                                 "paddle or triton)")
+            self.weights = TensorParallelWeights(paddle, local_config, weights, make_linear(paddle, config, kernels,
+                                                                                            weight_dtype),
+                                                 group, shard, config.vocab_size)
+        elif quantization == "none":
             self.weights = FloatWeights(paddle, config, weights, make_linear(paddle, config, kernels, weight_dtype))
         else:
             if kernels != "cpu":
@@ -170,7 +190,7 @@ class LlamaModel:
             return self.weights.embed(ids.reshape([-1]).astype("int64"))
 
     def forward(self, token_ids: np.ndarray, meta: AttentionMetadata,
-                logit_rows: np.ndarray, return_hidden: bool = False):
+                logit_rows: np.ndarray, return_hidden: bool = False, device_logits: bool = False):
         """Run the decoder over packed rows.
 
         :param token_ids: ``[T]`` int64, every request's new tokens back to back.
@@ -181,6 +201,8 @@ class LlamaModel:
         :param return_hidden: also return the last layer's hidden states of every row
             (``[T, H]`` float32 paddle tensor, before the final norm), for proposers that read
             them.
+        :param device_logits: return the logits as a paddle tensor where the model ran (for
+            the fused verify kernels) instead of copying them to a numpy array.
         :returns: ``[M, V]`` float32 numpy logits, or ``(logits, hidden_states)``.
         """
         p = self.paddle
@@ -197,10 +219,14 @@ class LlamaModel:
             hidden = x
             if len(logit_rows) == 0:
                 logits = np.zeros((0, self.config.vocab_size), np.float32)
+                if device_logits:
+                    logits = p.to_tensor(logits)
             else:
                 if len(logit_rows) != len(token_ids) or not np.array_equal(logit_rows, np.arange(len(token_ids))):
                     x = p.gather(x, p.to_tensor(logit_rows))
-                logits = weights.logits(x).numpy()
+                logits = weights.logits(x)
+                if not device_logits:
+                    logits = logits.numpy()
         return (logits, hidden) if return_hidden else logits
 
     def logits_of_hidden(self, hidden_states):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import specdec
-from specdec.sdk import VerifyInputs, VerifyResult, check_inputs, greedy_tokens, prefix_match_result
+from specdec.sdk import (VerifyInputs, VerifyResult, check_inputs, greedy_tokens, prefix_match_result,
+                         verify_on_device)
 
 
 class GreedyVerify(specdec.VerifyStrategy):
@@ -18,6 +19,8 @@ class GreedyVerify(specdec.VerifyStrategy):
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         check_inputs(inputs)
+        if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
+            return verify_on_device(self.NAME, inputs)
         return prefix_match_result(inputs.drafts, greedy_tokens(inputs.logits))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 import specdec
 from specdec.sdk import (Drafts, VerifyInputs, VerifyResult, accepted_prefix, assemble_output, at_positions,
-                         check_inputs, pad_beyond_drafts, recovered_tokens, target_distribution)
+                         check_inputs, pad_beyond_drafts, recovered_tokens, target_distribution, verify_on_device)
 
 
 class RejectionVerify(specdec.VerifyStrategy):
@@ -32,6 +32,8 @@ class RejectionVerify(specdec.VerifyStrategy):
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         check_inputs(inputs)
+        if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
+            return verify_on_device(self.NAME, inputs)
         drafts, sampling = inputs.drafts, inputs.sampling
         target_tokens, sampled, probs = target_distribution(
             inputs.logits, sampling, sampling.uniforms[..., 1]

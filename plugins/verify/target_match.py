@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import specdec
-from specdec.sdk import VerifyInputs, VerifyResult, check_inputs, prefix_match_result, target_choice
+from specdec.sdk import (VerifyInputs, VerifyResult, check_inputs, prefix_match_result, target_choice,
+                         verify_on_device)
 
 
 class TargetMatchVerify(specdec.VerifyStrategy):
@@ -20,6 +21,8 @@ class TargetMatchVerify(specdec.VerifyStrategy):
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         check_inputs(inputs)
+        if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
+            return verify_on_device(self.NAME, inputs)
         target_tokens = target_choice(inputs.logits, inputs.sampling, inputs.sampling.uniforms[..., 1])
         return prefix_match_result(inputs.drafts, target_tokens)
 

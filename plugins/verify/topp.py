@@ -11,7 +11,7 @@ import numpy as np
 
 import specdec
 from specdec.sdk import (VerifyInputs, VerifyResult, assemble_output, at_positions, check_inputs, draft_mask,
-                         pad_beyond_drafts, target_distribution, top_tokens)
+                         pad_beyond_drafts, target_distribution, top_tokens, verify_on_device)
 
 _positive_int = [attrs.validators.instance_of(int), attrs.validators.ge(1)]
 
@@ -51,6 +51,9 @@ class ToppVerify(specdec.VerifyStrategy):
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         check_inputs(inputs)
+        if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
+            return verify_on_device(self.NAME, inputs, max_candidate_len=self.config.max_candidate_len,
+                                    verify_window=self.config.verify_window)
         drafts, sampling = inputs.drafts, inputs.sampling
         target_tokens, sampled, probs = target_distribution(
             inputs.logits, sampling, sampling.uniforms[..., 1]

@@ -505,7 +505,7 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
          "--config: unknown key 'zzz'; valid keys: attention_backend, block_size, dtype, enable_prefix_caching, kernels, "
          "kv_cache_dtype, kv_cache_memory_gb, max_model_len, max_num_batched_tokens, max_num_seqs, "
          "max_stop_string_length, max_stop_strings, model, "
-         "num_kv_blocks, quantization, seed, speculative_config"),
+         "num_kv_blocks, quantization, seed, speculative_config, tensor_parallel_size, tensor_parallel_timeout"),
         ({"block_size": 12}, {}, "--config.block_size: must be a multiple of 8, got 12"),
         ({}, {"enable_prefix_caching": "yes"}, "--enable-prefix-caching: expected bool, got str 'yes'"),
         ({"num_kv_blocks": 0}, {}, "--config.num_kv_blocks: must be >= 1, got 0"),
@@ -523,10 +523,11 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
         ({}, {"max_num_seq": 2}, "--max-num-seq: not an engine option; engine options: model, max_model_len, "
          "attention_backend, kernels, dtype, quantization, seed, max_num_seqs, max_num_batched_tokens, block_size, "
          "num_kv_blocks, "
-         "kv_cache_memory_gb, kv_cache_dtype, enable_prefix_caching, max_stop_strings, max_stop_string_length"),
-        ({"kv_cache_dtype": "fp8"}, {}, "--config.kv_cache_dtype: must be one of auto, float32, float16, got 'fp8'"),
+         "kv_cache_memory_gb, kv_cache_dtype, tensor_parallel_size, tensor_parallel_timeout, enable_prefix_caching, "
+         "max_stop_strings, max_stop_string_length"),
+        ({"kv_cache_dtype": "fp8"}, {}, "--config.kv_cache_dtype: must be one of auto, float32, float16, bfloat16, got 'fp8'"),
         ({}, {"kv_cache_dtype": "float61"},
-         "--kv-cache-dtype: must be one of auto, float32, float16, got 'float61' (did you mean 'float16'?)"),
+         "--kv-cache-dtype: must be one of auto, float32, float16, bfloat16, got 'float61' (did you mean 'float16'?)"),
     ],
 )
 def test_engine_errors(plugins, yaml_data, overrides, expected):
