@@ -54,7 +54,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="split the model over N ranks, one process each (default 1; docs/deployment.md)")
     parser.add_argument("--tensor-parallel-timeout", type=float, default=None, metavar="SECONDS",
-                        help="how long a step waits on the other ranks before the engine gives up (default 60)")
+                        help="how long a step waits on the other ranks before the engine gives up (default 30)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="share the KV blocks of common prompt prefixes (default on)")
     parser.add_argument("--max-stop-strings", type=int, default=None, metavar="N",
@@ -277,6 +277,8 @@ def run_generate(args) -> int:
     plugins = get_plugins()
     _warn_plugin_errors(plugins)
     config = build_engine_config_from_args(args, plugins)
+    if _run_as_worker(config):
+        return 0
     sampling = sampling_from_args(args)
     prompts = read_prompts(args)
     llm = LLM(config=config, plugins=plugins, progress=args.progress)
@@ -286,6 +288,8 @@ def run_generate(args) -> int:
         outputs = llm.generate(prompts, sampling, use_chat_template=use_chat, progress=args.progress)
     except RequestError as exc:  # checked against the engine: top_k within the vocabulary, the context
         raise as_flag_error(exc) from None
+    finally:
+        llm.engine.close()
     elapsed = time.perf_counter() - start
     total_tokens = sum(o.num_generated_tokens for o in outputs)
     metrics = SpecMetrics.total(o.metrics for o in outputs)
@@ -338,18 +342,36 @@ def run_serve(args) -> int:
     plugins = get_plugins()
     _warn_plugin_errors(plugins)
     config = build_engine_config_from_args(args, plugins)
+    if _run_as_worker(config):
+        return 0
     sock = serve.bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
     engine = Engine(config, plugins=plugins, progress=args.progress)
-    serve.run_server(
-        engine, sock,
-        served_model_name=args.served_model_name or config.model,
-        api_key=api_key,
-        max_pending=args.max_pending_requests or serve.DEFAULT_MAX_PENDING,
-        shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
-        limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
-        log_level=args.log_level,
-    )
+    try:
+        serve.run_server(
+            engine, sock,
+            served_model_name=args.served_model_name or config.model,
+            api_key=api_key,
+            max_pending=args.max_pending_requests or serve.DEFAULT_MAX_PENDING,
+            shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
+            limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
+            log_level=args.log_level,
+        )
+    finally:
+        engine.close()
     return 0
+
+
+def _run_as_worker(config) -> bool:
+    """With tensor parallelism across machines ``paddle.distributed.launch`` starts the command
+    on every rank: rank 0 runs it, every other rank serves its slice of the model until rank
+    0 stops (True: done)."""
+    from .engine.tensor_parallel import launched_rank, worker_loop
+
+    launched = launched_rank()
+    if config.tensor_parallel_size <= 1 or launched is None or launched[0] == 0:
+        return False
+    worker_loop(config)
+    return True
 
 
 def _server_limits(args):

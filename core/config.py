@@ -457,7 +457,8 @@ class EngineConfig:
         runs the float32 ``paddle`` path (``kernels: paddle`` on CPUs, ``triton`` on GPUs)
         and needs at least one KV head per rank.
     :ivar tensor_parallel_timeout: seconds a tensor-parallel step may wait on the other ranks
-        before the engine gives up on them, fails the requests in flight and exits.
+        before the engine gives up on them, fails the requests in flight and exits (gloo
+        gives up on its own after 30 s, so on CPUs a longer timeout has no effect).
     :ivar enable_prefix_caching: requests whose prompts share leading full blocks (a common
         system prompt) share those blocks instead of computing them again.
     :ivar max_stop_strings: the most stop strings one request may give.
@@ -480,7 +481,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = attrs.field(default=4.0, validator=in_range(0.001))
     kv_cache_dtype: str = attrs.field(default="auto", validator=one_of(*KV_CACHE_DTYPES))
     tensor_parallel_size: int = attrs.field(default=1, validator=in_range(1, 64))
-    tensor_parallel_timeout: float = attrs.field(default=60.0, validator=in_range(1.0))
+    tensor_parallel_timeout: float = attrs.field(default=30.0, validator=in_range(1.0))
     enable_prefix_caching: bool = True
     max_stop_strings: int = attrs.field(default=16, validator=in_range(0, 1 << 16))
     max_stop_string_length: int = attrs.field(default=256, validator=in_range(1, 1 << 16))

@@ -11,6 +11,7 @@ logits. Rejected rows are dropped by length: the next step overwrites them.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import sys
@@ -243,6 +244,7 @@ class Engine:
         self._spec_plugin_classes(config.speculative)
         #: The other tensor-parallel ranks' processes (started here on one machine), if any.
         self.tensor_parallel_workers: list = []
+        self._closed = False
         self._on_fatal: Callable[[str], None] = exit_after_failure
         tensor_parallel = watchdog = None
         if config.tensor_parallel_size > 1:
@@ -280,19 +282,21 @@ class Engine:
 
         paddle = require_paddle()
         launched = launched_rank()
+        environment = None
         if launched is None:
-            self.tensor_parallel_workers = start_local_workers(config, config.tensor_parallel_size,
-                                                               "nccl" if _on_gpu() else "gloo")
-        elif launched != (0, config.tensor_parallel_size):
+            self.tensor_parallel_workers, environment = start_local_workers(
+                config, config.tensor_parallel_size, "nccl" if _on_gpu() else "gloo")
+        elif launched[1] != config.tensor_parallel_size:
             raise SpecdecError(f"tensor_parallel_size: {config.tensor_parallel_size}, but paddle.distributed.launch "
-                               f"made this rank {launched[0]} of {launched[1]}")
+                               f"started {launched[1]} ranks")
         # Watched from here on: a rank that dies while loading, or a rendezvous that never
         # completes, ends this process with the reason instead of blocking it for good.
         watchdog = Watchdog(self.tensor_parallel_workers, config.tensor_parallel_timeout,
                             lambda message: self._on_fatal(message))
         with watchdog.step():
-            init_process_group(paddle)
+            init_process_group(paddle, environment)
         group = CollectiveGroup(paddle)
+        atexit.register(self.close)  # before multiprocessing's own exit handler terminates the workers
         return (group, 0, group.world_size), watchdog
 
     def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
@@ -304,11 +308,11 @@ class Engine:
 
     def close(self) -> None:
         """Tell the other tensor-parallel ranks to stop (nothing to do with one rank)."""
-        if self.config.tensor_parallel_size > 1 and self.tensor_parallel_workers:
+        if self.config.tensor_parallel_size > 1 and not self._closed:
+            self._closed = True
             self.model.stop_workers()
             for process in self.tensor_parallel_workers:
                 process.join(5)
-            self.tensor_parallel_workers = []
 
     def _allocate_kv_cache(self) -> KVCacheManager:
         """Size the block pool (``num_kv_blocks``, else what ``kv_cache_memory_gb`` holds), have

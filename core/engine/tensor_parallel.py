@@ -38,6 +38,8 @@ logger = logging.getLogger("specdec.engine")
 
 #: Seconds between two checks of the workers and of the running step.
 WATCHDOG_INTERVAL = 0.2
+#: Seconds of silence after which idle rank 0 pings the others (gloo times out after 30).
+KEEPALIVE_INTERVAL = 5.0
 #: Environment variables paddle.distributed reads to join a process group.
 RANK_ENV = ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_CURRENT_ENDPOINT",
             "PADDLE_DISTRI_BACKEND")
@@ -71,16 +73,32 @@ def rank_environments(world_size: int, backend: str) -> list[dict]:
             for rank in range(world_size)]
 
 
-def init_process_group(paddle) -> None:
-    """Join the process group the environment describes (and, on GPUs, take this rank's)."""
-    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
-        paddle.set_device(f"gpu:{int(os.environ['PADDLE_TRAINER_ID'])}")
-    paddle.distributed.init_parallel_env()
+def init_process_group(paddle, environment: Optional[dict] = None) -> None:
+    """Join the process group that ``environment`` (else this process's environment)
+    describes, and on GPUs take this rank's. A given ``environment`` is set only while
+    joining: processes this one starts later must not inherit it (they would take
+    themselves for this rank)."""
+    saved = {name: os.environ.get(name) for name in (environment or {})}
+    os.environ.update(environment or {})
+    try:
+        if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+            # This machine's GPU for the rank: launch sets FLAGS_selected_gpus (the global
+            # rank would name a GPU another machine has).
+            local = os.environ.get("FLAGS_selected_gpus") or os.environ.get("PADDLE_LOCAL_RANK") or "0"
+            paddle.set_device(f"gpu:{int(local.split(',')[0])}")
+        paddle.distributed.init_parallel_env()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
-def start_local_workers(config, world_size: int, backend: str) -> list:
-    """Start ranks ``1 .. world_size - 1`` on this machine and set rank 0's environment in
-    this process; returns the worker processes (daemons: they end with this process)."""
+def start_local_workers(config, world_size: int, backend: str) -> tuple[list, dict]:
+    """Start ranks ``1 .. world_size - 1`` on this machine; returns the worker processes
+    (daemons: they end with this process) and rank 0's environment, for
+    :func:`init_process_group`."""
     environments = rank_environments(world_size, backend)
     context = multiprocessing.get_context("spawn")
     workers = []
@@ -89,8 +107,7 @@ def start_local_workers(config, world_size: int, backend: str) -> list:
                                   name=f"specdec-tp-rank{rank}")
         process.start()
         workers.append(process)
-    os.environ.update(environments[0])
-    return workers
+    return workers, environments[0]
 
 
 def _worker_main(config, environment: dict) -> None:
@@ -121,6 +138,8 @@ def worker_loop(config) -> None:
         kind = message[0]
         if kind == "stop":
             return
+        if kind == "ping":  # rank 0 is idle; see TensorParallelModel._keep_alive
+            continue
         if kind == "init_cache":
             _, num_blocks, block_size = message
             built.attention.init_cache(num_blocks, block_size)
@@ -152,22 +171,56 @@ class TensorParallelModel:
         self._embedding = self.paddle.to_tensor(embedding)
         self._lm_head = self._embedding if lm_head is embedding else self.paddle.to_tensor(lm_head)
         self.watchdog = watchdog
+        # One message at a time: the engine thread's steps and the keep-alive thread's pings.
+        self._lock = threading.Lock()
+        self._last_message = time.monotonic()
+        threading.Thread(target=self._keep_alive, name="specdec-tp-keepalive", daemon=True).start()
+
+    def _send(self, message: tuple) -> None:
+        """Broadcast ``message`` to the other ranks (holding ``_lock``)."""
+        self.group.broadcast_object(message)
+        self._last_message = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        """While rank 0 is idle the workers wait inside a collective, which gloo gives up on
+        after 30 s: a ping every :data:`KEEPALIVE_INTERVAL` seconds keeps them waiting."""
+        while self.watchdog.failure is None:
+            time.sleep(KEEPALIVE_INTERVAL / 5)
+            if time.monotonic() - self._last_message < KEEPALIVE_INTERVAL:
+                continue
+            with self._lock, self.watchdog.step():
+                if self.watchdog.failure is not None:
+                    return
+                try:
+                    self._send(("ping",))
+                except Exception as exc:  # noqa: BLE001 - a rank is gone
+                    self.watchdog.collective_failed(exc)
+                    return
 
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate every rank's cache (rank 0's through the engine, the others' by message)."""
-        self.group.broadcast_object(("init_cache", num_blocks, block_size))
+        with self._lock, self.watchdog.step():
+            self._send(("init_cache", num_blocks, block_size))
 
     def forward(self, token_ids, meta, logit_rows, return_hidden: bool = False, device_logits: bool = False):
-        with self.watchdog.step():
-            self.group.broadcast_object(("forward", token_ids, meta, logit_rows))
-            return self.local.forward(token_ids, meta, logit_rows, return_hidden=return_hidden,
-                                      device_logits=device_logits)
+        with self._lock, self.watchdog.step():
+            try:
+                self._send(("forward", token_ids, meta, logit_rows))
+                return self.local.forward(token_ids, meta, logit_rows, return_hidden=return_hidden,
+                                          device_logits=device_logits)
+            except Exception as exc:  # noqa: BLE001 - a collective failed: the group is broken for good
+                self.watchdog.collective_failed(exc)
+                raise
 
     def stop_workers(self) -> None:
-        try:
-            self.group.broadcast_object(("stop",))
-        except Exception:  # noqa: BLE001 - a worker that is already gone
-            pass
+        """Tell the other ranks to end (they exit on their own); the watchdog stops first, so
+        that their exit is not taken for a failure."""
+        self.watchdog.stop()
+        with self._lock:
+            try:
+                self._send(("stop",))
+            except Exception:  # noqa: BLE001 - a worker that is already gone
+                pass
 
     # -- what proposers read, from rank 0's whole copies ------------------------------------------
 
@@ -211,6 +264,7 @@ class Watchdog:
         self.timeout = timeout
         self.on_failure = on_failure
         self.failure: Optional[str] = None
+        self._lock = threading.Lock()
         self._step_started: Optional[float] = None
         self._thread = threading.Thread(target=self._run, name="specdec-tp-watchdog", daemon=True)
         self._thread.start()
@@ -218,14 +272,39 @@ class Watchdog:
     def step(self) -> "_Step":
         return _Step(self)
 
+    def stop(self) -> None:
+        """Stop watching (the workers are being shut down on purpose)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = "stopped"
+
+    def fail(self, message: str) -> None:
+        """Report ``message`` through ``on_failure``, once (later calls do nothing)."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = message
+        logger.error("%s", message)
+        self.on_failure(message)
+
+    def collective_failed(self, exc: Exception) -> None:
+        """A collective raised (gloo does when a peer's connection drops): most likely a rank
+        died, which the next checks will name; give them a moment, else report the error."""
+        deadline = time.monotonic() + 5 * WATCHDOG_INTERVAL
+        while time.monotonic() < deadline and self.failure is None:
+            message = self._check()
+            if message is not None:
+                self.fail(message)
+                return
+            time.sleep(WATCHDOG_INTERVAL / 4)
+        self.fail(f"a tensor-parallel collective failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+
     def _run(self) -> None:
         while self.failure is None:
             time.sleep(WATCHDOG_INTERVAL)
             message = self._check()
             if message is not None:
-                self.failure = message
-                logger.error("%s", message)
-                self.on_failure(message)
+                self.fail(message)
 
     def _check(self) -> Optional[str]:
         for rank, process in enumerate(self.workers, start=1):

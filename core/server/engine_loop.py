@@ -220,6 +220,7 @@ class EngineLoop:
         self._pending_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._lost: Optional[str] = None  # why the engine cannot go on (engine_lost)
         self._snapshot = self._take_snapshot()
 
     # -- any thread ------------------------------------------------------------------------
@@ -240,7 +241,22 @@ class EngineLoop:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self._lost is None
+
+    def engine_lost(self, message: str) -> None:
+        """The engine cannot go on (a tensor-parallel rank died or hung). Called from another
+        thread while the engine thread may be blocked for good, so it touches no engine state:
+        new requests are refused, every request in flight (and every queued one) ends now with
+        finish reason ``error`` and ``message``, and :attr:`running` turns false (``/health``
+        answers 503). The caller then ends the process."""
+        self._lost = message
+        self._stopping = True
+        self._drop_queued(message)
+        for tracked in list(self._tracked.values()):
+            request = tracked.request
+            text = request.text[tracked.emitted_chars:] if request is not None else ""
+            tracked.send(Finished(text, tracked.num_generated, len(tracked.prompt_token_ids), "error",
+                                  _copy(request.metrics) if request is not None else SpecMetrics(), message))
 
     @property
     def num_pending(self) -> int:

@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 
 import uvicorn
 
+from ..engine.tensor_parallel import exit_after_failure
 from ..errors import SpecdecError
 from .app import build_app
 from .engine_loop import EngineLoop
@@ -140,6 +141,12 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     engine_loop = EngineLoop(engine, max_pending=max_pending)
+
+    def engine_lost(message: str) -> None:  # a tensor-parallel rank died or hung: fail, then exit
+        engine_loop.engine_lost(message)
+        exit_after_failure(message)
+
+    engine.set_fatal_handler(engine_lost)
     app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key, limits=limits,
                     enable_docs=enable_docs, metrics_require_key=metrics_require_key)
     # uvicorn's own timeout is the last resort: by then the engine loop has ended every request.
