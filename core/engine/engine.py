@@ -249,7 +249,15 @@ class Engine:
         tensor_parallel = watchdog = None
         if config.tensor_parallel_size > 1:
             tensor_parallel, watchdog = self._join_tensor_parallel_group(config)
-        built = build_model(config, self.plugins, progress, tensor_parallel=tensor_parallel)
+        try:
+            built = build_model(config, self.plugins, progress, tensor_parallel=tensor_parallel)
+        except BaseException:
+            if watchdog is not None:  # the workers fail the same way: that is not news
+                watchdog.stop()
+                for process in self.tensor_parallel_workers:
+                    process.kill()  # silently: paddle prints a C++ trace on SIGTERM
+                self._closed = True
+            raise
         self.kernels, self.weight_dtype, self.quantization = built.kernels, built.weight_dtype, built.quantization
         self.attention, self.kv_cache_dtype, self.tokenizer = built.attention, built.kv_cache_dtype, built.tokenizer
         self.model_config, self.max_model_len, self.model = built.model_config, built.max_model_len, built.model
@@ -258,8 +266,8 @@ class Engine:
 
             self.model = TensorParallelModel(built.model, tensor_parallel[0], built.embedding, built.lm_head, watchdog)
         logger.debug("kernels %s, attention backend %s, weights %s (quantization %s), kv cache %s, "
-                    "tensor parallel %d", self.kernels, built.backend, self.weight_dtype, self.quantization,
-                    self.kv_cache_dtype, config.tensor_parallel_size)
+                     "tensor parallel %d", self.kernels, built.backend, self.weight_dtype, self.quantization,
+                     self.kv_cache_dtype, config.tensor_parallel_size)
         self.block_size = config.block_size
         self.kv = self._allocate_kv_cache()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)

@@ -113,10 +113,14 @@ def start_local_workers(config, world_size: int, backend: str) -> tuple[list, di
 def _worker_main(config, environment: dict) -> None:
     os.environ.update(environment)
     os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
+    from ..errors import SpecdecError
+
     try:
         worker_loop(config)
     except KeyboardInterrupt:
         pass
+    except SpecdecError:  # a bad configuration: rank 0 meets the same error and reports it
+        sys.exit(2)
 
 
 def worker_loop(config) -> None:

@@ -179,3 +179,13 @@ def test_an_idle_group_outlives_gloos_own_timeout(parallel, expected):
     time.sleep(35)
     assert parallel.engine.tensor_parallel_workers[0].is_alive()
     assert _tokens(parallel, PROMPTS[:1]) == expected[:1]
+
+
+def test_more_ranks_than_kv_heads_is_a_one_line_error():
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "--tensor-parallel-size", "4", "--no-progress",
+         "--prompt", "hi", "--max-tokens", "2"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == ["error: tensor_parallel_size: 4 ranks for a model with 3 KV heads; each rank needs at least "
+                      "one (use at most 3)"]
