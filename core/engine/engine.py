@@ -248,9 +248,13 @@ class Engine:
         self._on_fatal: Callable[[str], None] = exit_after_failure
         tensor_parallel = watchdog = None
         if config.tensor_parallel_size > 1:
-            tensor_parallel, watchdog = self._join_tensor_parallel_group(config)
+            tensor_parallel, watchdog, environment = self._start_tensor_parallel(config)
         try:
             built = build_model(config, self.plugins, progress, tensor_parallel=tensor_parallel)
+            if tensor_parallel is not None:
+                from .tensor_parallel import init_process_group
+
+                init_process_group(tensor_parallel[0].paddle, environment)  # after loading: see there
         except BaseException:
             if watchdog is not None:  # the workers fail the same way: that is not news
                 watchdog.stop()
@@ -280,32 +284,32 @@ class Engine:
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self._ids = itertools.count()
 
-    def _join_tensor_parallel_group(self, config: EngineConfig):
+    def _start_tensor_parallel(self, config: EngineConfig):
         """Become rank 0 of the tensor-parallel group: start the other ranks on this machine
-        (unless ``paddle.distributed.launch`` started them) and join the process group.
-        Returns ``((group, 0, world_size), watchdog)``."""
+        (unless ``paddle.distributed.launch`` started them) and watch them. Returns
+        ``((group, 0, world_size), watchdog, rank 0's environment)``; the group is joined once
+        the model is built."""
         from ..errors import require_paddle
         from ..model.tensor_parallel import CollectiveGroup
-        from .tensor_parallel import Watchdog, init_process_group, launched_rank, start_local_workers
+        from .tensor_parallel import Watchdog, launched_rank, start_local_workers, use_rank_device
 
         paddle = require_paddle()
+        world_size = config.tensor_parallel_size
         launched = launched_rank()
         environment = None
         if launched is None:
             self.tensor_parallel_workers, environment = start_local_workers(
-                config, config.tensor_parallel_size, "nccl" if _on_gpu() else "gloo")
-        elif launched[1] != config.tensor_parallel_size:
-            raise SpecdecError(f"tensor_parallel_size: {config.tensor_parallel_size}, but paddle.distributed.launch "
+                config, world_size, "nccl" if _on_gpu() else "gloo")
+        elif launched[1] != world_size:
+            raise SpecdecError(f"tensor_parallel_size: {world_size}, but paddle.distributed.launch "
                                f"started {launched[1]} ranks")
-        # Watched from here on: a rank that dies while loading, or a rendezvous that never
-        # completes, ends this process with the reason instead of blocking it for good.
+        # Watched from here on: a rank that dies while loading ends this process with the
+        # reason instead of leaving it waiting at the rendezvous.
         watchdog = Watchdog(self.tensor_parallel_workers, config.tensor_parallel_timeout,
                             lambda message: self._on_fatal(message))
-        with watchdog.step():
-            init_process_group(paddle, environment)
-        group = CollectiveGroup(paddle)
+        use_rank_device(paddle, environment)
         atexit.register(self.close)  # before multiprocessing's own exit handler terminates the workers
-        return (group, 0, group.world_size), watchdog
+        return (CollectiveGroup(paddle, 0, world_size), 0, world_size), watchdog, environment
 
     def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
         """What to do when the engine cannot go on (a tensor-parallel rank died or hung):

@@ -25,6 +25,7 @@ cannot recover its KV cache, so it does not try.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -73,26 +74,38 @@ def rank_environments(world_size: int, backend: str) -> list[dict]:
             for rank in range(world_size)]
 
 
-def init_process_group(paddle, environment: Optional[dict] = None) -> None:
-    """Join the process group that ``environment`` (else this process's environment)
-    describes, and on GPUs take this rank's. A given ``environment`` is set only while
-    joining: processes this one starts later must not inherit it (they would take
-    themselves for this rank)."""
+@contextlib.contextmanager
+def _environment(environment: Optional[dict]):
+    """``environment`` set only inside the block: processes this one starts later must not
+    inherit a rank's variables (they would take themselves for that rank)."""
     saved = {name: os.environ.get(name) for name in (environment or {})}
     os.environ.update(environment or {})
     try:
-        if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
-            # This machine's GPU for the rank: launch sets FLAGS_selected_gpus (the global
-            # rank would name a GPU another machine has).
-            local = os.environ.get("FLAGS_selected_gpus") or os.environ.get("PADDLE_LOCAL_RANK") or "0"
-            paddle.set_device(f"gpu:{int(local.split(',')[0])}")
-        paddle.distributed.init_parallel_env()
+        yield
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def use_rank_device(paddle, environment: Optional[dict] = None) -> None:
+    """On GPUs, make this rank's GPU the default device (before anything is allocated):
+    ``FLAGS_selected_gpus``, which launch sets per machine (the global rank would name a GPU
+    another machine has)."""
+    with _environment(environment):
+        if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+            local = os.environ.get("FLAGS_selected_gpus") or os.environ.get("PADDLE_LOCAL_RANK") or "0"
+            paddle.set_device(f"gpu:{int(local.split(',')[0])}")
+
+
+def init_process_group(paddle, environment: Optional[dict] = None) -> None:
+    """Join the process group that ``environment`` (else this process's environment)
+    describes. Every rank joins only once its model is built: the rendezvous waits as long
+    as loading takes, while a rank waiting inside a collective gives up after 30 s (gloo)."""
+    with _environment(environment):
+        paddle.distributed.init_parallel_env()
 
 
 def start_local_workers(config, world_size: int, backend: str) -> tuple[list, dict]:
@@ -132,10 +145,11 @@ def worker_loop(config) -> None:
     from .engine import build_model
 
     paddle = require_paddle()
+    rank, world_size = launched_rank()
+    use_rank_device(paddle)
+    group = CollectiveGroup(paddle, rank, world_size)
+    built = build_model(config, get_plugins(), progress=False, tensor_parallel=(group, rank, world_size))
     init_process_group(paddle)
-    group = CollectiveGroup(paddle)
-    built = build_model(config, get_plugins(), progress=False, tensor_parallel=(group, group.rank,
-                                                                                 group.world_size))
     model = built.model
     while True:
         message = group.broadcast_object()

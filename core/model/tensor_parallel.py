@@ -130,13 +130,17 @@ class TensorParallelWeights(FloatWeights):
 
 class CollectiveGroup:
     """The collectives tensor parallelism uses, over ``paddle.distributed`` (gloo on CPU,
-    NCCL on GPU); the process group must be initialised (``init_parallel_env``)."""
+    NCCL on GPU); the process group must be joined (``init_parallel_env``) before the first
+    collective."""
 
-    def __init__(self, paddle):
+    def __init__(self, paddle, rank: int | None = None, world_size: int | None = None):
+        """``rank`` and ``world_size`` may be given before the group is joined (a rank builds
+        its model first); else they are read from the joined group."""
         import paddle.distributed as dist
 
         self.paddle, self.dist = paddle, dist
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
 
     def all_reduce(self, tensor):
         """The elementwise sum over ranks (in place, and returned)."""
