@@ -153,6 +153,16 @@ def _max_pass(row_ptr, V, temp, x_draft, draft, SCALED: tl.constexpr, RANK: tl.c
 
 
 @triton.jit
+def _scaled(row_ptr, offs, mask, temp):
+    """One chunk of a row: the logits divided by the temperature (``-inf`` past the row), and
+    their keys (the order-preserving integer image of their float32 bits)."""
+    x = tl.load(row_ptr + offs, mask=mask, other=float("-inf"))
+    s = tl.math.div_rn(x, temp)
+    bits = s.to(tl.int32, bitcast=True)
+    return s, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
 def _cut(row_ptr, V, temp, s_max, k_lo, s1, limit, lo, hi, TOP_P: tl.constexpr, PIVOTS: tl.constexpr,
          BLOCK_V: tl.constexpr, N_CHUNKS: tl.constexpr):
     """Where top-k (``TOP_P`` false: keys of ``s``, weight 1, ``limit = top_k``) or top-p
@@ -177,10 +187,7 @@ def _cut(row_ptr, V, temp, s_max, k_lo, s1, limit, lo, hi, TOP_P: tl.constexpr, 
         for chunk in range(0, N_CHUNKS):
             offs = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
             mask = offs < V
-            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf"))
-            s = tl.math.div_rn(x, temp)
-            bits = s.to(tl.int32, bitcast=True)
-            skey = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+            s, skey = _scaled(row_ptr, offs, mask, temp)
             if TOP_P:
                 p1 = tl.math.div_rn(tl.exp(s - s_max), s1)
                 p1 = tl.where(mask & (skey > k_lo), p1, 0.0)
@@ -212,10 +219,7 @@ def _softmax_sum(row_ptr, V, temp, s_max, k_lo, BLOCK_V: tl.constexpr, N_CHUNKS:
     for chunk in range(0, N_CHUNKS):
         offs = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = offs < V
-        x = tl.load(row_ptr + offs, mask=mask, other=float("-inf"))
-        s = tl.math.div_rn(x, temp)
-        bits = s.to(tl.int32, bitcast=True)
-        skey = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        s, skey = _scaled(row_ptr, offs, mask, temp)
         e = tl.exp(s - s_max)
         total += tl.reduce(tl.where(mask & (skey > k_lo), e.to(tl.float64), 0.0), 0, _SUM)
     return total
@@ -228,10 +232,7 @@ def _chunk_weights(row_ptr, q_ptr, offs, mask, temp, s_max, k_lo, s1, p_lo, s2, 
     ``temp``, cut by top-k at key ``k_lo`` and by top-p at key ``p_lo``, normalised by ``s1``
     then ``s2``), or where ``residual`` is set (only when ``RESIDUAL``), the rejection
     residual ``max(0, p2 - q)`` (``p2`` without ``draft`` unless ``HAS_Q``)."""
-    x = tl.load(row_ptr + offs, mask=mask, other=float("-inf"))
-    s = tl.math.div_rn(x, temp)
-    bits = s.to(tl.int32, bitcast=True)
-    skey = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    s, skey = _scaled(row_ptr, offs, mask, temp)
     p1 = tl.math.div_rn(tl.exp(s - s_max), s1)
     p1 = tl.where(mask & (skey > k_lo), p1, 0.0)
     w = tl.where(p1.to(tl.int32, bitcast=True).to(tl.int64) > p_lo, tl.math.div_rn(p1, s2), 0.0)
