@@ -15,12 +15,17 @@ one process each, with paddle.distributed's environment for that rank, the same 
 the engine sees it (:func:`launched_rank`) and rank 0 runs the command while the others run
 :func:`worker_loop` (docs/deployment.md).
 
+Waiting. A rank waiting inside a collective gives up after 30 s under gloo. So every rank
+loads its model before it joins the process group (the join itself waits as long as loading
+takes), and idle rank 0 pings the others every ``KEEPALIVE_INTERVAL`` seconds.
+
 Failure. A :class:`Watchdog` thread on rank 0 checks the local workers every
 ``WATCHDOG_INTERVAL`` seconds, and any rank's step against ``config.tensor_parallel_timeout``
 (a collective that waits on a dead or hung rank blocks inside paddle and cannot be
-interrupted). On either it calls the engine's fatal handler, which fails the requests in
-flight with the reason, and then the process exits: a tensor-parallel engine that lost a rank
-cannot recover its KV cache, so it does not try.
+interrupted); a collective that raises (gloo does when a peer's connection drops) is a
+failure too. Then it calls the engine's fatal handler, which fails the requests in flight with
+the reason, and the process exits: a tensor-parallel engine that lost a rank cannot recover
+its KV cache, so it does not try.
 """
 
 from __future__ import annotations
