@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import attrs
 import numpy as np
 
+from .errors import SpecdecError
 from .plugin import Plugin
 
 #: Bytes per cached value of each ``kv_cache_dtype`` a backend may keep.
@@ -135,3 +138,67 @@ class AttentionBackend(Plugin):
         ``0 .. context_lens[b] + t`` of that request.
         """
         raise NotImplementedError
+
+    # -- moving blocks between engines (a request handed from a prefill to a decode instance) --
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[np.ndarray]:
+        """Copy the cache contents of ``block_ids`` out, for another engine's :meth:`import_blocks`.
+
+        :returns: one numpy array per layer (a copy), whose first axis is ``block_ids`` in the
+            order given: that layer's whole cache rows of each block (keys and values of every
+            position and KV head), in this backend's own layout; the importing side is a
+            backend of the same ``NAME``, cache dtype and shape, and treats them as opaque.
+        :raises SpecdecError: when the backend cannot (this base implementation).
+        """
+        raise SpecdecError(self._cannot_move_blocks())
+
+    def import_blocks(self, block_ids: Sequence[int], data: list[np.ndarray]) -> None:
+        """Write ``data`` (what :meth:`export_blocks` returned on a backend like this one) into
+        the blocks ``block_ids`` of this cache, in place, so that the next ``forward`` reads it.
+
+        :raises SpecdecError: when ``data`` does not fit (layers, blocks, shape or dtype), or
+            the backend cannot move blocks (this base implementation).
+        """
+        raise SpecdecError(self._cannot_move_blocks())
+
+    def _export_leading_blocks(self, caches: list, block_ids: Sequence[int]) -> list[np.ndarray]:
+        """:meth:`export_blocks` for a cache of one paddle tensor per layer with blocks on its
+        first axis (bfloat16 comes out as its ``uint16`` bits, as paddle hands it to numpy)."""
+        if not len(block_ids):
+            dtype = np.uint16 if self.dtype == "bfloat16" else self.dtype
+            return [np.empty((0, *cache.shape[1:]), dtype=dtype) for cache in caches]
+        import paddle
+
+        index = paddle.to_tensor(np.asarray(block_ids, dtype=np.int64), place=caches[0].place)
+        return [cache[index].numpy() for cache in caches]
+
+    def _import_leading_blocks(self, caches: list, block_ids: Sequence[int], data: list[np.ndarray]) -> None:
+        """:meth:`import_blocks` for the caches of :meth:`_export_leading_blocks`."""
+        self._check_block_data(block_ids, data, caches[0].shape[1:], self.dtype)
+        if not len(block_ids):
+            return
+        import paddle
+
+        place = caches[0].place
+        index = paddle.to_tensor(np.asarray(block_ids, dtype=np.int64), place=place)
+        for cache, blocks in zip(caches, data):
+            # In place: the kernels read this very tensor. (paddle's scatter has no float16 CPU
+            # kernel; index_put_ has; numpy uint16 becomes a bfloat16 tensor.)
+            paddle.index_put_(cache, (index,), paddle.to_tensor(blocks, place=place))
+
+    def _cannot_move_blocks(self) -> str:
+        return f"attention_backend '{self.NAME}' cannot move KV blocks between instances (export_blocks/import_blocks)"
+
+    def _check_block_data(self, block_ids: Sequence[int], data: list, block_shape: Sequence[int],
+                          dtype: str) -> None:
+        """For :meth:`import_blocks`: a one-line SpecdecError unless ``data`` holds one array per
+        layer of shape ``[len(block_ids), *block_shape]`` and numpy dtype ``dtype`` (bfloat16
+        travels as its ``uint16`` bits)."""
+        if len(data) != self.num_layers:
+            raise SpecdecError(f"import_blocks: {len(data)} layers of KV blocks, the model has {self.num_layers}")
+        shape = (len(block_ids), *block_shape)
+        want = np.dtype("uint16") if dtype == "bfloat16" else np.dtype(dtype)
+        for layer, array in enumerate(data):
+            if tuple(array.shape) != shape or array.dtype != want:
+                raise SpecdecError(f"import_blocks: layer {layer} holds {array.dtype} {list(array.shape)}; this "
+                                   f"cache takes {want} {list(shape)}")

@@ -1,4 +1,5 @@
-"""The ``specdec`` command line: ``generate``, ``serve``, ``demo`` and ``plugins``.
+"""The ``specdec`` command line: ``generate``, ``serve``, ``demo``, ``train-mtp``, ``cluster``
+and ``plugins``.
 
 Bad input of any kind ends with one line on stderr (``error: ...``) and exit code 2; ``--debug``
 shows the traceback instead, and logs what the engine chose (kernels, attention backend, weights).
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-require-key", action="store_true",
                        help="/metrics needs the API key too (default: open, like /health)")
     serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    _add_cluster_flags(serve)
     serve.set_defaults(func=run_serve)
 
     demo = sub.add_parser("demo", help="the main job: every built-in method vs plain decoding on a code-edit prompt")
@@ -139,8 +141,31 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     train.set_defaults(func=run_train_mtp)
 
+    cluster = sub.add_parser("cluster", help="a cluster of serve instances (docs/deployment.md)")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, parser_class=ArgumentParser)
+    status = cluster_sub.add_parser("status", help="the instances of a cluster, their roles and load")
+    status.add_argument("--scheduler", required=True, metavar="redis://HOST:PORT/DB", help="the cluster's Redis")
+    status.add_argument("--output", choices=("text", "json"), default="text")
+    status.set_defaults(func=run_cluster_status)
+
     add_plugins_subcommand(sub)
     return parser
+
+
+def _add_cluster_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("cluster (docs/deployment.md)")
+    group.add_argument("--scheduler", default=None, metavar="redis://HOST:PORT/DB",
+                       help="join the cluster this Redis coordinates (default: serve alone)")
+    group.add_argument("--role", "--splitwise-role", dest="role", default="mixed",
+                       help="mixed (whole requests, default), prefill (prompts, then hand-off) or decode "
+                            "(continues handed-off requests)")
+    group.add_argument("--instance-id", default=None, help="this instance's name in the cluster "
+                                                           "(default ADVERTISE_HOST:PORT)")
+    group.add_argument("--advertise-host", default=None,
+                       help="the address other instances reach this one at (default: --host, or this machine's "
+                            "address when --host is 0.0.0.0)")
+    group.add_argument("--kv-transfer-port", type=int, default=0, metavar="PORT",
+                       help="a decode instance's port for KV hand-offs (default 0: any free port)")
 
 
 #: ``specdec train-mtp``'s numeric flags: (flag, type, default, help).
@@ -339,6 +364,7 @@ def run_serve(args) -> int:
     if args.api_key:
         print("warning: --api-key: the key is visible to every user of this machine (ps, /proc); "
               "set SPECDEC_API_KEY instead", file=sys.stderr)
+    cluster_options = _cluster_options(args, api_key)
     plugins = get_plugins()
     _warn_plugin_errors(plugins)
     config = build_engine_config_from_args(args, plugins)
@@ -354,11 +380,34 @@ def run_serve(args) -> int:
             max_pending=args.max_pending_requests or serve.DEFAULT_MAX_PENDING,
             shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
             limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
-            log_level=args.log_level,
+            log_level=args.log_level, cluster_options=cluster_options,
         )
     finally:
         engine.close()
     return 0
+
+
+def _cluster_options(args, api_key):
+    """The ``ClusterOptions`` of the cluster flags (None without ``--scheduler``); Redis is
+    reached once here, before the model loads, so that a wrong address fails at once."""
+    if args.scheduler is None:
+        if args.role != "mixed":
+            raise SpecdecError(f"--role {args.role}: needs --scheduler (a cluster)")
+        return None
+    from .cluster import ClusterOptions
+    from .cluster.redis_link import ping
+
+    options = ClusterOptions(scheduler_url=args.scheduler, role=args.role, instance_id=args.instance_id,
+                             advertise_host=args.advertise_host, kv_transfer_port=args.kv_transfer_port,
+                             api_key=api_key)
+    ping(options.scheduler_url)
+    return options
+
+
+def run_cluster_status(args) -> int:
+    from .cluster.status import cluster_status
+
+    return cluster_status(args.scheduler, args.output)
 
 
 def _run_as_worker(config) -> bool:

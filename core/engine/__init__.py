@@ -1,6 +1,7 @@
 """The engine: requests, the step loop, and the outputs it produces."""
 
 from .engine import Engine
+from .handoff import HandoffState, KVLayout
 from .request import Request, RequestOutput
 
-__all__ = ["Engine", "Request", "RequestOutput"]
+__all__ = ["Engine", "HandoffState", "KVLayout", "Request", "RequestOutput"]

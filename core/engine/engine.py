@@ -29,6 +29,7 @@ from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
 from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
 from .batch import SequenceRows, pack_step
+from .handoff import HandoffState, KVLayout
 from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
 from .request import Request, RequestOutput
@@ -205,7 +206,8 @@ class _StepState:
     sampling: Optional[BatchSampling] = None
     result: Optional[VerifyResult] = None
     #: ``[T, H]`` last-layer hidden states of the step's packed rows, and each request's first
-    #: row among them (by ``id``), when the proposer reads hidden states.
+    #: row among them (by ``id``), when the proposer reads hidden states or a request of the
+    #: step captures them for a hand-off.
     hidden: Any = None
     first_rows: dict = attrs.field(factory=dict)
 
@@ -276,6 +278,8 @@ class Engine:
         self.kv = self._allocate_kv_cache()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.hidden_states = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
+        #: The prompt's hidden states of requests that capture them for a hand-off.
+        self._captured_hidden = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
         #: What the adaptive draft length has learned, per method (see _build_spec_plugins).
         self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
         self._build_spec_plugins(config.speculative)
@@ -436,12 +440,40 @@ class Engine:
         return self.scheduler.running
 
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    prompt: Optional[str] = None, request_id: Optional[str] = None) -> Request:
-        """Queue a request; it joins the running batch at the next step that has room."""
-        from ..model.tokenizer import DetokenizeStream
+                    prompt: Optional[str] = None, request_id: Optional[str] = None, *,
+                    handoff: bool = False, capture_hidden: bool = False) -> Request:
+        """Queue a request; it joins the running batch at the next step that has room.
 
+        :param handoff: run the prompt and the first output token only, without drafts, then
+            end the request with finish reason ``handoff`` and :attr:`Request.handoff_state` (a
+            :class:`~specdec.engine.handoff.HandoffState` for another engine's
+            :meth:`import_request`; ``text`` holds the text so far). A request that this first
+            token finishes (EOS, a stop string, ``max_tokens``, the context's end) ends as usual
+            instead, without a state.
+        :param capture_hidden: with ``handoff``, also collect the target's hidden states of the
+            computed positions into the state (for a decode engine whose proposer reads them,
+            :attr:`needs_hidden_states`). The request then computes its whole prompt (it takes
+            nothing from the prefix cache). Ignored without ``handoff``.
+        :raises RequestError: for a prompt or sampling values the engine cannot take.
+        :raises SpecdecError: for ``handoff`` with tensor parallelism.
+        """
         prompt_ids = self._checked_prompt(prompt_token_ids)
         self.check_sampling(sampling, len(prompt_ids))
+        if handoff:
+            self._check_handoff_supported("add_request(handoff=True)")
+        request = self._new_request(prompt_ids, sampling, prompt, request_id)
+        request.handoff = handoff
+        request.capture_hidden = handoff and capture_hidden
+        if request.capture_hidden:
+            request.prefix_keys = []  # every position's hidden state must be computed here
+        self.scheduler.waiting.append(request)
+        return request
+
+    def _new_request(self, prompt_ids: np.ndarray, sampling: SamplingParams, prompt: Optional[str],
+                     request_id: Optional[str]) -> Request:
+        """A request for a checked prompt, with its token buffer, generator and detokenizer."""
+        from ..model.tokenizer import DetokenizeStream
+
         number = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else self.config.seed * 1_000_003 + number
         capacity = min(len(prompt_ids) + sampling.max_tokens, self.max_model_len)
@@ -462,8 +494,150 @@ class Engine:
             # prefix gives none for its positions; sampled tokens depend on the drafts. Computing
             # the whole prompt keeps a seeded request's tokens the same from run to run.
             request.prefix_keys = []
-        self.scheduler.waiting.append(request)
         return request
+
+    # -- handing requests between engines (handoff.py) ---------------------------------------
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What another engine's KV blocks must match to be imported here."""
+        c = self.model_config
+        return KVLayout(backend=self.attention.NAME, dtype=self.kv_cache_dtype, block_size=self.block_size,
+                        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                        model=self.config.model, vocab_size=c.vocab_size)
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether this engine's proposer reads the target's hidden states (a request handed
+        to it should come with them: ``add_request(..., capture_hidden=True)`` there)."""
+        return bool(self.proposer.NEEDS_HIDDEN_STATES)
+
+    def _check_handoff_supported(self, what: str) -> None:
+        if self.config.tensor_parallel_size > 1:
+            raise SpecdecError(f"{what}: handing requests between engines does not work with tensor_parallel_size > 1")
+
+    def import_request(self, state: HandoffState, request_id: Optional[str] = None) -> Request:
+        """Continue a request another engine handed off (``add_request(..., handoff=True)``
+        there): it produces the tokens that engine alone would have produced (the same greedy
+        tokens; a sampled request draws on from the same generator state).
+
+        When the batch has a free seat (fewer than ``max_num_seqs`` running, none waiting) and
+        the pool has the blocks, its KV blocks are written into this cache and it joins the
+        running batch at once (``request.kv_imported`` True); its full prompt blocks join the
+        prefix cache. Otherwise, or when this engine's proposer reads hidden states and the
+        state has none, it queues and recomputes its tokens here (``kv_imported`` False):
+        the same tokens, later.
+
+        :param request_id: the request's id here (default: a fresh one of this engine's).
+        :returns: the request; its ``text`` already holds the handed-off tokens' text, and its
+            first-token time is the exporting engine's.
+        :raises SpecdecError: one line, when the state's KV layout differs from this engine's
+            (:attr:`kv_layout`), its tokens or arrays do not fit, or with tensor parallelism;
+            a :class:`RequestError` for a prompt or sampling values this engine cannot take.
+        """
+        self._check_handoff_supported("import_request")
+        mismatch = state.layout.mismatch(self.kv_layout)
+        if mismatch is not None:
+            raise SpecdecError(f"import_request: the hand-off's KV layout differs from this engine's ({mismatch})")
+        prompt_ids = self._checked_prompt(state.prompt_token_ids)
+        self.check_sampling(state.sampling, len(prompt_ids))
+        output_ids = self._checked_handoff(state, len(prompt_ids))
+        request = self._new_request(prompt_ids, state.sampling, None, request_id)
+        self._restore(request, state, output_ids)
+        if not self._seat_imported(request, state):
+            request.context_len = 0  # recomputed, as a preempted request is
+            self.scheduler.waiting.append(request)
+        return request
+
+    def _checked_handoff(self, state: HandoffState, num_prompt_tokens: int) -> np.ndarray:
+        """The state's output ids, after checking that its tokens, positions and arrays fit."""
+        vocab = self.model_config.vocab_size
+        output_ids = np.asarray(state.output_token_ids, dtype=np.int64)
+        if output_ids.ndim != 1 or not 0 < len(output_ids) < state.sampling.max_tokens:
+            raise SpecdecError(f"import_request: {output_ids.size} output tokens; a hand-off has from 1 to "
+                               f"max_tokens - 1 ({state.sampling.max_tokens - 1})")
+        if output_ids.min() < 0 or output_ids.max() >= vocab:
+            raise SpecdecError(f"import_request: output token ids must lie in [0, {vocab})")
+        num_tokens = num_prompt_tokens + len(output_ids)
+        if not 0 < state.num_positions < num_tokens:
+            raise SpecdecError(f"import_request: num_positions {state.num_positions} outside [1, {num_tokens - 1}] "
+                               f"(the last token is never in the cache)")
+        blocks = -(-state.num_positions // self.block_size)
+        if len(state.kv) != self.model_config.num_layers or any(len(layer) != blocks for layer in state.kv):
+            raise SpecdecError(f"import_request: the KV must be {self.model_config.num_layers} layers of {blocks} "
+                               f"blocks for {state.num_positions} positions")
+        hidden = state.hidden_states
+        if hidden is not None and tuple(hidden.shape) != (state.num_positions, self.model_config.hidden_size):
+            raise SpecdecError(f"import_request: hidden states {list(hidden.shape)}; expected "
+                               f"[{state.num_positions}, {self.model_config.hidden_size}]")
+        return output_ids
+
+    def _restore(self, request: Request, state: HandoffState, output_ids: np.ndarray) -> None:
+        """Give a new request the handed-off tokens, text, generator state and times."""
+        start = request.num_prompt_tokens
+        request.tokens[start: start + len(output_ids)] = output_ids
+        request.num_tokens = start + len(output_ids)
+        try:
+            request.rng.bit_generator.state = state.rng_state
+        except (TypeError, ValueError, KeyError) as exc:
+            raise SpecdecError(f"import_request: the generator state does not fit numpy's "
+                               f"{type(request.rng.bit_generator).__name__}: {exc}") from None
+        request.text = request.detokenizer.step(request.generated_ids)
+        now = time.perf_counter()
+        request.arrival_time = now - state.first_token_s  # first_token_s stays the exporter's
+        request.first_token_time = now
+
+    def _seat_imported(self, request: Request, state: HandoffState) -> bool:
+        """Put an imported request straight into the running batch with its KV blocks (and
+        hidden states) when there is a seat and the blocks for it; False otherwise."""
+        scheduler, n = self.scheduler, state.num_positions
+        if scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs:
+            return False
+        if self.needs_hidden_states and state.hidden_states is None:
+            return False  # the proposer's own cache rows would be missing: recompute them
+        # Room for the token the next step feeds too, so that the import does not preempt itself.
+        if self.kv.blocks_needed(request, request.num_tokens) > self.kv.pool.num_free:
+            return False
+        self.kv.grow(request, n)
+        try:
+            self.attention.import_blocks(request.block_table, state.kv)
+        except BaseException:
+            self.kv.free(request)
+            raise
+        self.kv.adopt(request, n)
+        request.kv_imported = True
+        scheduler.running.append(request)
+        if self.needs_hidden_states:
+            hidden = self.model.paddle.to_tensor(np.asarray(state.hidden_states, dtype=np.float32))
+            self.hidden_states.keep(request, hidden, 0, 0, n)
+        self._start(request)
+        return True
+
+    def _hand_off(self, request: Request) -> None:
+        """End ``request`` (it has its first token) with finish reason ``handoff`` and its
+        exported state; its blocks are still held (the caller retires it)."""
+        n = request.context_len
+        hidden = self._captured_rows(request, n) if request.capture_hidden else None
+        request.handoff_state = HandoffState(
+            request_id=request.request_id,
+            prompt_token_ids=request.tokens[: request.num_prompt_tokens].copy(),
+            output_token_ids=request.generated_ids.copy(),
+            sampling=request.sampling,
+            rng_state=request.rng.bit_generator.state,
+            num_positions=n,
+            kv=self.attention.export_blocks(request.block_table[: -(-n // self.block_size)]),
+            hidden_states=hidden,
+            layout=self.kv_layout,
+            first_token_s=request.first_token_time - request.arrival_time,
+        )
+        request.finish_reason = "handoff"
+
+    def _captured_rows(self, request: Request, num_positions: int) -> np.ndarray:
+        """``[num_positions, H]`` float32: the hidden states captured for ``request``."""
+        states, positions = self._captured_hidden.take(request)
+        if not np.array_equal(positions, np.arange(num_positions)):
+            raise SpecdecError(f"captured hidden states of {len(positions)} positions, expected 0..{num_positions - 1}")
+        return np.asarray(states.numpy(), dtype=np.float32)
 
     def _checked_prompt(self, prompt_token_ids: Sequence[int]) -> np.ndarray:
         """The prompt as an int64 array, or a :class:`RequestError` naming what is wrong."""
@@ -548,6 +722,7 @@ class Engine:
                 logger.exception("proposer '%s': on_request_finish(%s) failed", self.spec.method, request.request_id)
         self.acceptance.forget(request.request_id)
         self.hidden_states.drop(request)
+        self._captured_hidden.drop(request)
         self._finish(request, reason or request.finish_reason)
 
     def _fail(self, request: Request, phase: str, exc: Exception) -> None:
@@ -595,7 +770,10 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------
 
     def _max_draft_len(self, request: Request) -> int:
-        """The most drafts ``request`` can use: its k, and room for accepted drafts + 1 token."""
+        """The most drafts ``request`` can use: its k, and room for accepted drafts + 1 token
+        (none for a request that is handed off after its first token)."""
+        if request.handoff:
+            return 0
         k = self.num_speculative_tokens
         if request.sampling.num_speculative_tokens is not None:
             k = min(k, request.sampling.num_speculative_tokens)
@@ -615,6 +793,7 @@ class Engine:
             self._retire(request, "length")
         for request in plan.preempted:  # it recomputes its rows, hidden states included
             self.hidden_states.drop(request)
+            self._captured_hidden.drop(request)
         for request in plan.admitted:
             if not request.started:  # not a preempted request coming back
                 self._start(request)
@@ -636,11 +815,18 @@ class Engine:
         return proposal
 
     def _start(self, request: Request) -> None:
-        """Tell the proposer a request starts (its prompt); a failure ends that request alone."""
+        """Tell the proposer a request starts (its prompt), and for an imported request the
+        tokens generated elsewhere (one ``on_step``); a failure ends that request alone."""
         request.started = True
+        prompt = request.tokens[: request.num_prompt_tokens]
         try:
-            self.proposer.on_request_start(ProposalRequest(
-                request.request_id, request.tokens[: request.num_prompt_tokens], request.num_prompt_tokens, 0))
+            self.proposer.on_request_start(ProposalRequest(request.request_id, prompt, request.num_prompt_tokens, 0))
+            if request.num_generated:
+                before = ProposalRequest(request.request_id, prompt, request.num_prompt_tokens, 0,
+                                         sampling=request.sampling, rng=request.rng)
+                if self.proposer.NEEDS_HIDDEN_STATES:
+                    before.block_table = np.asarray(request.block_table, dtype=np.int32)
+                self.proposer.on_step(ProposalBatch([before]), [request.generated_ids.copy()])
         except Exception as exc:  # noqa: BLE001 - fails this request alone
             self._fail(request, f"proposer '{self.spec.method}' on_request_start", exc)
 
@@ -660,7 +846,7 @@ class Engine:
         state, state.logits = self._isolated("model forward", state, self._forward, lambda s: s.plan.requests)
         for request, rows in state.plan.chunks:
             if state.hidden is not None:
-                self.hidden_states.keep(request, state.hidden, state.first_rows[id(request)], request.context_len, rows)
+                self._keep_hidden(state, request, request.context_len, rows)
             request.context_len += rows
             self.kv.register_computed(request)
         if not state.plan.decodes:
@@ -754,7 +940,8 @@ class Engine:
     def _forward(self, state: _StepState) -> np.ndarray:
         """Pack every scheduled request's rows (``batch.py``), run the model, return the
         ``[B, k+1, V]`` logits of the decoding requests (prefill chunks need none). For a
-        proposer that reads hidden states, ``state.hidden`` gets every row's."""
+        proposer that reads hidden states, or a request that captures them for its hand-off,
+        ``state.hidden`` gets every row's."""
         plan = state.plan
         packed = pack_step(
             [SequenceRows(r.tokens[r.context_len: r.num_tokens], r.context_len, r.block_table) for r in plan.decodes],
@@ -765,7 +952,7 @@ class Engine:
         started = time.perf_counter()
         # The fused verify kernels read the logits where the model left them.
         options = {"device_logits": True} if self.kernels == "triton" else {}
-        if self.proposer.NEEDS_HIDDEN_STATES:
+        if self.proposer.NEEDS_HIDDEN_STATES or any(r.capture_hidden for r in plan.requests):
             logits, state.hidden = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows,
                                                       return_hidden=True, **options)
             starts = packed.meta.cu_seqlens_q
@@ -815,17 +1002,27 @@ class Engine:
             try:
                 count = int(counts[b])
                 if state.hidden is not None:  # the fed rows and the accepted drafts' rows
-                    self.hidden_states.keep(request, state.hidden, state.first_rows[id(request)], request.context_len,
-                                            request.num_uncomputed + int(accepted[b]))
+                    self._keep_hidden(state, request, request.context_len, request.num_uncomputed + int(accepted[b]))
                 request.context_len = request.num_tokens + int(accepted[b])
                 appended = self._append(request, result.output_tokens[b, :count], reasons[b])
                 self.kv.register_computed(request)
                 request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
                 appended_by_request[id(request)] = appended
                 self._check_stop_strings(request)
+                if request.handoff and not request.finished:
+                    self._hand_off(request)
             except Exception as exc:  # noqa: BLE001 - a detokenizer failure, say: this request only
                 self._fail(request, "update", exc)
         return state.only(lambda r: id(r) in appended_by_request and r.error is None), appended_by_request
+
+    def _keep_hidden(self, state: _StepState, request: Request, first_position: int, count: int) -> None:
+        """Keep ``count`` rows of the step's hidden states of ``request`` from ``first_position``:
+        for the proposer when it reads them, and for the request's hand-off when it captures them."""
+        first_row = state.first_rows[id(request)]
+        if self.proposer.NEEDS_HIDDEN_STATES:
+            self.hidden_states.keep(request, state.hidden, first_row, first_position, count)
+        if request.capture_hidden:
+            self._captured_hidden.keep(request, state.hidden, first_row, first_position, count)
 
     def _emitted_counts(self, decodes, output_tokens: np.ndarray, accepted: np.ndarray):
         """How many of each request's ``accepted + 1`` output tokens it keeps, and why it stops
@@ -874,7 +1071,8 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
-        if request.detokenizer is not None:
+        # A handed-off request's text goes on elsewhere: a character still held back is not over.
+        if request.detokenizer is not None and reason != "handoff":
             request.text += request.detokenizer.flush()
         request.finish_time = time.perf_counter()
 

@@ -178,6 +178,18 @@ class KVCacheManager:
                 del self._claims[key]
         request.num_registered = max(request.num_registered, done)
 
+    def adopt(self, request, num_positions: int) -> None:
+        """Count positions ``0 .. num_positions - 1`` of ``request`` as computed: their keys and
+        values were written into its blocks from elsewhere (a request imported from another
+        engine; call once they are written). Its full prompt blocks join the prefix cache as
+        if it had computed them, so later requests with the same prompt prefix share them (a
+        block already cached under the same key stays the shared one)."""
+        if not self.pool.enable_prefix_caching:
+            request.prefix_keys = []
+        self._prefix_keys(request)
+        request.context_len = num_positions
+        self.register_computed(request)
+
     def free(self, request) -> None:
         """Return every block of ``request`` (tail first, so that shared prefix blocks are the
         last to be handed out again)."""

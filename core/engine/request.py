@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import attrs
 import numpy as np
@@ -81,7 +81,8 @@ class Request:
     started: bool = False
     #: Times the request lost its KV cache to make room, and was recomputed.
     num_preemptions: int = 0
-    #: ``stop``, ``length``, ``abort``, or ``error`` (then ``error`` says why); None while running.
+    #: ``stop``, ``length``, ``abort``, ``handoff`` (handed to another engine: see
+    #: ``handoff_state``), or ``error`` (then ``error`` says why); None while running.
     finish_reason: Optional[str] = None
     #: Why the request failed: the phase of the step and the exception it raised.
     error: Optional[str] = None
@@ -89,6 +90,15 @@ class Request:
     metrics: SpecMetrics = attrs.field(factory=SpecMetrics)
     finish_time: float = 0.0
     first_token_time: float = 0.0
+    #: Run the prompt and the first token only, then hand the request over (``add_request``).
+    handoff: bool = False
+    #: Collect the target's hidden states of the prompt for the hand-off.
+    capture_hidden: bool = False
+    #: With finish reason ``handoff``: the :class:`~specdec.engine.handoff.HandoffState` to import elsewhere.
+    handoff_state: Any = None
+    #: For a request from ``Engine.import_request``: True when its KV cache was imported, False
+    #: when it is recomputed (no seat or blocks free then); False for any other request.
+    kv_imported: bool = False
 
     @property
     def token_ids(self) -> np.ndarray:

@@ -58,7 +58,7 @@ _BIG_PROMPTS = 2
 
 def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optional[str] = None,
               limits: Optional[ServerLimits] = None, enable_docs: bool = False,
-              metrics_require_key: bool = False) -> FastAPI:
+              metrics_require_key: bool = False, cluster=None) -> FastAPI:
     """The server's FastAPI app.
 
     :param engine_loop: runs the engine; the app's lifespan starts and stops it. Its
@@ -69,6 +69,8 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
         for the connection limits of ``serve.uvicorn_config``.
     :param enable_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json`` (off: 404).
     :param metrics_require_key: ``/metrics`` needs the API key too (``api_key`` must be set).
+    :param cluster: a :class:`specdec.cluster.Cluster` built over ``engine_loop``, or None. The
+        lifespan starts and stops it, and requests are routed through it.
     """
     if metrics_require_key and not api_key:
         raise ValueError("metrics_require_key needs an api_key")
@@ -79,14 +81,23 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     metrics.watch(engine_loop.snapshot)
     max_prompt_chars = limits.max_prompt_chars or default_max_prompt_chars(engine_loop.max_model_len,
                                                                            engine_loop.tokenizer)
-    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars)
+    if cluster is not None:
+        submit = cluster.submit
+    else:
+        def submit(prompt_ids, sampling, request_id, streaming):  # the client's streaming is the cluster's concern
+            return engine_loop.submit(prompt_ids, sampling, request_id)
+    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         engine_loop.start()
+        if cluster is not None:
+            await cluster.start()
         try:
             yield
         finally:
+            if cluster is not None:
+                await cluster.stop()
             await asyncio.to_thread(engine_loop.stop)
 
     docs = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"}
@@ -130,6 +141,8 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
         """200 with the engine state while the engine loop runs, else 503."""
         snapshot = engine_loop.snapshot()
         body = {"status": "ok" if engine_loop.running else "stopped", **dataclasses.asdict(snapshot)}
+        if cluster is not None:
+            body["cluster"] = cluster.status()
         return JSONResponse(body, status_code=200 if engine_loop.running else 503)
 
     @app.get("/version")
@@ -159,8 +172,9 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
 class _Handlers:
     """What the two generation endpoints do, apart from FastAPI's plumbing."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int):
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit):
         self.engine_loop = engine_loop
+        self.submit = submit  # the engine loop's, or the cluster's (which routes)
         self.model_name = served_model_name
         self.max_prompt_chars = max_prompt_chars
         self.created = int(time.time())
@@ -237,7 +251,7 @@ class _Handlers:
     async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
                         shape: Shape) -> BaseModel | Response:
         """Run the request; answer with server-sent events, or the whole response at the end."""
-        stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param)
+        stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param, bool(body.stream))
         if body.stream:
             return event_stream(sse_events(stream, shape, body.include_usage), stream)
         final = await _wait_final(stream, request)
@@ -245,10 +259,12 @@ class _Handlers:
             return Response(status_code=499)  # the client has gone; nobody reads this
         return shape.response(final)
 
-    async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str) -> RequestStream:
-        """Hand the request to the engine loop and wait until the engine has taken it."""
+    async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str,
+                      streaming: bool) -> RequestStream:
+        """Hand the request to the engine loop (or the cluster) and wait until an engine has
+        taken it."""
         try:
-            stream = self.engine_loop.submit(prompt_ids, sampling, request_id)
+            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming)
         except QueueFull as exc:
             raise APIError(503, str(exc), code="queue_full") from None
         except EngineStopped as exc:

@@ -21,11 +21,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
 from ..errors import RequestError, SpecdecError
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..engine.handoff import HandoffState
 
 logger = logging.getLogger("specdec.server")
 
@@ -86,9 +89,12 @@ class Finished:
     """The end of a request: the text not yet sent, and the final counts.
 
     ``finish_reason`` is ``stop`` (EOS or a stop string), ``length`` (max_tokens or the end of
-    the context), ``abort`` (cancelled, or the server shut down), or ``error``: the engine
-    failed while running the request, and ``error`` says so in one line for the client (the
-    details, exception included, go to the server log only).
+    the context), ``abort`` (cancelled, or the server shut down), ``handoff`` (submitted with
+    ``handoff=True`` and handed over after its first token: ``handoff`` holds the
+    :class:`~specdec.engine.handoff.HandoffState` for another engine loop's
+    :meth:`EngineLoop.submit_imported`), or ``error``: the engine failed while running the
+    request, and ``error`` says so in one line for the client (the details, exception
+    included, go to the server log only).
     """
 
     text: str
@@ -97,6 +103,7 @@ class Finished:
     finish_reason: str
     metrics: SpecMetrics
     error: Optional[str] = None
+    handoff: Optional["HandoffState"] = None
 
 
 Event = Admitted | Rejected | Delta | Finished
@@ -161,7 +168,7 @@ class RequestStream:
             if isinstance(event, Finished):
                 self.finished = True
                 return Finished("".join(parts), event.num_generated, event.num_prompt_tokens,
-                                event.finish_reason, event.metrics, event.error)
+                                event.finish_reason, event.metrics, event.error, event.handoff)
 
     def abort(self) -> None:
         """Cancel the request and free its KV cache (nothing happens once it has finished)."""
@@ -185,6 +192,9 @@ class _Tracked:
     prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     submitted_at: float
+    handoff: bool = False
+    capture_hidden: bool = False
+    imported: Optional["HandoffState"] = None  # submit_imported's state
     request: object = None  # the engine's Request once added
     emitted_chars: int = 0
     num_generated: int = 0
@@ -295,12 +305,37 @@ class EngineLoop:
     # -- the event loop ----------------------------------------------------------------------
 
     def submit(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-               request_id: Optional[str] = None) -> RequestStream:
+               request_id: Optional[str] = None, *, handoff: bool = False,
+               capture_hidden: bool = False) -> RequestStream:
         """Queue a request; call from the event loop. Returns its :class:`RequestStream`.
+
+        ``handoff`` and ``capture_hidden`` go to the engine's ``add_request``: the request
+        then ends after its first token with a :class:`Finished` of finish reason ``handoff``
+        whose ``handoff`` holds the state to continue elsewhere (unless that token ended it).
 
         Raises :class:`QueueFull` when ``max_pending`` requests are already in the loop, and
         :class:`EngineStopped` when the loop is not running.
         """
+        tracked = self._track(request_id, prompt_token_ids, sampling)
+        tracked.handoff, tracked.capture_hidden = handoff, capture_hidden
+        self._commands.put(("add", tracked))
+        return tracked.stream
+
+    def submit_imported(self, state: "HandoffState", request_id: Optional[str] = None) -> RequestStream:
+        """Continue a request another engine handed off (``submit(..., handoff=True)`` there,
+        see the engine's ``import_request``); call from the event loop. The same bounds and
+        events as :meth:`submit`: :class:`Admitted`, then :class:`Delta` events (the first
+        holds the text of the handed-off tokens too) and :class:`Finished`; a state this
+        engine cannot take (another KV layout, a prompt that does not fit) is
+        :class:`Rejected` (:meth:`RequestStream.admitted` raises :class:`RequestRejected`).
+        """
+        tracked = self._track(request_id, state.prompt_token_ids, state.sampling)
+        tracked.imported = state
+        self._commands.put(("add", tracked))
+        return tracked.stream
+
+    def _track(self, request_id: Optional[str], prompt_token_ids: Sequence[int], sampling: SamplingParams) -> _Tracked:
+        """Count a new request against ``max_pending`` (or refuse it) and track it."""
         if self._stopping or not self.running:
             raise EngineStopped("the server is shutting down" if self._stopping else "the engine is not running")
         with self._pending_lock:
@@ -308,9 +343,7 @@ class EngineLoop:
                 raise QueueFull(f"the server is at capacity ({self.max_pending} requests in flight); retry later")
             self._pending += 1
         stream = RequestStream(request_id or uuid.uuid4().hex, self)
-        tracked = _Tracked(stream, asyncio.get_running_loop(), prompt_token_ids, sampling, time.perf_counter())
-        self._commands.put(("add", tracked))
-        return stream
+        return _Tracked(stream, asyncio.get_running_loop(), prompt_token_ids, sampling, time.perf_counter())
 
     # -- the engine thread -----------------------------------------------------------------
 
@@ -358,7 +391,7 @@ class EngineLoop:
     def _add(self, tracked: _Tracked) -> None:
         request_id = tracked.stream.request_id
         try:
-            request = self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id)
+            request = self._add_to_engine(tracked, request_id)
         except RequestError as exc:  # the app answers 400 (and counts it)
             self._release()
             tracked.send(Rejected(_one_line(exc), exc.param, exc.code))
@@ -372,9 +405,20 @@ class EngineLoop:
             return
         tracked.request = request
         self._tracked[request_id] = tracked
+        if tracked.imported is not None:
+            # Its first token was counted (and timed) where it was generated.
+            tracked.num_generated, tracked.first_token_at = request.num_generated, tracked.submitted_at
         tracked.send(Admitted(request.num_prompt_tokens))
         if self.metrics is not None:
             self.metrics.request_admitted(request.num_prompt_tokens)
+
+    def _add_to_engine(self, tracked: _Tracked, request_id: str):
+        if tracked.imported is not None:
+            return self.engine.import_request(tracked.imported, request_id=request_id)
+        if tracked.handoff:
+            return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
+                                           handoff=True, capture_hidden=tracked.capture_hidden)
+        return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._tracked:
@@ -394,8 +438,9 @@ class EngineLoop:
             if request.finished:
                 text = request.text[tracked.emitted_chars:]
                 error = ENGINE_ERROR_MESSAGE if request.finish_reason == "error" else None
+                handoff = request.handoff_state if request.finish_reason == "handoff" else None
                 tracked.send(Finished(text, request.num_generated, request.num_prompt_tokens,
-                                      request.finish_reason, _copy(request.metrics), error))
+                                      request.finish_reason, _copy(request.metrics), error, handoff))
                 self._record_finish(tracked, request, now)
                 done.append(request_id)
                 continue

@@ -23,6 +23,7 @@ from ..errors import SpecdecError
 from .app import build_app
 from .engine_loop import EngineLoop
 from .limits import ServerLimits, limited_protocol
+from .metrics import ServerMetrics
 
 #: ``--max-pending-requests``: requests in flight (running or waiting) before 503.
 DEFAULT_MAX_PENDING = 1024
@@ -131,16 +132,24 @@ def _graceful_exit() -> Iterator[None]:
 def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: Optional[str] = None,
                max_pending: int = DEFAULT_MAX_PENDING, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                limits: Optional[ServerLimits] = None, enable_docs: bool = False, metrics_require_key: bool = False,
-               log_level: str = "info") -> None:
+               log_level: str = "info", cluster_options=None) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
 
     ``limits``, ``enable_docs`` and ``metrics_require_key`` are those of
-    :func:`~specdec.server.app.build_app`."""
+    :func:`~specdec.server.app.build_app`; with ``cluster_options`` (a
+    :class:`specdec.cluster.ClusterOptions`) the server joins that cluster."""
     limits = limits or ServerLimits()
     warning = raise_open_file_limit(limits.max_connections)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    engine_loop = EngineLoop(engine, max_pending=max_pending)
+    engine_loop = EngineLoop(engine, max_pending=max_pending, metrics=ServerMetrics(served_model_name))
+    host, port = sock.getsockname()[:2]
+    cluster = None
+    if cluster_options is not None:
+        from ..cluster import Cluster
+
+        cluster = Cluster(cluster_options, engine_loop, served_model_name, http_host=host, http_port=port,
+                          metrics=engine_loop.metrics)
 
     def engine_lost(message: str) -> None:  # a tensor-parallel rank died or hung: fail, then exit
         engine_loop.engine_lost(message)
@@ -148,14 +157,14 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
 
     engine.set_fatal_handler(engine_lost)
     app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key, limits=limits,
-                    enable_docs=enable_docs, metrics_require_key=metrics_require_key)
+                    enable_docs=enable_docs, metrics_require_key=metrics_require_key, cluster=cluster)
     # uvicorn's own timeout is the last resort: by then the engine loop has ended every request.
     config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5.0)
-    host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     ready = (f"specdec serve: listening on http://{shown}:{port} (model '{served_model_name}', "
              f"max_num_seqs {engine.config.max_num_seqs}, method {engine.spec.method}"
-             f"{', API key required' if api_key else ''})")
+             f"{', API key required' if api_key else ''}"
+             f"{f', cluster role {cluster_options.role}' if cluster_options else ''})")
     server = Server(config, engine_loop, drain_timeout=shutdown_timeout, ready_line=ready)
     with _graceful_exit():
         server.run(sockets=[sock])

@@ -9,6 +9,7 @@ tests compare this backend with the ``paddle`` reference backend.
 
 from __future__ import annotations
 
+
 import specdec
 from specdec.sdk import AttentionMetadata, KernelUnavailable, SpecdecError, load_cpu_ops, require_paddle
 
@@ -36,6 +37,13 @@ class CpuAttention(specdec.AttentionBackend):
         # Uninitialised: the kernel reads only positions that a step has written (scores of
         # the padding inside a tile of 8 are computed but never used).
         self._caches = [self.paddle.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+
+    def export_blocks(self, block_ids):
+        """Per layer ``[len(block_ids), 2*KVH, block_size, D]`` (keys in their tiles of 8, as stored)."""
+        return self._export_leading_blocks(self._caches, block_ids)
+
+    def import_blocks(self, block_ids, data):
+        self._import_leading_blocks(self._caches, block_ids, data)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         p = self.paddle

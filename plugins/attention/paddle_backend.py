@@ -35,6 +35,30 @@ class PaddleAttention(specdec.AttentionBackend):
         shape = [num_blocks * block_size, 2 * self.num_kv_heads, self.head_dim]
         self._caches = [self.paddle.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
 
+    def _block_slots(self, block_ids):
+        """The cache slots of ``block_ids``, block after block (a paddle int64 tensor)."""
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        slots = blocks[:, None] * self.block_size + np.arange(self.block_size)[None, :]
+        return self.paddle.to_tensor(slots.reshape(-1))
+
+    def export_blocks(self, block_ids):
+        """Per layer ``[len(block_ids), block_size, 2*KVH, D]``: each block's slots, in order."""
+        shape = [len(block_ids), self.block_size, 2 * self.num_kv_heads, self.head_dim]
+        if not len(block_ids):
+            return [np.empty(shape, dtype=self.dtype) for _ in self._caches]
+        slots = self._block_slots(block_ids)
+        return [self.paddle.gather(cache, slots).numpy().reshape(shape) for cache in self._caches]
+
+    def import_blocks(self, block_ids, data):
+        self._check_block_data(block_ids, data, [self.block_size, 2 * self.num_kv_heads, self.head_dim], self.dtype)
+        if not len(block_ids):
+            return
+        p = self.paddle
+        slots = self._block_slots(block_ids)
+        rows = [-1, 2 * self.num_kv_heads, self.head_dim]
+        for cache, blocks in zip(self._caches, data):
+            p.scatter_(cache, slots, p.to_tensor(blocks).reshape(rows), overwrite=True)  # in place, as forward writes
+
     def _rope_rows(self, positions: np.ndarray) -> None:
         """RoPE factors of this step's rows for every head (identity on the value heads)."""
         heads = self.num_heads + 2 * self.num_kv_heads

@@ -15,6 +15,7 @@ tests); the tests compare it with its numpy twins and with dense causal attentio
 
 from __future__ import annotations
 
+
 import specdec
 from specdec.sdk import AttentionMetadata, KernelUnavailable, SpecdecError, load_triton_kernels, require_paddle
 
@@ -52,6 +53,14 @@ class TritonAttention(specdec.AttentionBackend):
         self.block_size = block_size
         shape = [num_blocks, 2, self.num_kv_heads, block_size, self.head_dim]
         self._caches = [self.paddle.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+
+    def export_blocks(self, block_ids):
+        """Per layer ``[len(block_ids), 2, KVH, block_size, D]``, copied to the host (a bfloat16
+        cache comes as its ``uint16`` bits, as paddle hands bfloat16 to numpy)."""
+        return self._export_leading_blocks(self._caches, block_ids)
+
+    def import_blocks(self, block_ids, data):
+        self._import_leading_blocks(self._caches, block_ids, data)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """The step's plan, and its index tensors on the device."""

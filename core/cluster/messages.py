@@ -1,0 +1,121 @@
+"""What instances send each other through Redis: jobs, and a request's events.
+
+A **job** (JSON in the target's job list) asks an instance to run a request:
+
+    {"request_id", "attempt", "origin", "kind": "run" | "prefill", "prompt": [ids],
+     "sampling": {...}, "decode": {"instance_id", "transfer", "needs_hidden_states"} | null}
+
+``origin`` is the instance the client is connected to; ``attempt`` counts the times the origin
+has dispatched the request (it re-dispatches a request that was lost before anything of it
+reached the client, see :mod:`.remote`). ``kind`` ``prefill`` asks for the prompt and first
+token only, then the hand-off of the request to ``decode``.
+
+An **event** (one field ``e`` of an entry in the request's stream) mirrors the engine loop's
+events (:mod:`specdec.server.engine_loop`) with the attempt and a sequence number:
+
+    {"attempt", "seq", "type": "admitted" | "rejected" | "delta" | "finished" | "busy", ...}
+
+Sequence numbers let the origin see an event that went missing (Redis restarted between its
+write and its read). ``busy``: the instance could not take the job (at capacity, stopping).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import attrs
+
+from ..metrics import SpecMetrics
+from ..sampling import SamplingParams
+from ..server.engine_loop import Admitted, Delta, Event, Finished, Rejected
+
+
+def sampling_to_dict(sampling: SamplingParams) -> dict:
+    data = attrs.asdict(sampling)
+    data["stop"] = list(data["stop"])
+    return data
+
+
+def sampling_from_dict(data: dict) -> SamplingParams:
+    return SamplingParams(**data)
+
+
+def metrics_to_dict(metrics: SpecMetrics) -> dict:
+    return {"num_steps": metrics.num_steps, "num_drafts": metrics.num_drafts,
+            "num_draft_tokens": metrics.num_draft_tokens, "num_accepted_tokens": metrics.num_accepted_tokens,
+            "num_emitted_tokens": metrics.num_emitted_tokens,
+            "accepted_per_position": list(metrics.accepted_per_position)}
+
+
+def metrics_from_dict(data: dict) -> SpecMetrics:
+    return SpecMetrics(**data)
+
+
+@attrs.define(slots=True, kw_only=True)
+class Job:
+    """One request handed to another instance (see the module docstring)."""
+
+    request_id: str
+    attempt: int
+    origin: str
+    kind: str  # "run" or "prefill"
+    prompt: list
+    sampling: dict
+    decode: Optional[dict] = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(attrs.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Job":
+        return cls(**json.loads(data))
+
+    @property
+    def run_id(self) -> str:
+        """The id the request runs under in an engine: unique per attempt, so that a second
+        attempt never meets the first one's state anywhere."""
+        return f"{self.request_id}.{self.attempt}"
+
+
+def encode_event(event: Event, attempt: int, seq: int) -> dict:
+    """The stream fields of an engine-loop event."""
+    data: dict = {"attempt": attempt, "seq": seq}
+    if isinstance(event, Admitted):
+        data.update(type="admitted", num_prompt_tokens=event.num_prompt_tokens)
+    elif isinstance(event, Rejected):
+        data.update(type="rejected", message=event.message, param=event.param, code=event.code)
+    elif isinstance(event, Delta):
+        data.update(type="delta", text=event.text, num_generated=event.num_generated)
+    elif isinstance(event, Finished):
+        data.update(type="finished", text=event.text, num_generated=event.num_generated,
+                    num_prompt_tokens=event.num_prompt_tokens, finish_reason=event.finish_reason,
+                    metrics=metrics_to_dict(event.metrics), error=event.error)
+    else:  # pragma: no cover - every Event type is above
+        raise TypeError(f"not an event: {event!r}")
+    return {"e": json.dumps(data)}
+
+
+def busy_event(attempt: int, seq: int, message: str) -> dict:
+    """The job could not be taken here; the origin tries elsewhere."""
+    return {"e": json.dumps({"attempt": attempt, "seq": seq, "type": "busy", "message": message})}
+
+
+def decode_event(fields: dict) -> dict:
+    """The JSON of a stream entry (fields as Redis returns them)."""
+    return json.loads(fields[b"e"])
+
+
+def to_loop_event(data: dict) -> Optional[Event]:
+    """The engine-loop event of a decoded stream entry (None for ``busy``)."""
+    kind = data["type"]
+    if kind == "admitted":
+        return Admitted(data["num_prompt_tokens"])
+    if kind == "rejected":
+        return Rejected(data["message"], data.get("param"), data.get("code"))
+    if kind == "delta":
+        return Delta(data["text"], data["num_generated"])
+    if kind == "finished":
+        return Finished(data["text"], data["num_generated"], data["num_prompt_tokens"], data["finish_reason"],
+                        metrics_from_dict(data["metrics"]), data.get("error"))
+    return None

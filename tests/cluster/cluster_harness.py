@@ -1,0 +1,191 @@
+"""What the cluster tests share: a real ``redis-server`` on loopback, real ``specdec serve``
+instances (subprocesses, so that one can be killed), and the solo outputs to compare with.
+
+(A plain module rather than conftest.py, so that test modules can import it by name.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+import pytest
+
+MODEL_NAME = "smollm2-cluster"
+API_KEY = "cluster-test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """A ``redis-server`` process without persistence (a restart loses everything, the hard
+    case), on a fixed loopback port so that it can be restarted at the same address."""
+
+    def __init__(self, directory: Path):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed: `make install-test` installs Debian's package")
+        self.binary = binary
+        self.port = free_port()
+        self.directory = directory
+        self.process: Optional[subprocess.Popen] = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        log = open(self.directory / "redis.log", "ab")
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                pytest.fail(f"redis-server did not start: {(self.directory / 'redis.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(10)
+
+
+class Instance:
+    """One ``specdec serve`` process in the cluster."""
+
+    def __init__(self, process: subprocess.Popen, log: Path, url: str):
+        self.process = process
+        self.log = log
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"})
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=180, **kwargs)
+
+    def async_openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=180, **kwargs)
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def metrics(self) -> dict:
+        """``{(sample name, ((label, value), ...)): value}`` of /metrics (model_name dropped)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {}
+        for family in text_string_to_metric_families(self.http.get("/metrics").text):
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+                samples[(sample.name, labels)] = sample.value
+        return samples
+
+    def metric(self, name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return self.metrics().get(key, 0.0)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def start_instance(redis_url: str, directory: Path, name: str, *, role: str = "mixed",
+                   speculative: Optional[dict] = None, extra: tuple = ()) -> Instance:
+    """Start ``specdec serve`` on a free port, joined to the cluster at ``redis_url``; returns
+    once it listens (its stderr goes to ``directory/name.log``)."""
+    log = directory / f"{name}.log"
+    command = [sys.executable, "-m", "specdec.cli", "serve", "--port", "0", "--scheduler", redis_url,
+               "--role", role, "--instance-id", name, "--served-model-name", MODEL_NAME, "--no-progress",
+               "--log-level", "warning", "--max-num-seqs", "16", *extra]
+    if speculative is not None:
+        command += ["--speculative-config", json.dumps(speculative)]
+    env = {**os.environ, "SPECDEC_API_KEY": API_KEY}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 180
+    while True:
+        match = re.search(r"listening on (http://\S+)", log.read_text(errors="replace"))
+        if match:
+            return Instance(process, log, match.group(1))
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"instance {name} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.1)
+
+
+def wait_for_instances(instance: Instance, count: int, timeout: float = 20.0) -> dict:
+    """Wait until ``instance`` sees ``count`` instances in the cluster; returns its /health."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = instance.health()
+        if health.get("cluster", {}).get("instances") == count:
+            return health
+        if time.monotonic() > deadline:
+            pytest.fail(f"the cluster did not reach {count} instances within {timeout} s: {health}")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def cluster_directory() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="specdec-cluster-"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def solo_outputs(prompts: list[str], max_tokens: int, speculative: Optional[dict] = None) -> list[str]:
+    """Each prompt's greedy completion (no chat template), run alone on one engine in this
+    process: what every cluster run must return."""
+    from specdec.config import build_engine_config
+    from specdec.engine import Engine
+    from specdec.plugin_manager import get_plugins
+    from specdec.sampling import SamplingParams
+
+    plugins = get_plugins()
+    config = build_engine_config(None, {"max_num_seqs": 16}, speculative or {"method": "naive"}, plugins)
+    engine = Engine(config, plugins=plugins, progress=False)
+    texts = []
+    for prompt in prompts:
+        request = engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens))
+        [output] = engine.run([request])
+        texts.append(output.text)
+    return texts
