@@ -16,7 +16,8 @@ events (:mod:`specdec.server.engine_loop`) with the attempt and a sequence numbe
     {"attempt", "seq", "type": "admitted" | "rejected" | "delta" | "finished" | "busy", ...}
 
 Sequence numbers let the origin see an event that went missing (Redis restarted between its
-write and its read). ``busy``: the instance could not take the job (at capacity, stopping).
+write and its read). ``busy``: the job could not run (an instance at capacity or stopping, or
+a hand-off that failed); its ``instance`` field names the instance to avoid.
 """
 
 from __future__ import annotations
@@ -96,9 +97,11 @@ def encode_event(event: Event, attempt: int, seq: int) -> dict:
     return {"e": json.dumps(data)}
 
 
-def busy_event(attempt: int, seq: int, message: str) -> dict:
-    """The job could not be taken here; the origin tries elsewhere."""
-    return {"e": json.dumps({"attempt": attempt, "seq": seq, "type": "busy", "message": message})}
+def busy_event(attempt: int, seq: int, message: str, instance: str) -> dict:
+    """The job could not be run; the origin tries again without ``instance`` (the one at
+    capacity, or the decode instance a hand-off could not reach)."""
+    return {"e": json.dumps({"attempt": attempt, "seq": seq, "type": "busy", "message": message,
+                             "instance": instance})}
 
 
 def decode_event(fields: dict) -> dict:

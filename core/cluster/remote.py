@@ -153,7 +153,7 @@ class RemoteRequestStream(RequestStream):
                                     f"after {self._num_generated} tokens")
                     expected += 1
                     if data["type"] == "busy":
-                        raise _Lost(data["message"], target)
+                        raise _Lost(data["message"], data.get("instance") or target)
                     if self._deliver_event(to_loop_event(data)):
                         await link.call(lambda: client.delete(events_key), give_up_after=2.0)
                         return

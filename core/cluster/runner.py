@@ -46,8 +46,8 @@ class EventWriter:
     async def write(self, event) -> None:
         await self._add(encode_event(event, self.attempt, self.seq))
 
-    async def busy(self, message: str) -> None:
-        await self._add(busy_event(self.attempt, self.seq, message))
+    async def busy(self, message: str, instance: str) -> None:
+        await self._add(busy_event(self.attempt, self.seq, message, instance))
 
     async def _add(self, fields: dict) -> None:
         async def add():
@@ -124,7 +124,7 @@ class JobRunner:
                 stream = self.engine_loop.submit(job.prompt, sampling, job.run_id, handoff=handoff,
                                                  capture_hidden=handoff and bool(job.decode["needs_hidden_states"]))
             except (QueueFull, EngineStopped) as exc:
-                await writer.busy(f"instance {self.instance_id}: {exc}")
+                await writer.busy(f"instance {self.instance_id}: {exc}", self.instance_id)
                 return
             except Exception as exc:  # noqa: BLE001 - a job the engine refuses fails alone
                 await writer.write(Rejected(" ".join(str(exc).split()) or type(exc).__name__))
@@ -135,7 +135,7 @@ class JobRunner:
                 await writer.write(Rejected(str(exc), exc.param, exc.code))
                 return
             except EngineStopped as exc:
-                await writer.busy(f"instance {self.instance_id}: {exc}")
+                await writer.busy(f"instance {self.instance_id}: {exc}", self.instance_id)
                 return
             await writer.write(Admitted(num_prompt_tokens))
             await self._forward(job.request_id, job.attempt, job.origin, stream, writer, job)
@@ -172,7 +172,8 @@ class JobRunner:
             stats = await send_handoff(decode["transfer"], meta, finished.handoff, self.api_key)
         except TransferError as exc:
             logger.warning("request %s: hand-off to %s failed: %s", job.request_id, decode["instance_id"], exc)
-            await writer.busy(f"hand-off to decode instance {decode['instance_id']} failed: {exc}")
+            await writer.busy(f"hand-off to decode instance {decode['instance_id']} failed: {exc}",
+                              decode["instance_id"])
             return
         if self.on_transfer is not None:
             self.on_transfer(stats)

@@ -109,7 +109,7 @@ class TransferServer:
 
     async def start(self) -> tuple[str, int]:
         """Listen; returns the bound address (port 0 picks a free one)."""
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=2**20)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=2**26)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.port = port
         return host, port
