@@ -80,7 +80,7 @@ class RemoteRequestStream(RequestStream):
         self._attempt = 0
         self._aborted = False
         self._admitted_sent = False
-        self._num_generated = 0  # tokens the client has seen text of
+        self._num_generated = 0  # tokens the running attempt has generated, as its last event said
         self._text_sent = False
         self._streaming = streaming
         self._held: list[str] = []  # text held back from a client that does not stream
@@ -113,6 +113,7 @@ class RemoteRequestStream(RequestStream):
                     logger.warning("request %s: attempt %d lost (%s); running it again", self.request_id,
                                    self._attempt, lost)
                     self._held.clear()
+                    self._num_generated = 0
                     try:
                         route = self._route_again(frozenset(excluded))
                     except NoRoute as exc:

@@ -108,6 +108,11 @@ def test_two_mixed_instances_spread_32_requests_and_match_solo_outputs(directory
         listed = json.loads(status.stdout)["instances"]
         assert sorted(i["instance_id"] for i in listed) == ["mix-a", "mix-b"]
         assert {i["role"] for i in listed} == {"mixed"}
+        table = subprocess.run([sys.executable, "-m", "specdec.cli", "cluster", "status", "--scheduler",
+                                redis_server.url], capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0, table.stderr
+        assert "mix-a" in table.stdout and "mix-b" in table.stdout
+        assert "2 instances (2 mixed, 0 prefill, 0 decode)" in table.stdout
     finally:
         a.stop()
         b.stop()
@@ -140,6 +145,8 @@ def test_an_instance_killed_mid_run_loses_no_request_silently(directory, redis_s
             assert streamed, f"request {index} failed although nothing of it had been sent: {outcome!r}"
             assert "stopped while running this request" in str(outcome), repr(outcome)
         assert any(not isinstance(o, str) for o in outcomes[1::2]), "the kill came after every request had finished"
+        # Requests of the survivor's clients that ran on the killed instance were run again.
+        assert a.metric("specdec_cluster_requests_routed_total", route="rerun") >= 1
         # And the survivor keeps serving, alone now.
         assert asyncio.run(_complete(a, prompts[0], stream=False, max_tokens=max_tokens)) == expected[0]
     finally:
