@@ -30,6 +30,7 @@ its KV cache, so it does not try.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -356,5 +357,8 @@ def exit_after_failure(message: str, grace: float = 1.0) -> None:
     """The default fatal handler: say why on stderr, then end the process (its workers are
     daemons and go with it) after ``grace`` seconds for replies in flight to leave."""
     print(f"error: {message}; the requests in flight failed", file=sys.stderr, flush=True)
+    # The main thread may finish meanwhile (its requests just failed) and exit with its own
+    # code: the exit handler registered last runs first, and keeps the code 3.
+    atexit.register(os._exit, 3)
     time.sleep(grace)
     os._exit(3)

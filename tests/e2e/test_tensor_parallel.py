@@ -189,3 +189,16 @@ def test_more_ranks_than_kv_heads_is_a_one_line_error():
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert errors == ["error: tensor_parallel_size: 4 ranks for a model with 3 KV heads; each rank needs at least "
                       "one (use at most 3)"]
+
+
+def test_a_fatal_exit_keeps_code_3_when_the_main_thread_finishes_first():
+    """The watchdog's exit waits a moment for replies in flight; a main thread whose requests
+    just failed may end meanwhile, and must not replace the code 3 with its own."""
+    code = ("import sys, threading, time\n"
+            "from specdec.engine.tensor_parallel import exit_after_failure\n"
+            "threading.Thread(target=exit_after_failure, args=('rank 1 died',), daemon=True).start()\n"
+            "time.sleep(0.2)\n"
+            "sys.exit(0)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3
+    assert result.stderr.strip() == "error: rank 1 died; the requests in flight failed"
