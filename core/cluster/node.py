@@ -126,18 +126,26 @@ class Cluster:
         self._tasks = [asyncio.ensure_future(self._heartbeat()), asyncio.ensure_future(self.runner.consume())]
         logger.info("joined the cluster at %s as %s (%s)", redacted(options.scheduler_url), instance_id, options.role)
 
-    async def stop(self) -> None:
-        """Leave the cluster: stop taking jobs, deregister, end what runs for others."""
+    async def leave(self) -> None:
+        """Stop taking work from the cluster, as a graceful shutdown begins: no more jobs, no
+        heartbeat, the registration deleted (the others stop routing here at once). What
+        runs goes on; :meth:`stop` ends it. Idempotent."""
         if self.runner is not None:
             self.runner.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         if self.me is not None:
             try:
                 await deregister(self.link, self.me.instance_id)
             except RedisUnavailable:
                 pass
+
+    async def stop(self) -> None:
+        """Leave the cluster (:meth:`leave`), then end what still runs for others and close
+        the transfer listener and the Redis connection."""
+        await self.leave()
         if self.transfer is not None:
             await self.transfer.close()
         if self.runner is not None:

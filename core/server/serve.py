@@ -57,12 +57,15 @@ class Server(uvicorn.Server):
     chunk and ``[DONE]``), and uvicorn closes the connections.
 
     :param ready_line: printed to stderr once the server accepts connections.
+    :param cluster: the :class:`specdec.cluster.Cluster` this server is in; it leaves the
+        cluster as the shutdown begins.
     """
 
     def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, *,
-                 drain_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, ready_line: Optional[str] = None):
+                 drain_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, ready_line: Optional[str] = None, cluster=None):
         super().__init__(config)
         self.engine_loop = engine_loop
+        self.cluster = cluster
         self.drain_timeout = drain_timeout
         self.ready_line = ready_line
 
@@ -75,6 +78,8 @@ class Server(uvicorn.Server):
         for server in getattr(self, "servers", ()):
             server.close()
         self.engine_loop.refuse_new()
+        if self.cluster is not None:  # the other instances stop sending requests here
+            await self.cluster.leave()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_timeout
         while self.engine_loop.num_pending and loop.time() < deadline and not self.force_exit:
@@ -165,7 +170,7 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
              f"max_num_seqs {engine.config.max_num_seqs}, method {engine.spec.method}"
              f"{', API key required' if api_key else ''}"
              f"{f', cluster role {cluster_options.role}' if cluster_options else ''})")
-    server = Server(config, engine_loop, drain_timeout=shutdown_timeout, ready_line=ready)
+    server = Server(config, engine_loop, drain_timeout=shutdown_timeout, ready_line=ready, cluster=cluster)
     with _graceful_exit():
         server.run(sockets=[sock])
     if not server.started:

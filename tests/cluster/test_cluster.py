@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
 
 import openai
 import pytest
+import redis
 from cluster_harness import (MODEL_NAME, RedisServer, cluster_directory, solo_outputs, start_instance,
                              wait_for_instances)
 
@@ -116,6 +118,33 @@ def test_two_mixed_instances_spread_32_requests_and_match_solo_outputs(directory
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_stopping_instance_leaves_the_cluster_as_its_shutdown_begins(directory, redis_server, solo):
+    instance = start_instance(redis_server.url, directory, "leaving", speculative=NGRAM)
+    key = "specdec:instance:leaving"
+    store = redis.Redis.from_url(redis_server.url)
+    try:
+        wait_for_instances(instance, 1)
+
+        async def run():
+            request = asyncio.ensure_future(_complete(instance, PROMPTS[0], stream=True, max_tokens=MAX_TOKENS))
+            while instance.metric("specdec_generation_tokens_total") < 2:
+                await asyncio.sleep(0.05)
+            instance.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 1.0
+            while store.exists(key) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            # Gone from the cluster while the request still runs (the drain lets it finish).
+            gone_while_draining = not store.exists(key) and not request.done()
+            return gone_while_draining, await request
+
+        gone_while_draining, text = asyncio.run(run())
+        assert gone_while_draining
+        assert text == solo[0]
+        instance.process.wait(30)
+    finally:
+        instance.stop()
 
 
 def test_an_instance_killed_mid_run_loses_no_request_silently(directory, redis_server):
