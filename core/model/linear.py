@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import SpecdecError
+
 
 class PaddleLinear:
     """Reference path: paddle ops over pre-transposed float32 weights."""
@@ -62,7 +64,8 @@ class CpuKernelLinear:
         from specdec.kernels.cpu.reference import pack_panels
 
         if weight_in_out.shape[1] % 16:
-            raise ValueError("the CPU kernels need output widths that are multiples of 16")
+            raise SpecdecError(f"kernels: the cpu kernels need matrices whose output width is a multiple of 16; "
+                               f"this model has one {weight_in_out.shape[1]} wide: use --kernels paddle")
         return self.paddle.to_tensor(pack_panels(weight_in_out, self.weight_dtype))
 
     def pack_gate_up(self, gate_in_out: np.ndarray, up_in_out: np.ndarray):

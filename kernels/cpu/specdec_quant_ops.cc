@@ -47,20 +47,61 @@ using specdec_cpu::swiglu8;
 using specdec_cpu::with_format;
 using specdec_cpu::WorkPool;
 
-// Activation rows quantized to int8 in blocks of 32: q [M, K] in element order, and per block
-// its scale d and the sum of its dequantized values (for formats with a min), [M, ld] with ld
-// the block count rounded up to 8 (zeros past the end, so that eight blocks load as a vector).
-// With `pairs`, also the order split Q4 rows want: per pair of blocks (A, B), A[0:16] B[0:16]
-// A[16:32] B[16:32]; with `biased`, q + 128 as unsigned bytes (split Q8_0 rows, whose signed
-// weights take the other operand of the dot product).
+// What one matmul's weight segments read of its activations (needs_of).
+struct ActivationNeeds {
+  bool per32 = false;   // q, d, sum: every format but Q4_K
+  bool pairs = false;   // split Q4_0 / Q4_1
+  bool biased = false;  // split Q8_0 under VNNI
+  bool neg32 = false;   // Q6_K
+  bool per256 = false;  // Q4_K
+};
+
+// max |x[i]| over the n (a multiple of 8) floats of x.
+inline float abs_max(const float* x, int64_t n) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+}
+
+// out[0:32] = in[0:32] * inverse rounded half to even (the MXCSR default) to int8, in order;
+// returns the sum of those int8s.
+inline int quantize32(const float* in, float inverse, int8_t* out) {
+  const __m256 scale = _mm256_set1_ps(inverse);
+  __m256i q32[4];
+  for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(in + 8 * i), scale));
+  const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+  const __m256i q8 =
+      _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q8);
+  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1));
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+}
+
+// Activation rows quantized to int8 (scale = max|x| / 127 per block), each representation
+// built only when `needs` asks for it:
+//   per32: q [M, K] in element order, blocks of 32, with per block its scale d and the sum of
+//     its dequantized values (for formats with a min), [M, ld] with ld the block count rounded
+//     up to 8 (zeros past the end, so that eight blocks load as a vector);
+//   pairs: the order split Q4 rows want: per pair of blocks (A, B), A[0:16] B[0:16] A[16:32]
+//     B[16:32];
+//   biased: q + 128 as unsigned bytes (split Q8_0 rows, whose signed weights take the other
+//     operand of the dot product);
+//   neg32: -32 * the sum of each 4 of q (Q6_K);
+//   per256 (Q4_K): the rows quantized with one scale per 256 (q256 [M, K], d256 [M, K / 256])
+//     and the dequantized sum of each 32 of those (sum256 [M, ld]).
+// A matmul whose weight is all Q4_K builds per256 alone (q, d and sum stay null).
 struct QuantizedRows {
   int64_t M = 0, K = 0, blocks = 0, ld = 0;
   const int8_t* q = nullptr;
   const int8_t* pairs = nullptr;
   const uint8_t* biased = nullptr;
-  const int32_t* neg32 = nullptr;  // [M, K / 4]: -32 * the sum of each 4 activations (Q6_K)
-  // With `k256` (Q4_K): the rows quantized again with one scale per 256 (d256 [M, K / 256]),
-  // and the dequantized sum of each 32 of those (sum256 [M, ld]).
+  const int32_t* neg32 = nullptr;  // [M, K / 4]
   const int8_t* q256 = nullptr;
   const float* d256 = nullptr;
   const float* sum256 = nullptr;
@@ -73,76 +114,68 @@ struct QuantizedRows {
   std::vector<float> d256_store, sum256_store;
   std::vector<float> d_store, sum_store;
 
-  QuantizedRows(const float* x, int64_t rows, int64_t cols, bool with_pairs, bool with_biased, bool with_neg32,
-                bool with_k256)
+  QuantizedRows(const float* x, int64_t rows, int64_t cols, const ActivationNeeds& needs)
       : M(rows), K(cols), blocks(cols / 32), ld((cols / 32 + 7) / 8 * 8) {
-    q_store.resize(M * K);
-    d_store.assign(M * ld, 0.f);
-    sum_store.assign(M * ld, 0.f);
-    const __m256 sign_bit = _mm256_set1_ps(-0.f);
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t j = 0; j < blocks; ++j) {
-        const float* in = x + m * K + j * 32;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          v[i] = _mm256_loadu_ps(in + 8 * i);
-          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float scale = _mm_cvtss_f32(m4) / 127.f;
-        const __m256 inverse = _mm256_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
-        // Round half to even (the MXCSR default), then narrow 32 x int32 to 32 x int8 in order.
-        __m256i q32[4];
-        for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-        const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
-        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b),
-                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_store.data() + m * K + j * 32), q8);
-        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1));
-        const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-        const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-        const int total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
-        d_store[m * ld + j] = scale;
-        sum_store[m * ld + j] = scale * static_cast<float>(total);
-      }
-    }
-    if (with_pairs) {
-      pair_store.resize(M * K);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j + 1 < blocks; j += 2) {
-          const int8_t* a = q_store.data() + m * K + 32 * j;
-          int8_t* out = pair_store.data() + m * K + 32 * j;
-          std::memcpy(out, a, 16);
-          std::memcpy(out + 16, a + 32, 16);
-          std::memcpy(out + 32, a + 16, 16);
-          std::memcpy(out + 48, a + 48, 16);
-        }
-      pairs = pair_store.data();
-    }
-    if (with_biased) {
-      biased_store.resize(M * K);
-      for (int64_t i = 0; i < M * K; ++i) biased_store[i] = static_cast<uint8_t>(q_store[i] + 128);
-      biased = biased_store.data();
-    }
-    if (with_neg32) {
-      neg32_store.resize(M * K / 4);
-      for (int64_t i = 0; i < M * K / 4; ++i) {
-        const int8_t* four = q_store.data() + 4 * i;
-        neg32_store[i] = -32 * (four[0] + four[1] + four[2] + four[3]);
-      }
-      neg32 = neg32_store.data();
-    }
-    if (with_k256) quantize_per_256(x);
-    q = q_store.data();
-    d = d_store.data();
-    sum = sum_store.data();
+    if (needs.per32) quantize_per_32(x);
+    if (needs.pairs) pair_blocks();
+    if (needs.biased) bias();
+    if (needs.neg32) sum_fours();
+    if (needs.per256) quantize_per_256(x);
   }
 
  private:
+  void quantize_per_32(const float* x);
+  void pair_blocks();
+  void bias();
+  void sum_fours();
   void quantize_per_256(const float* x);
 };
+
+void QuantizedRows::quantize_per_32(const float* x) {
+  q_store.resize(M * K);
+  d_store.assign(M * ld, 0.f);
+  sum_store.assign(M * ld, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < blocks; ++j) {
+      const float* in = x + m * K + j * 32;
+      const float scale = abs_max(in, 32) / 127.f;
+      const int total = quantize32(in, scale != 0.f ? 1.f / scale : 0.f, q_store.data() + m * K + j * 32);
+      d_store[m * ld + j] = scale;
+      sum_store[m * ld + j] = scale * static_cast<float>(total);
+    }
+  q = q_store.data();
+  d = d_store.data();
+  sum = sum_store.data();
+}
+
+void QuantizedRows::pair_blocks() {
+  pair_store.resize(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j + 1 < blocks; j += 2) {
+      const int8_t* a = q + m * K + 32 * j;
+      int8_t* out = pair_store.data() + m * K + 32 * j;
+      std::memcpy(out, a, 16);
+      std::memcpy(out + 16, a + 32, 16);
+      std::memcpy(out + 32, a + 16, 16);
+      std::memcpy(out + 48, a + 48, 16);
+    }
+  pairs = pair_store.data();
+}
+
+void QuantizedRows::bias() {
+  biased_store.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) biased_store[i] = static_cast<uint8_t>(q[i] + 128);
+  biased = biased_store.data();
+}
+
+void QuantizedRows::sum_fours() {
+  neg32_store.resize(M * K / 4);
+  for (int64_t i = 0; i < M * K / 4; ++i) {
+    const int8_t* four = q + 4 * i;
+    neg32_store[i] = -32 * (four[0] + four[1] + four[2] + four[3]);
+  }
+  neg32 = neg32_store.data();
+}
 
 void QuantizedRows::quantize_per_256(const float* x) {
   q256_store.resize(M * K);
@@ -151,16 +184,9 @@ void QuantizedRows::quantize_per_256(const float* x) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 256; ++b) {
       const float* in = x + m * K + 256 * b;
-      float amax = 0.f;
-      for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(in[i]));
-      const float scale = amax / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
-      int8_t* out = q256_store.data() + m * K + 256 * b;
+      const float scale = abs_max(in, 256) / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
       for (int j = 0; j < 8; ++j) {
-        int total = 0;
-        for (int i = 32 * j; i < 32 * j + 32; ++i) {
-          out[i] = static_cast<int8_t>(std::nearbyint(in[i] * inverse));
-          total += out[i];
-        }
+        const int total = quantize32(in + 32 * j, inverse, q256_store.data() + m * K + 256 * b + 32 * j);
         sum256_store[m * ld + 8 * b + j] = scale * static_cast<float>(total);
       }
       d256_store[m * (K / 256) + b] = scale;
@@ -281,16 +307,22 @@ bool use_vnni() {
   return supported;
 }
 
-void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, float* out) {
-  bool with_pairs = false, with_biased = false, with_neg32 = false, with_k256 = false;
+// What the kernels of w's segments read of the activations (see QuantizedRows).
+ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
+  ActivationNeeds needs;
   for (const WeightSegment& seg : w.segments) {
-    with_pairs = with_pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
-    with_biased = with_biased || seg.type == specdec_cpu::kQ8_0S;
-    with_neg32 = with_neg32 || seg.type == specdec_cpu::kQ6_K;
-    with_k256 = with_k256 || seg.type == specdec_cpu::kQ4_K;
+    needs.per32 = needs.per32 || seg.type != specdec_cpu::kQ4_K;
+    needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
+    needs.biased = needs.biased || (vnni && seg.type == specdec_cpu::kQ8_0S);
+    needs.neg32 = needs.neg32 || seg.type == specdec_cpu::kQ6_K;
+    needs.per256 = needs.per256 || seg.type == specdec_cpu::kQ4_K;
   }
+  return needs;
+}
+
+void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, float* out) {
   const bool vnni = use_vnni();
-  const QuantizedRows rows(x, M, K, with_pairs, with_biased && vnni, with_neg32, with_k256);
+  const QuantizedRows rows(x, M, K, needs_of(w, vnni));
   if (vnni)
     vnni::matmul(rows, w, epi, out);
   else

@@ -102,6 +102,44 @@ def test_q_matmul_mixed_segments_norm_and_epilogue(ops, isa, rows):
     _close(got, reference.q_matmul(x, gain, data, layout, epilogue, 1e-5, True))
 
 
+@pytest.mark.parametrize("cols,q4k_rows,q6k_rows", [(256, 19, 5), (768, 37, 11)])
+@pytest.mark.parametrize("rows", range(1, 17))
+def test_all_q4k_weight_matches_reference_and_mixed(ops, isa, cols, q4k_rows, q6k_rows, rows):
+    """A weight of Q4_K rows only quantizes its activations per 256 alone (what the Q4_K kernel
+    reads): it matches the twin, and gives bit for bit the Q4_K columns of the same rows stacked
+    with Q6_K rows (whose activations are also quantized per 32)."""
+    rng = np.random.default_rng(cols + rows)
+    q4k = QuantizedMatrix(cols, (random_blocks(rng, "Q4_K", q4k_rows, cols),))
+    q6k = QuantizedMatrix(cols, (random_blocks(rng, "Q6_K", q6k_rows, cols),))
+    mixed = QuantizedMatrix.stacked([q4k, q6k])
+    x = (rng.standard_normal((rows, cols)) * 2).astype(np.float32)
+    x[0, :40] = 0  # an all-zero block of 32 (scale 0) inside a block of 256
+    outputs = {}
+    for name, matrix in (("q4k", q4k), ("q6k", q6k), ("mixed", mixed)):
+        data, layout, data_t, layout_t = tensors(matrix)
+        outputs[name] = ops.specdec_q_matmul(paddle.to_tensor(x), paddle.empty([0]), data_t, layout_t,
+                                             paddle.empty([0]), 1e-5, False).numpy()
+        _close(outputs[name], reference.q_matmul(x, [], data, layout, [], 1e-5, False))
+    np.testing.assert_array_equal(outputs["mixed"][:, :q4k_rows], outputs["q4k"])
+    np.testing.assert_array_equal(outputs["mixed"][:, q4k_rows:], outputs["q6k"])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 6, 9])
+def test_long_rows_in_several_row_tiles_and_chunks(ops, isa, type_name, rows):
+    """Rows of 4096 elements against 41 weight rows (three parallel chunks of up to 16), one to
+    three tiles of activation rows, with the epilogue: every output written once, correctly."""
+    rng = np.random.default_rng(rows)
+    cols = 4096
+    matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 41, cols),))
+    data, layout, data_t, layout_t = tensors(matrix)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    epilogue = np.stack([rng.uniform(0.1, 1, 41), rng.standard_normal(41)]).astype(np.float32)
+    got = ops.specdec_q_matmul(paddle.to_tensor(x), paddle.empty([0]), data_t, layout_t, paddle.to_tensor(epilogue),
+                               1e-5, False).numpy()
+    _close(got, reference.q_matmul(x, [], data, layout, epilogue, 1e-5, False))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_q_layer_tail_matches_reference(ops, isa, rows):
     rng = np.random.default_rng(50 + rows)

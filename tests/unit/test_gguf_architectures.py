@@ -117,10 +117,11 @@ def hf_weights(config: ModelConfig, f16: bool, seed: int) -> dict[str, np.ndarra
 
 def write_converted_gguf(path, case: dict, config: ModelConfig, weights: dict, tokens: list[str],
                          *, skip: tuple[str, ...] = (), rope_dim: int | None = None,
-                         extra_tensors: dict | None = None) -> None:
+                         extra_tensors: dict | None = None, quantized: str | None = None) -> None:
     """What ``convert_hf_to_gguf.py`` writes for ``weights`` of a model of ``case`` (``skip``:
     tensors left out; ``rope_dim``: another ``rope.dimension_count``; ``extra_tensors``: GGUF
-    name -> array, written as they are)."""
+    name -> array, written as they are; ``quantized``: a GGML type, e.g. ``Q8_0``, that every
+    matrix is stored in instead of the case's float type)."""
     c = config
     arch = case["arch"]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -160,9 +161,14 @@ def write_converted_gguf(path, case: dict, config: ModelConfig, weights: dict, t
                 array = llama_cpp_permute(array, c.num_heads, c.num_heads)
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = llama_cpp_permute(array, c.num_heads, c.num_kv_heads)
+        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if array.ndim == 2 and quantized:
+            qtype = gguf.GGMLQuantizationType[quantized]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+            continue
         if array.ndim == 2 and case["dtype"] == "F16":
             array = array.astype(np.float16)
-        writer.add_tensor(name_map.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(array))
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     for name, array in (extra_tensors or {}).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -299,6 +305,33 @@ def _error(path) -> str:
     message = str(info.value)
     assert "\n" not in message
     return message
+
+
+@pytest.mark.parametrize("case_id,quantized,expected", [("llama", None, "none"), ("mistral", None, "none"),
+                                                        ("llama", "Q8_0", "gguf")], ids=["F32", "F16", "Q8_0"])
+def test_quantization_auto_follows_the_matrices_in_the_file(tmp_path, case_id, quantized, expected):
+    """``quantization: auto`` on the CPU kernels is ``gguf`` for any GGUF file until loading looks
+    inside: a file whose matrices are all F32 (or all F16) runs the float path (``none``), one of
+    Q8_0 matrices computes on its blocks."""
+    from specdec.config import EngineConfig
+    from specdec.engine.engine import build_model, resolve_quantization
+    from specdec.kernels.cpu import cpu_ops_or_none
+    from specdec.model.quant_weights import QuantizedWeights
+    from specdec.plugin_manager import get_plugins
+
+    if cpu_ops_or_none() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    case = CASES[case_id]
+    tokens = tiny_vocab() + [f"<extra_{i}>" for i in range(6)]  # 272: float CPU kernels want 16s of columns
+    model_config = tiny_config(case, False, len(tokens))
+    path = tmp_path / f"{case_id}.gguf"
+    write_converted_gguf(path, case, model_config, hf_weights(model_config, case["dtype"] == "F16", 0), tokens,
+                         quantized=quantized)
+    config = EngineConfig(model=str(path), quantization="auto", kernels="cpu")
+    assert resolve_quantization(config, "cpu") == "gguf"  # from the file name alone
+    built = build_model(config, get_plugins(), progress=False)
+    assert built.quantization == expected
+    assert isinstance(built.model.weights, QuantizedWeights) == (expected == "gguf")
 
 
 def test_unknown_architecture_is_a_one_line_error_listing_the_supported_ones(tmp_path):

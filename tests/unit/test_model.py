@@ -423,3 +423,13 @@ def test_default_model_knows_the_capital_of_germany(model_session):
     [output] = model_session.run(None, ["What is the capital of Germany?"],
                                  SamplingParams(max_tokens=32, temperature=0.0))
     assert "Berlin" in output.text, output.text
+
+
+def test_the_cpu_kernels_refuse_a_matrix_width_they_cannot_pack_in_one_line():
+    import paddle
+
+    from specdec.errors import SpecdecError
+    from specdec.model.linear import CpuKernelLinear
+
+    with pytest.raises(SpecdecError, match="multiple of 16; this model has one 20 wide: use --kernels paddle"):
+        CpuKernelLinear(paddle, 1e-5, ops=None).pack(np.zeros((8, 20), dtype=np.float32))
