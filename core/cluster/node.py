@@ -173,8 +173,7 @@ class Cluster:
         if route.kind == "local":
             return self.engine_loop.submit(prompt_ids, sampling, request_id)
         return RemoteRequestStream(request_id, self.link, self.view, self.me.instance_id, route, prompt_ids,
-                                   sampling, self._route_again, lambda r: bool(r.decode and r.decode.needs_hidden_states),
-                                   streaming=streaming)
+                                   sampling, self._route_again, streaming=streaming)
 
     def _route_again(self, exclude: frozenset) -> Route:
         route = self.router.choose(self.view.live(), exclude, local_pending=self.engine_loop.num_pending)

@@ -59,15 +59,13 @@ class RemoteRequestStream(RequestStream):
     :param route_again: ``route_again(exclude)`` chooses the route of a re-run (``run`` or
         ``pd``, this instance's own job list included), or raises
         :class:`~specdec.cluster.router.NoRoute`.
-    :param needs_hidden_states: whether a route's decode instance wants the hidden states.
     :param streaming: the client reads the text as it comes. When it does not, the text is
         held here until the end, so that nothing reaches the client before the request is
         done, and a lost request can always run again.
     """
 
     def __init__(self, request_id: str, link: RedisLink, view: ClusterView, origin: str, route: Route,
-                 prompt_ids, sampling, route_again: Callable[[frozenset], Route],
-                 needs_hidden_states: Callable[[Route], bool], streaming: bool = True):
+                 prompt_ids, sampling, route_again: Callable[[frozenset], Route], streaming: bool = True):
         super().__init__(request_id, engine_loop=None)
         self._link = link
         self._view = view
@@ -76,7 +74,6 @@ class RemoteRequestStream(RequestStream):
         self._prompt = [int(t) for t in prompt_ids]
         self._sampling = sampling_to_dict(sampling)
         self._route_again = route_again
-        self._needs_hidden_states = needs_hidden_states
         self._attempt = 0
         self._aborted = False
         self._admitted_sent = False
@@ -191,7 +188,7 @@ class RemoteRequestStream(RequestStream):
         decode = None
         if route.kind == "pd":
             decode = {"instance_id": route.decode.instance_id, "transfer": route.decode.transfer,
-                      "needs_hidden_states": self._needs_hidden_states(route)}
+                      "needs_hidden_states": route.decode.needs_hidden_states}
         return Job(request_id=self.request_id, attempt=self._attempt, origin=self._origin,
                    kind="prefill" if route.kind == "pd" else "run", prompt=self._prompt, sampling=self._sampling,
                    decode=decode)

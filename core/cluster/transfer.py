@@ -103,9 +103,6 @@ class TransferServer:
         self.max_bytes = max_bytes
         self.expected_key = key_digest(api_key)
         self._server: Optional[asyncio.AbstractServer] = None
-        #: Hand-offs received, and their bytes.
-        self.num_received = 0
-        self.num_bytes = 0
 
     async def start(self) -> tuple[str, int]:
         """Listen; returns the bound address (port 0 picks a free one)."""
@@ -151,6 +148,4 @@ class TransferServer:
             return f"{sum(sizes)} bytes of KV is more than this instance's pool holds ({self.max_bytes})"
         buffers = [await reader.readexactly(size) for size in sizes]
         state = HandoffState.from_wire(header["state"], buffers)
-        self.num_received += 1
-        self.num_bytes += sum(sizes)
         return await self.handler(header["meta"], state)
