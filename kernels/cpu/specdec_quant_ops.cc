@@ -3,7 +3,7 @@
 // row's bytes regrouped, "split"), never on a dequantized copy.
 //
 // Activations are quantized to int8 per 32 elements (scale = max|x| / 127, round to nearest
-// even), per 256 for Q4_K, as llama.cpp does, and each weight sub-block is multiplied with
+// even), per 256 for Q4_K and Q6_K, as llama.cpp does, and each weight sub-block is multiplied with
 // integer dot products:
 // AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it (chosen at run
 // time; SPECDEC_CPU_ISA=avx2 forces the portable path). reference.py holds the numpy twins.
@@ -49,11 +49,11 @@ using specdec_cpu::WorkPool;
 
 // What one matmul's weight segments read of its activations (needs_of).
 struct ActivationNeeds {
-  bool per32 = false;   // q, d, sum: every format but Q4_K
+  bool per32 = false;   // q, d, sum: every format but Q4_K and Q6_K
   bool pairs = false;   // split Q4_0 / Q4_1
   bool biased = false;  // split Q8_0 under VNNI
-  bool neg32 = false;   // Q6_K
-  bool per256 = false;  // Q4_K
+  bool per256 = false;  // Q4_K, Q6_K
+  bool sums16 = false;  // Q6_K
 };
 
 // max |x[i]| over the n (a multiple of 8) floats of x.
@@ -92,24 +92,25 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
 //     B[16:32];
 //   biased: q + 128 as unsigned bytes (split Q8_0 rows, whose signed weights take the other
 //     operand of the dot product);
-//   neg32: -32 * the sum of each 4 of q (Q6_K);
-//   per256 (Q4_K): the rows quantized with one scale per 256 (q256 [M, K], d256 [M, K / 256])
-//     and the dequantized sum of each 32 of those (sum256 [M, ld]).
-// A matmul whose weight is all Q4_K builds per256 alone (q, d and sum stay null).
+//   per256 (Q4_K, Q6_K): the rows quantized with one scale per 256 (q256 [M, K], d256
+//     [M, K / 256]) and the dequantized sum of each 32 of those (sum256 [M, ld], Q4_K's mins);
+//   sums16 (Q6_K): the int16 sum of each 16 of q256 (sum16 [M, K / 16]).
+// A matmul whose weight is all Q4_K and Q6_K (a Q4_K_M file's) builds per256 alone (q, d and
+// sum stay null).
 struct QuantizedRows {
   int64_t M = 0, K = 0, blocks = 0, ld = 0;
   const int8_t* q = nullptr;
   const int8_t* pairs = nullptr;
   const uint8_t* biased = nullptr;
-  const int32_t* neg32 = nullptr;  // [M, K / 4]
   const int8_t* q256 = nullptr;
   const float* d256 = nullptr;
   const float* sum256 = nullptr;
+  const int16_t* sum16 = nullptr;
   const float* d = nullptr;
   const float* sum = nullptr;
   std::vector<int8_t> q_store, pair_store;
   std::vector<uint8_t> biased_store;
-  std::vector<int32_t> neg32_store;
+  std::vector<int16_t> sum16_store;
   std::vector<int8_t> q256_store;
   std::vector<float> d256_store, sum256_store;
   std::vector<float> d_store, sum_store;
@@ -119,16 +120,16 @@ struct QuantizedRows {
     if (needs.per32) quantize_per_32(x);
     if (needs.pairs) pair_blocks();
     if (needs.biased) bias();
-    if (needs.neg32) sum_fours();
     if (needs.per256) quantize_per_256(x);
+    if (needs.sums16) sum_sixteens();
   }
 
  private:
   void quantize_per_32(const float* x);
   void pair_blocks();
   void bias();
-  void sum_fours();
   void quantize_per_256(const float* x);
+  void sum_sixteens();
 };
 
 void QuantizedRows::quantize_per_32(const float* x) {
@@ -168,15 +169,6 @@ void QuantizedRows::bias() {
   biased = biased_store.data();
 }
 
-void QuantizedRows::sum_fours() {
-  neg32_store.resize(M * K / 4);
-  for (int64_t i = 0; i < M * K / 4; ++i) {
-    const int8_t* four = q + 4 * i;
-    neg32_store[i] = -32 * (four[0] + four[1] + four[2] + four[3]);
-  }
-  neg32 = neg32_store.data();
-}
-
 void QuantizedRows::quantize_per_256(const float* x) {
   q256_store.resize(M * K);
   d256_store.resize(M * (K / 256));
@@ -194,6 +186,16 @@ void QuantizedRows::quantize_per_256(const float* x) {
   q256 = q256_store.data();
   d256 = d256_store.data();
   sum256 = sum256_store.data();
+}
+
+void QuantizedRows::sum_sixteens() {
+  sum16_store.resize(M * K / 16);
+  for (int64_t i = 0; i < M * K / 16; ++i) {
+    int total = 0;
+    for (int j = 0; j < 16; ++j) total += q256[16 * i + j];
+    sum16_store[i] = static_cast<int16_t>(total);  // |total| <= 16 * 127
+  }
+  sum16 = sum16_store.data();
 }
 
 struct WeightSegment {
@@ -273,6 +275,7 @@ QuantWeight parse_weight(const paddle::Tensor& data, const paddle::Tensor& layou
 // a unsigned, b signed.
 struct Avx2Dot {
   static constexpr bool kWide = false;  // maddubs saturates pair sums at 16 bits
+  static constexpr int kMaxTile = 4;    // rows per tile (quant_matmul.inc)
   static inline __m256i dot(__m256i acc, __m256i a, __m256i b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
   }
@@ -289,13 +292,16 @@ using Dot = Avx2Dot;
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 struct VnniDot {
   static constexpr bool kWide = true;
+  static constexpr int kMaxTile = 8;
   static inline __m256i dot(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
   static inline __m256i dot16(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 };
 
 namespace vnni {
 using Dot = VnniDot;
+#define SPECDEC_ZMM_KERNELS
 #include "quant_matmul.inc"
+#undef SPECDEC_ZMM_KERNELS
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -311,11 +317,12 @@ bool use_vnni() {
 ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
   ActivationNeeds needs;
   for (const WeightSegment& seg : w.segments) {
-    needs.per32 = needs.per32 || seg.type != specdec_cpu::kQ4_K;
+    const bool per256 = seg.type == specdec_cpu::kQ4_K || seg.type == specdec_cpu::kQ6_K;
+    needs.per32 = needs.per32 || !per256;
     needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     needs.biased = needs.biased || (vnni && seg.type == specdec_cpu::kQ8_0S);
-    needs.neg32 = needs.neg32 || seg.type == specdec_cpu::kQ6_K;
-    needs.per256 = needs.per256 || seg.type == specdec_cpu::kQ4_K;
+    needs.per256 = needs.per256 || per256;
+    needs.sums16 = needs.sums16 || seg.type == specdec_cpu::kQ6_K;
   }
   return needs;
 }
