@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 namespace {
@@ -46,6 +47,24 @@ using specdec_cpu::SubBlock;
 using specdec_cpu::swiglu8;
 using specdec_cpu::with_format;
 using specdec_cpu::WorkPool;
+
+// Allocates on 64-byte boundaries: the kernels load activation rows 32 and 64 bytes at a time,
+// and a load that straddles two cache lines costs two.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
 // What one matmul's weight segments read of its activations (needs_of).
 struct ActivationNeeds {
@@ -108,10 +127,10 @@ struct QuantizedRows {
   const int16_t* sum16 = nullptr;
   const float* d = nullptr;
   const float* sum = nullptr;
-  std::vector<int8_t> q_store, pair_store;
-  std::vector<uint8_t> biased_store;
+  AlignedVector<int8_t> q_store, pair_store;
+  AlignedVector<uint8_t> biased_store;
   std::vector<int16_t> sum16_store;
-  std::vector<int8_t> q256_store;
+  AlignedVector<int8_t> q256_store;
   std::vector<float> d256_store, sum256_store;
   std::vector<float> d_store, sum_store;
 
