@@ -173,7 +173,8 @@ def cluster_directory() -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def solo_outputs(prompts: list[str], max_tokens: int, speculative: Optional[dict] = None) -> list[str]:
+def solo_outputs(prompts: list[str], max_tokens: int, speculative: Optional[dict] = None,
+                 ignore_eos: bool = False) -> list[str]:
     """Each prompt's greedy completion (no chat template), run alone on one engine in this
     process: what every cluster run must return."""
     from specdec.config import build_engine_config
@@ -186,7 +187,7 @@ def solo_outputs(prompts: list[str], max_tokens: int, speculative: Optional[dict
     engine = Engine(config, plugins=plugins, progress=False)
     texts = []
     for prompt in prompts:
-        request = engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens))
+        request = engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
         [output] = engine.run([request])
         texts.append(output.text)
     return texts
