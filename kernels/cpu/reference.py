@@ -130,9 +130,9 @@ def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.nda
 
 
 def quantize_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
-    """``x`` as the kernels see it: each block of ``block`` (32; 256 for Q4_K and Q6_K weights) rounded
-    to int8 steps of ``max|x| / 127`` (float32 arithmetic, round half to even), returned
-    dequantized (float64)."""
+    """``x`` as the kernels see it: each block of ``block`` (32; 256 for Q4_K and Q6_K
+    weights) rounded to int8 steps of ``max|x| / 127`` (float32 arithmetic, round half to
+    even), returned dequantized (float64)."""
     rows, cols = x.shape
     blocks = x.astype(np.float32).reshape(rows, cols // block, block)
     scale = np.abs(blocks).max(axis=-1) / np.float32(127)

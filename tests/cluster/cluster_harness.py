@@ -187,7 +187,8 @@ def solo_outputs(prompts: list[str], max_tokens: int, speculative: Optional[dict
     engine = Engine(config, plugins=plugins, progress=False)
     texts = []
     for prompt in prompts:
-        request = engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        request = engine.add_request(engine.tokenizer.encode(prompt), sampling)
         [output] = engine.run([request])
         texts.append(output.text)
     return texts
