@@ -19,6 +19,10 @@ SOURCES = (KERNEL_DIR / "specdec_cpu_ops.cc", KERNEL_DIR / "specdec_quant_ops.cc
 #: Everything the build reads: the sources and the files they include.
 BUILD_INPUTS = SOURCES + tuple(sorted(KERNEL_DIR.glob("*.h"))) + tuple(sorted(KERNEL_DIR.glob("*.inc")))
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+# fp-contract=off: the compiler never fuses a * b + c on its own, so that every kernel computing
+# a Q4_K/Q6_K row does the same float operations, bit for bit (quant_matmul.inc); the kernels'
+# explicit fma intrinsics are unaffected.
+CXX_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread")
 
 
 class KernelUnavailable(RuntimeError):
@@ -43,7 +47,7 @@ def kernel_build_dir(*sources: Path) -> Path:
     build."""
     inputs = sources or BUILD_INPUTS
     root = Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(" ".join(CXX_FLAGS).encode())
     for path in inputs:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return root / digest.hexdigest()[:16]
@@ -76,7 +80,7 @@ def load_cpu_ops():
             return load(
                 name="specdec_cpu_ops",
                 sources=[str(path) for path in SOURCES],
-                extra_cxx_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread"],
+                extra_cxx_cflags=list(CXX_FLAGS),
                 extra_ldflags=["-pthread"],
                 build_directory=str(build_dir),
                 verbose=False,

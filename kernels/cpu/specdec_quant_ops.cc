@@ -5,8 +5,10 @@
 // Activations are quantized to int8 per 32 elements (scale = max|x| / 127, round to nearest
 // even), per 256 for Q4_K and Q6_K, as llama.cpp does, and each weight sub-block is multiplied with
 // integer dot products:
-// AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it (chosen at run
-// time; SPECDEC_CPU_ISA=avx2 forces the portable path). reference.py holds the numpy twins.
+// AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it, and for Q4_K and
+// Q6_K matmuls of 16 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
+// time; SPECDEC_CPU_ISA=avx2 or avx512 forces the lesser paths). Every path computes a Q4_K or
+// Q6_K row's output bit for bit the same (quant_matmul.inc). reference.py holds the numpy twins.
 //
 // A quantized weight [N, K] is a uint8 tensor holding its rows back to back and an int64
 // layout [S, 4]: segments of rows (type, rows, byte offset, bytes per row), so that q, k and v
@@ -26,7 +28,10 @@
 #include "simd_math.h"
 #include "work_pool.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -71,8 +76,7 @@ struct ActivationNeeds {
   bool per32 = false;   // q, d, sum: every format but Q4_K and Q6_K
   bool pairs = false;   // split Q4_0 / Q4_1
   bool biased = false;  // split Q8_0 under VNNI
-  bool per256 = false;  // Q4_K, Q6_K
-  bool sums16 = false;  // Q6_K
+  bool per256 = false;  // Q4_K, Q6_K: q256, d256t and sum16
 };
 
 // max |x[i]| over the n (a multiple of 8) floats of x.
@@ -111,19 +115,19 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
 //     B[16:32];
 //   biased: q + 128 as unsigned bytes (split Q8_0 rows, whose signed weights take the other
 //     operand of the dot product);
-//   per256 (Q4_K, Q6_K): the rows quantized with one scale per 256 (q256 [M, K], d256
-//     [M, K / 256]) and the dequantized sum of each 32 of those (sum256 [M, ld], Q4_K's mins);
-//   sums16 (Q6_K): the int16 sum of each 16 of q256 (sum16 [M, K / 16]).
+//   per256 (Q4_K, Q6_K): the rows quantized with one scale per 256 (q256 [M, K]), the scales
+//     transposed (d256t [K / 256, ldt], ldt = M rounded up to 16, plus 16; zeros past M, so
+//     that 8 or 16 rows' scales load as a vector) and the int16 sum of each 16 of q256 (sum16
+//     [M, K / 16]: Q4_K's mins, Q6_K's -32).
 // A matmul whose weight is all Q4_K and Q6_K (a Q4_K_M file's) builds per256 alone (q, d and
 // sum stay null).
 struct QuantizedRows {
-  int64_t M = 0, K = 0, blocks = 0, ld = 0;
+  int64_t M = 0, K = 0, blocks = 0, ld = 0, ldt = 0;
   const int8_t* q = nullptr;
   const int8_t* pairs = nullptr;
   const uint8_t* biased = nullptr;
   const int8_t* q256 = nullptr;
-  const float* d256 = nullptr;
-  const float* sum256 = nullptr;
+  const float* d256t = nullptr;
   const int16_t* sum16 = nullptr;
   const float* d = nullptr;
   const float* sum = nullptr;
@@ -131,16 +135,18 @@ struct QuantizedRows {
   AlignedVector<uint8_t> biased_store;
   std::vector<int16_t> sum16_store;
   AlignedVector<int8_t> q256_store;
-  std::vector<float> d256_store, sum256_store;
+  AlignedVector<float> d256t_store;
   std::vector<float> d_store, sum_store;
 
   QuantizedRows(const float* x, int64_t rows, int64_t cols, const ActivationNeeds& needs)
-      : M(rows), K(cols), blocks(cols / 32), ld((cols / 32 + 7) / 8 * 8) {
+      : M(rows), K(cols), blocks(cols / 32), ld((cols / 32 + 7) / 8 * 8), ldt((rows + 15) / 16 * 16 + 16) {
     if (needs.per32) quantize_per_32(x);
     if (needs.pairs) pair_blocks();
     if (needs.biased) bias();
-    if (needs.per256) quantize_per_256(x);
-    if (needs.sums16) sum_sixteens();
+    if (needs.per256) {
+      quantize_per_256(x);
+      sum_sixteens();
+    }
   }
 
  private:
@@ -190,21 +196,16 @@ void QuantizedRows::bias() {
 
 void QuantizedRows::quantize_per_256(const float* x) {
   q256_store.resize(M * K);
-  d256_store.resize(M * (K / 256));
-  sum256_store.assign(M * ld, 0.f);
+  d256t_store.assign((K / 256) * ldt, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 256; ++b) {
       const float* in = x + m * K + 256 * b;
       const float scale = abs_max(in, 256) / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
-      for (int j = 0; j < 8; ++j) {
-        const int total = quantize32(in + 32 * j, inverse, q256_store.data() + m * K + 256 * b + 32 * j);
-        sum256_store[m * ld + 8 * b + j] = scale * static_cast<float>(total);
-      }
-      d256_store[m * (K / 256) + b] = scale;
+      for (int j = 0; j < 8; ++j) quantize32(in + 32 * j, inverse, q256_store.data() + m * K + 256 * b + 32 * j);
+      d256t_store[b * ldt + m] = scale;
     }
   q256 = q256_store.data();
-  d256 = d256_store.data();
-  sum256 = sum256_store.data();
+  d256t = d256t_store.data();
 }
 
 void QuantizedRows::sum_sixteens() {
@@ -324,12 +325,55 @@ using Dot = VnniDot;
 }  // namespace vnni
 #pragma GCC pop_options
 
-bool use_vnni() {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+namespace amx {
+#include "quant_matmul_amx.inc"
+}  // namespace amx
+#pragma GCC pop_options
+
+// SPECDEC_CPU_ISA: "avx2" forces the portable kernels, "avx512" the AVX-512 VNNI ones without
+// AMX tiles; unset (or anything else), the best the CPU has.
+bool isa_is(const char* name) {
   const char* isa = std::getenv("SPECDEC_CPU_ISA");
-  if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
+  return isa != nullptr && std::strcmp(isa, name) == 0;
+}
+
+bool use_vnni() {
+  if (isa_is("avx2")) return false;
   static const bool supported = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                                 __builtin_cpu_supports("avx512bw");
   return supported;
+}
+
+// AMX-TILE and AMX-INT8 in CPUID, their state enabled by the OS (XCR0 bits 17 and 18), and
+// this process allowed to use it (Linux asks for that once: arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_ready() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE, for xgetbv
+  unsigned xcr0_low = 0, xcr0_high = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+  if ((xcr0_low & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Rows from which a Q4_K/Q6_K matmul runs on AMX tiles: below, the dot-product kernels (whose
+// tiles of up to 8 rows read each weight block once) are as fast, and packing the weights into
+// tiles would not pay for itself.
+constexpr int64_t kAmxMinRows = 16;
+
+bool use_amx(int64_t M) {
+  if (M < kAmxMinRows || isa_is("avx512") || !use_vnni()) return false;
+  static const bool ready = amx_ready();
+  return ready;
+}
+
+bool has_tile_segments(const QuantWeight& w) {
+  for (const WeightSegment& seg : w.segments)
+    if (amx::tile_type(seg.type)) return true;
+  return false;
 }
 
 // What the kernels of w's segments read of the activations (see QuantizedRows).
@@ -341,7 +385,6 @@ ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
     needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     needs.biased = needs.biased || (vnni && seg.type == specdec_cpu::kQ8_0S);
     needs.per256 = needs.per256 || per256;
-    needs.sums16 = needs.sums16 || seg.type == specdec_cpu::kQ6_K;
   }
   return needs;
 }
@@ -349,7 +392,9 @@ ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
 void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, float* out) {
   const bool vnni = use_vnni();
   const QuantizedRows rows(x, M, K, needs_of(w, vnni));
-  if (vnni)
+  if (use_amx(M) && has_tile_segments(w))
+    amx::matmul(rows, w, epi, out);
+  else if (vnni)
     vnni::matmul(rows, w, epi, out);
   else
     avx2::matmul(rows, w, epi, out);

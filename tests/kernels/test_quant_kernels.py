@@ -1,6 +1,6 @@
 """The weight-only quantized CPU kernels against their numpy twins, on random GGML blocks of
-every format they read, under both instruction-set paths (AVX2, and AVX-512 VNNI where the
-CPU has it)."""
+every format they read, under every instruction-set path the CPU has (AVX2; AVX-512 VNNI; AMX
+tiles for Q4_K and Q6_K matmuls of 16 rows or more)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-ISAS = ["avx2"] + (["vnni"] if {"avx512_vnni", "avx512vl", "avx512bw"} <= _cpu_flags() else [])
+_VNNI = {"avx512_vnni", "avx512vl", "avx512bw"} <= _cpu_flags()
+#: SPECDEC_CPU_ISA values: "avx2" and "avx512" force those paths; "amx" (not a value the kernels
+#: know) leaves them the best the CPU has.
+ISAS = ["avx2"] + (["avx512"] if _VNNI else []) + (["amx"] if _VNNI and {"amx_tile", "amx_int8"} <= _cpu_flags() else [])
 
 #: Byte offsets of the half-precision scale fields in each block format (the rest of a block is
 #: any bytes at all: nibbles, 6-bit scales, int8 values).
@@ -124,8 +127,71 @@ def test_all_q4k_weight_matches_reference_and_mixed(ops, isa, cols, q4k_rows, q6
     np.testing.assert_array_equal(outputs["mixed"][:, q4k_rows:], outputs["q6k"])
 
 
+def _run_on(monkeypatch, isa, op, *args):
+    monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+    out = op(*args)
+    return [t.numpy() for t in out] if isinstance(out, (list, tuple)) else [out.numpy()]
+
+
+@pytest.mark.parametrize("type_names", [("Q4_K",), ("Q6_K",), ("Q4_K", "Q6_K")])
+@pytest.mark.parametrize("rows", [16, 37])
+def test_a_k_quant_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, type_names, rows):
+    """A Q4_K/Q6_K row's output depends on that row alone: not on the rows it shares a matmul
+    with (a prompt's prefill shares a step with other requests' decode rows) nor on the path
+    (AVX2, AVX-512 VNNI, AMX tiles from 16 rows), which all do the same integer sums and the
+    same float steps. With RMSNorm, gain, column scale and bias; 35 + 21 weight rows, so that
+    some fall outside whole 16-row panels."""
+    rng = np.random.default_rng(rows + len(type_names))
+    cols = 768
+    matrix = QuantizedMatrix.stacked([QuantizedMatrix(cols, (random_blocks(rng, name, count, cols),))
+                                      for name, count in zip(type_names, (35, 21))])
+    _, _, data_t, layout_t = tensors(matrix)
+    x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+    gain = paddle.to_tensor(rng.uniform(0.5, 1.5, cols).astype(np.float32))
+    n = sum(s.rows for s in matrix.segments)
+    epilogue = paddle.to_tensor(np.stack([rng.uniform(0.1, 1, n), rng.standard_normal(n)]).astype(np.float32))
+    run = lambda isa, rows_x: _run_on(monkeypatch, isa, ops.specdec_q_matmul, paddle.to_tensor(rows_x), gain, data_t,  # noqa: E731
+                                      layout_t, epilogue, 1e-5, True)[0]
+    together = run(ISAS[-1], x)
+    for isa in ISAS[:-1]:
+        np.testing.assert_array_equal(run(isa, x), together, err_msg=isa)
+    alone = np.concatenate([run(ISAS[-1], x[i:i + 1]) for i in range(rows)])
+    np.testing.assert_array_equal(alone, together)
+
+
+@pytest.mark.parametrize("rows", [5, 20])
+def test_a_k_quant_layer_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, rows):
+    """The same for q_layer_tail_qkv on a Q4_K_M-like layer (o, gate/up Q4_K; down Q6_K; qkv
+    Q4_K with Q6_K v): residual epilogues, SwiGLU and the next layer's projection."""
+    rng = np.random.default_rng(90 + rows)
+    hidden, inner = 512, 768
+    mats = [QuantizedMatrix(hidden, (random_blocks(rng, "Q4_K", hidden, hidden),)),
+            QuantizedMatrix(hidden, (random_blocks(rng, "Q4_K", 2 * inner, hidden),)),
+            QuantizedMatrix(inner, (random_blocks(rng, "Q6_K", hidden, inner),)),
+            QuantizedMatrix.stacked([QuantizedMatrix(hidden, (random_blocks(rng, "Q4_K", 96, hidden),)),
+                                     QuantizedMatrix(hidden, (random_blocks(rng, "Q6_K", 32, hidden),))])]
+    parts = [tensors(m) for m in mats]
+    gain, next_gain = (paddle.to_tensor(rng.uniform(0.5, 1.5, hidden).astype(np.float32)) for _ in range(2))
+    epilogue = paddle.to_tensor(np.stack([rng.uniform(0.1, 1, 128), rng.standard_normal(128)]).astype(np.float32))
+    attn = rng.standard_normal((rows, hidden)).astype(np.float32)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+
+    def run(isa, lo, hi):
+        return _run_on(monkeypatch, isa, ops.specdec_q_layer_tail_qkv, paddle.to_tensor(attn[lo:hi]),
+                       paddle.to_tensor(x[lo:hi]), parts[0][2], parts[0][3], gain, parts[1][2], parts[1][3],
+                       parts[2][2], parts[2][3], next_gain, parts[3][2], parts[3][3], epilogue, 1e-5)
+
+    together = run(ISAS[-1], 0, rows)
+    for isa in ISAS[:-1]:
+        for got, want in zip(run(isa, 0, rows), together):
+            np.testing.assert_array_equal(got, want, err_msg=isa)
+    alone = [run(ISAS[-1], i, i + 1) for i in range(rows)]
+    for k, want in enumerate(together):
+        np.testing.assert_array_equal(np.concatenate([a[k] for a in alone]), want)
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 6, 9])
+@pytest.mark.parametrize("rows", [1, 6, 9, 40])
 def test_long_rows_in_several_row_tiles_and_chunks(ops, isa, type_name, rows):
     """Rows of 4096 elements against 41 weight rows (three parallel chunks of up to 16), one to
     three tiles of activation rows, with the epilogue: every output written once, correctly."""
