@@ -10,6 +10,15 @@ its own (so that nothing of it reaches specdec's environment):
     python -m venv /tmp/llama-venv
     CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llama-venv/bin/pip install llama-cpp-python==0.3.36   # ~6 min
 
+On a CPU with AMX (Intel Xeon from the 4th generation), that native build of 0.3.36 crashed in
+our runs (a segmentation fault in ``ggml_backend_amx_mul_mat``, in a worker thread). Build it with
+every native feature but AMX instead (``--no-cache-dir``: pip would reuse the crashing wheel):
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+      -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
+      /tmp/llama-venv/bin/pip install --no-cache-dir llama-cpp-python==0.3.36
+
 Both engines get the same token ids: the code-edit prompts rendered with the model's chat
 template by specdec's tokenizer. Greedy decoding, at most ``--max-tokens`` new tokens, stop
 at EOS, batch 1. llama.cpp runs in a subprocess of ``--llama-python`` (after specdec, never at
