@@ -148,25 +148,84 @@ def unsplit_rows(type_name: str, data: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=2).reshape(rows, -1)
 
 
+#: The kernels' ids for Q4_0 / Q4_1 / Q8_0 rows interleaved in groups of 16 (:func:`interleave_rows`).
+INTERLEAVED_TYPE_IDS = {"Q4_0": 202, "Q4_1": 203, "Q8_0": 208}
+#: Rows in one interleaved group.
+GROUP_ROWS = 16
+
+
+def interleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
+    """Q4_0 / Q4_1 / Q8_0 rows ``[16 * groups, blocks * size]`` regrouped as the kernels read
+    them for several activation rows at once: per group of 16 rows and per block, the 16 rows'
+    quants 4 bytes at a time (bytes 4c..4c+3 of every row, then 4c+4.., so that a 64-byte vector
+    holds one row per 32-bit lane), then the 16 rows' d, then their m (Q4_1). The same bytes,
+    moved; returned as ``[16 * groups, blocks * size]`` (each group's 16 rows of bytes hold the
+    group)."""
+    size, quant, halves = _SPLIT_FIELDS[type_name]
+    rows = data.shape[0]
+    if rows % GROUP_ROWS:
+        raise ValueError(f"interleaved rows come in groups of {GROUP_ROWS}, got {rows}")
+    groups, count = rows // GROUP_ROWS, data.shape[1] // size
+    blocks = np.asarray(data).reshape(groups, GROUP_ROWS, count, size)
+    quants = blocks[..., size - quant:].reshape(groups, GROUP_ROWS, count, quant // 4, 4).transpose(0, 2, 3, 1, 4)
+    parts = [quants.reshape(groups, count, -1)]
+    parts += [blocks[..., a:b].transpose(0, 2, 1, 3).reshape(groups, count, -1) for a, b in halves]
+    return np.concatenate(parts, axis=2).reshape(rows, -1)
+
+
+def deinterleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`interleave_rows`."""
+    size, quant, halves = _SPLIT_FIELDS[type_name]
+    rows = data.shape[0]
+    groups, count = rows // GROUP_ROWS, data.shape[1] // size
+    grouped = np.asarray(data).reshape(groups, count, GROUP_ROWS * size)
+    out = np.empty((groups, GROUP_ROWS, count, size), np.uint8)
+    quants = grouped[..., :GROUP_ROWS * quant].reshape(groups, count, quant // 4, GROUP_ROWS, 4)
+    out[..., size - quant:] = quants.transpose(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, count, quant)
+    offset = GROUP_ROWS * quant
+    for a, b in halves:
+        field = grouped[..., offset:offset + GROUP_ROWS * (b - a)].reshape(groups, count, GROUP_ROWS, b - a)
+        out[..., a:b] = field.transpose(0, 2, 1, 3)
+        offset += GROUP_ROWS * (b - a)
+    return out.reshape(rows, -1)
+
+
+def kernel_parts(segment: Segment, cols: int) -> list[tuple[int, np.ndarray]]:
+    """``segment`` as the kernels store it: ``(kernel type id, rows of data)`` parts in row
+    order. Q4_0 / Q4_1 / Q8_0: whole groups of 16 rows interleaved (:func:`interleave_rows`),
+    the rows left over split (:func:`split_rows`; Q4 rows only when their length is a multiple
+    of 64); any other format as stored."""
+    data, name = np.asarray(segment.data), segment.type_name
+    if name not in INTERLEAVED_TYPE_IDS:
+        return [(TYPE_IDS[name], data)]
+    grouped = segment.rows // GROUP_ROWS * GROUP_ROWS
+    parts = [(INTERLEAVED_TYPE_IDS[name], interleave_rows(name, data[:grouped]))] if grouped else []
+    rest = data[grouped:]
+    if len(rest):
+        if name == "Q8_0" or cols % 64 == 0:
+            parts.append((SPLIT_TYPE_IDS[name], split_rows(name, rest)))
+        else:
+            parts.append((TYPE_IDS[name], rest))
+    return parts
+
+
 def packed_size(matrix: QuantizedMatrix) -> int:
     """Bytes of :func:`layout_array`'s data for ``matrix``."""
     return matrix.nbytes + SLACK_BYTES
 
 
 def layout_array(matrix: QuantizedMatrix, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(data, layout)`` for the kernels: every segment's rows back to back (uint8; Q8_0 rows
-    split, :func:`split_rows`, and Q4_0 / Q4_1 rows when their length is a multiple of 64; then
-    ``SLACK_BYTES`` zeros), and ``[segments, 4]`` int64 rows of (kernel type id, rows, byte
-    offset, bytes per row). ``out`` (``packed_size`` uint8s) receives the data if given."""
+    """``(data, layout)`` for the kernels: every segment's rows back to back, as
+    :func:`kernel_parts` stores them (uint8, then ``SLACK_BYTES`` zeros), and ``[parts, 4]``
+    int64 rows of (kernel type id, rows, byte offset, bytes per row). ``out``
+    (``packed_size`` uint8s) receives the data if given."""
     data_out = np.empty(packed_size(matrix), np.uint8) if out is None else out
     layout, offset = [], 0
     for segment in matrix.segments:
-        data, type_id = np.asarray(segment.data), TYPE_IDS[segment.type_name]
-        if segment.type_name in SPLIT_TYPE_IDS and (segment.type_name == "Q8_0" or matrix.cols % 64 == 0):
-            data, type_id = split_rows(segment.type_name, data), SPLIT_TYPE_IDS[segment.type_name]
-        layout.append((type_id, segment.rows, offset, data.shape[1]))
-        data_out[offset:offset + data.nbytes] = data.reshape(-1)
-        offset += data.nbytes
+        for type_id, data in kernel_parts(segment, matrix.cols):
+            layout.append((type_id, data.shape[0], offset, data.shape[1]))
+            data_out[offset:offset + data.nbytes] = data.reshape(-1)
+            offset += data.nbytes
     data_out[offset:] = 0
     return data_out, np.array(layout, dtype=np.int64)
 

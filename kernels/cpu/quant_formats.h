@@ -20,7 +20,15 @@ namespace specdec_cpu {
 // blocks, moved so that a row is [the quants of every block][every d][every m (Q4_1)], all in
 // block order. Two neighbouring Q4 blocks' nibbles (one Q8_0 block's int8s) then fill one
 // 32-byte vector and eight blocks' scales one vector: nothing is dequantized or rounded.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_0S = 102, kQ4_1S = 103, kQ8_0S = 108 };
+// And the same formats "interleaved" (kQ4_0I, kQ4_1I, kQ8_0I) in groups of 16 rows: per block
+// (Interleaved, below), the 16 rows' quants 4 bytes at a time, row after row, then their 16 d,
+// then their 16 m (Q4_1): a 64-byte vector holds 4 bytes of each of the 16 rows, one lane a row,
+// so that an int8 dot product against 4 activations (broadcast) advances 16 outputs at once.
+enum QType : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
+  kQ4_0S = 102, kQ4_1S = 103, kQ8_0S = 108,
+  kQ4_0I = 202, kQ4_1I = 203, kQ8_0I = 208,
+};
 
 struct SubBlock {
   __m256i q;
@@ -173,6 +181,36 @@ inline void dequantize_split_q8_row(const uint8_t* row, int64_t K, float* out) {
     for (int i = 0; i < 32; ++i) out[32 * b + i] = d * q[32 * b + i];
   }
 }
+
+// Interleaved groups of 16 rows (see QType): per block of 32 elements, kQuantBytes of quants
+// (chunk c of 64 bytes: bytes 4c..4c+3 of each row's block, row after row), 16 halves d, and
+// for Q4_1 16 halves m: kBlockBytes, 16 times the format's block. Q4 byte i holds element i
+// (low nibble) and element i + 16 (high nibble), as in ggml's blocks.
+template <int Type>
+struct Interleaved {
+  static constexpr bool kQ8 = Type == kQ8_0I, kHasMin = Type == kQ4_1I;
+  static constexpr int kQuantBytes = kQ8 ? 512 : 256;
+  static constexpr int kBlockBytes = kQuantBytes + (kHasMin ? 64 : 32);
+  // Row `lane` (0..15) of a group of K-element rows dequantized into out[0:K].
+  static inline void dequantize_row(const uint8_t* group, int lane, int64_t K, float* out) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* block = group + b * kBlockBytes;
+      const float d = half_at(block + kQuantBytes + 2 * lane);
+      const float m = kHasMin ? half_at(block + kQuantBytes + 32 + 2 * lane) : (kQ8 ? 0.f : -8.f * d);
+      float* o = out + 32 * b;
+      for (int c = 0; c < kQuantBytes / 64; ++c)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = block[64 * c + 4 * lane + i];
+          if (kQ8) {
+            o[4 * c + i] = d * static_cast<int8_t>(byte);
+          } else {
+            o[4 * c + i] = d * (byte & 0xF) + m;
+            o[16 + 4 * c + i] = d * (byte >> 4) + m;
+          }
+        }
+    }
+  }
+};
 
 // Calls fn(Format<T>{}) for the format of `type`; false if the type is not one of these.
 template <typename Fn>

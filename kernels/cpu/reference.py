@@ -108,6 +108,8 @@ def rms_matmul_swiglu(x: np.ndarray, gate_up_panels: np.ndarray, eps: float) -> 
 GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 #: The kernels' split layouts of Q4_0 / Q4_1 rows (specdec.model.quant.split_rows).
 SPLIT_TYPE_NAMES = {102: "Q4_0", 103: "Q4_1", 108: "Q8_0"}
+#: And their interleaved layouts (specdec.model.quant.interleave_rows).
+INTERLEAVED_TYPE_NAMES = {202: "Q4_0", 203: "Q4_1", 208: "Q8_0"}
 
 
 def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.ndarray:
@@ -116,7 +118,7 @@ def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.nda
     ``gguf`` package (llama.cpp's formats, independently of the kernels)."""
     import gguf
 
-    from specdec.model.quant import unsplit_rows
+    from specdec.model.quant import deinterleave_rows, unsplit_rows
 
     parts = []
     for type_id, rows, offset, row_bytes in layout.tolist():
@@ -124,6 +126,9 @@ def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.nda
         if type_id in SPLIT_TYPE_NAMES:
             blocks = unsplit_rows(SPLIT_TYPE_NAMES[type_id], blocks)
             type_id = {name: i for i, name in GGML_TYPE_NAMES.items()}[SPLIT_TYPE_NAMES[type_id]]
+        elif type_id in INTERLEAVED_TYPE_NAMES:
+            blocks = deinterleave_rows(INTERLEAVED_TYPE_NAMES[type_id], blocks)
+            type_id = {name: i for i, name in GGML_TYPE_NAMES.items()}[INTERLEAVED_TYPE_NAMES[type_id]]
         qtype = gguf.GGMLQuantizationType[GGML_TYPE_NAMES[type_id]]
         parts.append(gguf.quants.dequantize(blocks, qtype).reshape(rows, cols))
     return np.concatenate(parts).astype(np.float64)

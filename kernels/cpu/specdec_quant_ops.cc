@@ -30,6 +30,7 @@
 
 #include <cpuid.h>
 #include <immintrin.h>
+#include <malloc.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -42,6 +43,17 @@
 #include <vector>
 
 namespace {
+
+// A prompt's matmuls allocate megabytes (a [rows, 2 * inner] gate/up output, paddle's output
+// tensors). glibc serves such blocks with fresh mmaps and returns them at free, so every call
+// paid a page fault per 4 KiB touched (about 5 us each in a VM: 4 of a 6.6 ms 190-row matmul).
+// Blocks up to 32 MiB come from the heap instead, and the heap keeps up to 256 MiB it no longer
+// uses, so that the next call reuses the same pages. Set once, when the kernels load.
+const bool kHeapReuse = [] {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  return true;
+}();
 
 using specdec_cpu::Format;
 using specdec_cpu::half_at;
@@ -235,17 +247,22 @@ struct Epilogue {
   const float* residual = nullptr;  // [M, N], same layout as the output
 };
 
+bool is_interleaved(int type) {
+  return type == specdec_cpu::kQ4_0I || type == specdec_cpu::kQ4_1I || type == specdec_cpu::kQ8_0I;
+}
+
 int64_t block_elems(int type) {
   if (type == specdec_cpu::kQ4_0S || type == specdec_cpu::kQ4_1S || type == specdec_cpu::kQ8_0S) return 32;
+  if (is_interleaved(type)) return 32;
   int64_t elems = 0;
   with_format(type, [&](auto format) { elems = decltype(format)::kElems; });
   return elems;
 }
 
 int64_t block_bytes(int type) {
-  if (type == specdec_cpu::kQ4_0S) return 18;
-  if (type == specdec_cpu::kQ4_1S) return 20;
-  if (type == specdec_cpu::kQ8_0S) return 34;
+  if (type == specdec_cpu::kQ4_0S || type == specdec_cpu::kQ4_0I) return 18;
+  if (type == specdec_cpu::kQ4_1S || type == specdec_cpu::kQ4_1I) return 20;
+  if (type == specdec_cpu::kQ8_0S || type == specdec_cpu::kQ8_0I) return 34;
   int64_t bytes = 0;
   with_format(type, [&](auto format) { bytes = decltype(format)::kBytes; });
   return bytes;
@@ -261,6 +278,13 @@ void dequantize_row(const WeightSegment& seg, int64_t row, int64_t K, float* out
   if (seg.type == specdec_cpu::kQ4_0S) return specdec_cpu::SplitQ4<false>::dequantize_row(data, K, out);
   if (seg.type == specdec_cpu::kQ4_1S) return specdec_cpu::SplitQ4<true>::dequantize_row(data, K, out);
   if (seg.type == specdec_cpu::kQ8_0S) return specdec_cpu::dequantize_split_q8_row(data, K, out);
+  if (is_interleaved(seg.type)) {
+    const uint8_t* group = seg.data + row / 16 * 16 * seg.row_bytes;
+    const int lane = static_cast<int>(row % 16);
+    if (seg.type == specdec_cpu::kQ4_0I) return specdec_cpu::Interleaved<specdec_cpu::kQ4_0I>::dequantize_row(group, lane, K, out);
+    if (seg.type == specdec_cpu::kQ4_1I) return specdec_cpu::Interleaved<specdec_cpu::kQ4_1I>::dequantize_row(group, lane, K, out);
+    return specdec_cpu::Interleaved<specdec_cpu::kQ8_0I>::dequantize_row(group, lane, K, out);
+  }
   with_format(seg.type, [&](auto format) { specdec_cpu::dequantize_row<decltype(format)>(data, K, out); });
 }
 
@@ -279,6 +303,7 @@ QuantWeight parse_weight(const paddle::Tensor& data, const paddle::Tensor& layou
     PD_CHECK(elems > 0, what, ": unsupported block type ", type);
     PD_CHECK(type == specdec_cpu::kQ8_0S || !is_split(type) || K % 64 == 0, what,
              ": split Q4 rows need a multiple of 64 elements");
+    PD_CHECK(!is_interleaved(type) || count % 16 == 0, what, ": interleaved rows come in groups of 16");
     PD_CHECK(K % elems == 0 && row_bytes == K / elems * block_bytes(type), what, ": rows of type ", type,
              " do not hold ", K, " elements");
     // Split rows read up to 16 bytes past a row's scales (lanes then discarded): the data
@@ -383,7 +408,7 @@ ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
     const bool per256 = seg.type == specdec_cpu::kQ4_K || seg.type == specdec_cpu::kQ6_K;
     needs.per32 = needs.per32 || !per256;
     needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
-    needs.biased = needs.biased || (vnni && seg.type == specdec_cpu::kQ8_0S);
+    needs.biased = needs.biased || (vnni && (seg.type == specdec_cpu::kQ8_0S || seg.type == specdec_cpu::kQ8_0I));
     needs.per256 = needs.per256 || per256;
   }
   return needs;

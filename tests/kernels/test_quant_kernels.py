@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from specdec.kernels.cpu import reference
-from specdec.model.quant import (BLOCK_FORMATS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment, layout_array,
-                                 quantize, split_rows, unsplit_rows)
+from specdec.model.quant import (BLOCK_FORMATS, INTERLEAVED_TYPE_IDS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix,
+                                 Segment, deinterleave_rows, interleave_rows, layout_array, quantize, split_rows,
+                                 unsplit_rows)
 
 paddle = pytest.importorskip("paddle")
 
@@ -66,8 +67,8 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * scale)
 
 
-#: Q8_0 rows, and Q4_0 / Q4_1 rows whose length is a multiple of 64, run split (layout_array);
-#: Q4 rows of 160 and 96 do not.
+#: 19 weight rows: for Q4_0 / Q4_1 / Q8_0, a group of 16 interleaved and 3 rows split (Q8_0, and
+#: Q4 rows whose length is a multiple of 64; Q4 rows of 160 and 96 stay as stored: layout_array).
 @pytest.mark.parametrize("type_name,cols", [("Q8_0", 96), ("Q4_0", 160), ("Q4_0", 128), ("Q4_1", 96),
                                             ("Q4_1", 576), ("Q4_K", 256), ("Q4_K", 768), ("Q6_K", 512)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 37])
@@ -133,14 +134,14 @@ def _run_on(monkeypatch, isa, op, *args):
     return [t.numpy() for t in out] if isinstance(out, (list, tuple)) else [out.numpy()]
 
 
-@pytest.mark.parametrize("type_names", [("Q4_K",), ("Q6_K",), ("Q4_K", "Q6_K")])
+@pytest.mark.parametrize("type_names", [("Q4_K",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q4_1",), ("Q4_0", "Q8_0")])
 @pytest.mark.parametrize("rows", [16, 37])
-def test_a_k_quant_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, type_names, rows):
-    """A Q4_K/Q6_K row's output depends on that row alone: not on the rows it shares a matmul
-    with (a prompt's prefill shares a step with other requests' decode rows) nor on the path
-    (AVX2, AVX-512 VNNI, AMX tiles from 16 rows), which all do the same integer sums and the
-    same float steps. With RMSNorm, gain, column scale and bias; 35 + 21 weight rows, so that
-    some fall outside whole 16-row panels."""
+def test_a_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, type_names, rows):
+    """A row's output depends on that row alone: not on the rows it shares a matmul with (a
+    prompt's prefill shares a step with other requests' decode rows) nor on the path (AVX2,
+    AVX-512 VNNI, AMX tiles from 16 rows for Q4_K/Q6_K), which all do the same integer sums and
+    the same float steps. With RMSNorm, gain, column scale and bias; 35 + 21 weight rows, so that
+    some fall outside whole 16-row panels (K-quants) and groups (Q4_0, Q4_1, Q8_0: split)."""
     rng = np.random.default_rng(rows + len(type_names))
     cols = 768
     matrix = QuantizedMatrix.stacked([QuantizedMatrix(cols, (random_blocks(rng, name, count, cols),))
@@ -255,10 +256,11 @@ def test_q_layer_tail_qkv_matches_reference(ops, isa, rows):
 @pytest.mark.parametrize("type_name,cols", [("Q8_0", 64), ("Q4_0", 64), ("Q4_1", 96), ("Q4_K", 256),
                                             ("Q6_K", 256)])
 def test_q_embedding_matches_gguf_dequantize(ops, type_name, cols):
+    """Rows from whole groups of 16 (interleaved, for Q4_0 / Q4_1 / Q8_0) and from the rest."""
     rng = np.random.default_rng(cols)
-    matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 11, cols),))
+    matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 37, cols),))
     data, layout, data_t, layout_t = tensors(matrix)
-    ids = np.array([3, 0, 10, 3], dtype=np.int64)
+    ids = np.array([3, 0, 36, 17, 31, 3], dtype=np.int64)
     got = ops.specdec_q_embedding(paddle.to_tensor(ids), data_t, layout_t, cols).numpy()
     np.testing.assert_allclose(got, reference.q_embedding(ids, data, layout, cols), rtol=1e-6, atol=1e-7)
 
@@ -273,6 +275,28 @@ def test_split_rows_move_bytes_only(type_name):
     np.testing.assert_array_equal(unsplit_rows(type_name, split), segment.data)
     data, layout = layout_array(QuantizedMatrix(192, (segment,)))
     assert layout[0, 0] == SPLIT_TYPE_IDS[type_name] and len(data) == segment.data.nbytes + SLACK_BYTES
+
+
+@pytest.mark.parametrize("type_name,cols", [("Q4_0", 192), ("Q4_1", 96), ("Q8_0", 64)])
+def test_interleaved_rows_move_bytes_only(type_name, cols):
+    """Whole groups of 16 rows interleave; the 5 rows left over are split (or, for Q4 rows of a
+    length that is not a multiple of 64, stay as stored)."""
+    rng = np.random.default_rng(4)
+    segment = random_blocks(rng, type_name, 37, cols)
+    grouped = interleave_rows(type_name, segment.data[:32])
+    assert grouped.shape == (32, segment.data.shape[1])
+    assert sorted(grouped.reshape(-1).tolist()) == sorted(segment.data[:32].reshape(-1).tolist())
+    np.testing.assert_array_equal(deinterleave_rows(type_name, grouped), segment.data[:32])
+    # Lane r of the first 64 bytes is row r's first 4 quant bytes.
+    quant_start = BLOCK_FORMATS[type_name][2] - (32 if type_name == "Q8_0" else 16)
+    np.testing.assert_array_equal(grouped.reshape(-1)[:64].reshape(16, 4),
+                                  segment.data[:16, quant_start:quant_start + 4])
+    data, layout = layout_array(QuantizedMatrix(cols, (segment,)))
+    rest = SPLIT_TYPE_IDS[type_name] if type_name == "Q8_0" or cols % 64 == 0 else BLOCK_FORMATS[type_name][0]
+    assert layout[:, :2].tolist() == [[INTERLEAVED_TYPE_IDS[type_name], 32], [rest, 5]]
+    np.testing.assert_array_equal(data[:grouped.nbytes], grouped.reshape(-1))
+    with pytest.raises(ValueError, match="groups of 16"):
+        interleave_rows(type_name, segment.data[:20])
 
 
 def test_q_matmul_rejects_mismatched_rows(ops):

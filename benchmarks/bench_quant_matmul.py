@@ -1,0 +1,98 @@
+"""One quantized matmul at a time: the interleaved layout of Q4_0 / Q4_1 / Q8_0 rows against the
+split one, on the default model's shapes, for decode, verify and prefill row counts.
+
+    python benchmarks/bench_quant_matmul.py [--rows 1,6,16,190] [--repeats 20]
+
+Each matrix is random blocks of the format (the kernels' speed does not depend on the values)
+in the shape the default model's layers use (SmolLM2-135M: hidden 576, inner 1536, vocab 49152;
+``--shapes`` for others), built once in each layout: ``interleaved`` (groups of 16 rows, what
+``layout_array`` stores) and ``split`` (every row split, what it stored before the groups). The
+table gives the best of ``--repeats`` calls of ``specdec_q_matmul`` (the weights stay in the
+caches between calls: this times the arithmetic, not the memory) and the multiply-adds per
+second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from specdec.model.quant import (BLOCK_FORMATS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment, layout_array,
+                                 split_rows)
+
+#: name: (format, rows N, columns K) of the default model's matrices.
+DEFAULT_SHAPES = {"qkv": ("Q4_1", 960, 576), "o": ("Q4_1", 576, 576), "gate_up": ("Q4_1", 3072, 576),
+                  "down": ("Q4_1", 576, 1536), "lm_head": ("Q8_0", 49152, 576)}
+
+
+def random_matrix(rng, type_name: str, rows: int, cols: int) -> QuantizedMatrix:
+    """Random blocks with finite, small half-precision scales (d, and Q4_1's m)."""
+    _, elems, size = BLOCK_FORMATS[type_name]
+    blocks = rng.integers(0, 256, size=(rows, cols // elems, size), dtype=np.uint8)
+    halves = 2 if type_name == "Q4_1" else 1
+    scales = rng.uniform(0.002, 0.05, size=(rows, cols // elems, halves)).astype(np.float16)
+    blocks[:, :, :2 * halves] = scales.view(np.uint8).reshape(rows, cols // elems, 2 * halves)
+    return QuantizedMatrix(cols, (Segment(type_name, blocks.reshape(rows, -1)),))
+
+
+def split_layout(matrix: QuantizedMatrix) -> tuple[np.ndarray, np.ndarray]:
+    """Every row split (no groups): the layout the kernels read before the interleaved groups."""
+    [segment] = matrix.segments
+    data = split_rows(segment.type_name, np.asarray(segment.data))
+    packed = np.zeros(data.nbytes + SLACK_BYTES, np.uint8)
+    packed[:data.nbytes] = data.reshape(-1)
+    layout = np.array([[SPLIT_TYPE_IDS[segment.type_name], segment.rows, 0, data.shape[1]]], np.int64)
+    return packed, layout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,6,16,190", help="activation rows per matmul")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--shapes", default=None, metavar="NAME=FORMAT:N:K,...",
+                        help="matrices to time instead of the default model's")
+    args = parser.parse_args()
+
+    import paddle
+
+    from specdec.kernels.cpu import load_cpu_ops
+
+    ops = load_cpu_ops()
+    shapes = DEFAULT_SHAPES
+    if args.shapes:
+        shapes = {}
+        for item in args.shapes.split(","):
+            name, spec = item.split("=")
+            type_name, rows, cols = spec.split(":")
+            shapes[name] = (type_name, int(rows), int(cols))
+    rng = np.random.default_rng(0)
+    none = paddle.empty([0], dtype="float32")
+    print(f"{'matrix':<10}{'format':>7}{'N x K':>13}{'rows':>6}{'split ms':>10}{'interleaved ms':>16}"
+          f"{'speedup':>9}{'GMAC/s':>8}")
+    for name, (type_name, n, k) in shapes.items():
+        matrix = random_matrix(rng, type_name, n, k)
+        layouts = {"split": split_layout(matrix), "interleaved": layout_array(matrix)}
+        tensors = {key: (paddle.to_tensor(data), paddle.to_tensor(layout)) for key, (data, layout) in layouts.items()}
+        for m in (int(r) for r in args.rows.split(",")):
+            x = paddle.to_tensor(rng.standard_normal((m, k)).astype(np.float32))
+            best = {}
+            outputs = {}
+            for key, (data, layout) in tensors.items():
+                outputs[key] = ops.specdec_q_matmul(x, none, data, layout, none, 1e-5, False).numpy()
+                best[key] = float("inf")
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    ops.specdec_q_matmul(x, none, data, layout, none, 1e-5, False)
+                    best[key] = min(best[key], time.perf_counter() - start)
+            # Both layouts compute the same products (in another float order).
+            np.testing.assert_allclose(outputs["interleaved"], outputs["split"], rtol=1e-3,
+                                       atol=1e-3 * np.abs(outputs["split"]).max())
+            print(f"{name:<10}{type_name:>7}{f'{n} x {k}':>13}{m:>6}{best['split'] * 1e3:>10.3f}"
+                  f"{best['interleaved'] * 1e3:>16.3f}{best['split'] / best['interleaved']:>8.2f}x"
+                  f"{n * k * m / best['interleaved'] / 1e9:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
