@@ -21,10 +21,11 @@ every native feature but AMX instead (``--no-cache-dir``: pip would reuse the cr
 
 Both engines get the same token ids: the code-edit prompts rendered with the model's chat
 template by specdec's tokenizer. Greedy decoding, at most ``--max-tokens`` new tokens, stop
-at EOS, batch 1. llama.cpp runs in a subprocess of ``--llama-python`` (after specdec, never at
-the same time), with ``--threads`` threads; its rows are plain decoding and its prompt-lookup
-decoding (``LlamaPromptLookupDecoding``, 5 tokens). Each engine's KV cache is emptied
-before every prompt, so every request pays its prefill.
+at EOS, batch 1. llama.cpp runs in a subprocess of ``--llama-python`` (one request at a time,
+never beside specdec), with ``--threads`` threads; its rows are plain decoding and its
+prompt-lookup decoding (``LlamaPromptLookupDecoding``, 5 tokens). The engines take turns prompt
+by prompt (a shared machine's slow spells then hit them alike). Each engine's KV cache is
+emptied before every prompt, so every request pays its prefill.
 
 Columns: prefill tok/s (prompt tokens / time to the first token), decode tok/s (tokens after
 the first / the time they took), end-to-end tok/s (new tokens / the whole request), ms per
@@ -49,21 +50,25 @@ import specdec
 from specdec.metrics import SpecMetrics
 from specdec.workloads import code_edit_prompts
 
-#: Runs in the llama.cpp venv: reads {"model", "threads", "prompts": [[ids]], "max_tokens",
-#: "eos": [ids], "lookup": bool} on stdin, prints one JSON line per prompt.
-LLAMA_SCRIPT = r'''
+#: Runs in the llama.cpp venv, for the whole run: reads {"model", "threads"} as its first line,
+#: loads the model twice (plain, and with prompt-lookup drafts), prints "ready", then answers
+#: each line {"ids": [...], "max_tokens", "eos": [ids], "lookup": bool} with one JSON line.
+LLAMA_SCRIPT = r"""
 import json, sys, time
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-job = json.loads(sys.stdin.read())
-draft = LlamaPromptLookupDecoding(num_pred_tokens=5) if job["lookup"] else None
-llm = Llama(model_path=job["model"], n_threads=job["threads"], n_threads_batch=job["threads"], n_ctx=4096,
-            n_batch=512, verbose=False, draft_model=draft)
-eos = set(job["eos"])
-def run(ids):
+setup = json.loads(sys.stdin.readline())
+engines = {lookup: Llama(model_path=setup["model"], n_threads=setup["threads"], n_threads_batch=setup["threads"],
+                         n_ctx=4096, n_batch=512, verbose=False,
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=5) if lookup else None)
+           for lookup in (False, True)}
+print("ready", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    llm, eos = engines[job["lookup"]], set(job["eos"])
     llm.reset()
     start = time.perf_counter(); first = None; out = []
-    for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+    for token in llm.generate(job["ids"], top_k=1, temp=0.0, reset=True):
         if first is None:
             first = time.perf_counter()
         if token in eos:
@@ -71,13 +76,10 @@ def run(ids):
         out.append(token)
         if len(out) >= job["max_tokens"]:
             break
-    return start, first, time.perf_counter(), out
-run(job["prompts"][0])  # warm-up
-for ids in job["prompts"]:
-    start, first, end, out = run(ids)
-    print(json.dumps({"prompt_tokens": len(ids), "tokens": len(out), "first_s": first - start, "total_s": end - start,
-                      "ids": out}), flush=True)
-'''
+    end = time.perf_counter()
+    print(json.dumps({"prompt_tokens": len(job["ids"]), "tokens": len(out), "first_s": first - start,
+                      "total_s": end - start, "ids": out}), flush=True)
+"""
 
 
 #: The model's stop ids (filled in by main).
@@ -101,14 +103,30 @@ def measure_bandwidth(threads: int = 2, size: int = 1 << 30) -> float:
     return best
 
 
-def run_llamacpp(python: str, model_path: str, threads: int, prompts: list[list[int]], max_tokens: int,
-                 eos: list[int], lookup: bool) -> list[dict]:
-    job = {"model": model_path, "threads": threads, "prompts": prompts, "max_tokens": max_tokens, "eos": eos,
-           "lookup": lookup}
-    done = subprocess.run([python, "-c", LLAMA_SCRIPT], input=json.dumps(job), capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"llama.cpp run failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+class LlamaCpp:
+    """llama.cpp in a subprocess of ``python`` (its own venv), the model loaded once; one
+    request at a time, so that it never runs beside specdec."""
+
+    def __init__(self, python: str, model_path: str, threads: int):
+        self.process = subprocess.Popen([python, "-c", LLAMA_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+        self.process.stdin.write(json.dumps({"model": model_path, "threads": threads}) + "\n")
+        self.process.stdin.flush()
+        if self.process.stdout.readline().strip() != "ready":
+            sys.exit(f"llama.cpp failed to load {model_path} (exit {self.process.wait()})")
+
+    def generate(self, ids: list[int], max_tokens: int, eos: list[int], lookup: bool) -> dict:
+        job = {"ids": ids, "max_tokens": max_tokens, "eos": eos, "lookup": lookup}
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            sys.exit(f"llama.cpp run failed (exit {self.process.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
 
 
 def agreement(runs: list[list[int]], reference: list[list[int]]) -> float:
@@ -144,7 +162,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="gguf")
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts, engines taking turns")
+    parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     args = parser.parse_args()
 
     from specdec.model.resolve import resolve_model_path
@@ -166,26 +184,41 @@ def main() -> None:
         llm.generate([prompts[0]], specdec.SamplingParams(max_tokens=16))
     eos = sorted(llm.engine.eos_token_ids)
     STOP_IDS.update(eos)
+    llama = LlamaCpp(args.llama_python, model_path, args.threads)
+    for lookup in (False, True):  # warm-up
+        llama.generate(prompts[0], 16, eos, lookup)
     engines = [f"specdec {name}" for name in names] + ["llama.cpp plain", "llama.cpp prompt lookup (5)"]
     results = {engine: [] for engine in engines}
     steps = dict.fromkeys(engines, 0)
-    # Passes alternate between the engines, so that this machine's slow spells hit them alike.
+
+    def run_specdec(name: str, ids: list[int]) -> None:
+        llm.set_speculative_config(configs[name])
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        [out] = llm.generate([ids], sampling)
+        total = time.perf_counter() - start
+        results[f"specdec {name}"].append({"prompt_tokens": len(ids), "tokens": out.num_generated_tokens,
+                                           "first_s": out.first_token_s, "total_s": total, "ids": out.token_ids})
+        steps[f"specdec {name}"] += SpecMetrics.total([out.metrics]).num_steps - 1  # 1st: prefill
+
+    def run_llama(engine: str, ids: list[int]) -> None:
+        done = llama.generate(ids, args.max_tokens, eos, lookup=engine == engines[-1])
+        results[engine].append(done)
+        steps[engine] += done["tokens"] - 1  # plain: a step a token (lookup: shown per token)
+
+    # The engines take turns prompt by prompt, each prompt starting with the next engine, so that
+    # this machine's slow spells (it shares its cores) hit them alike.
+    turn = 0
     for _ in range(args.repeats):
-        for name in names:
-            llm.set_speculative_config(configs[name])
-            for ids in prompts:
-                llm.reset_prefix_cache()
-                start = time.perf_counter()
-                [out] = llm.generate([ids], sampling)
-                total = time.perf_counter() - start
-                results[f"specdec {name}"].append({"prompt_tokens": len(ids), "tokens": out.num_generated_tokens,
-                                                   "first_s": out.first_token_s, "total_s": total,
-                                                   "ids": out.token_ids})
-                steps[f"specdec {name}"] += SpecMetrics.total([out.metrics]).num_steps - 1  # 1st: prefill
-        for lookup, engine in ((False, engines[-2]), (True, engines[-1])):
-            done = run_llamacpp(args.llama_python, model_path, args.threads, prompts, args.max_tokens, eos, lookup)
-            results[engine].extend(done)
-            steps[engine] += sum(r["tokens"] - 1 for r in done)  # plain: a step a token (lookup: shown per token)
+        for ids in prompts:
+            for i in range(len(engines)):
+                engine = engines[(turn + i) % len(engines)]
+                if engine.startswith("specdec "):
+                    run_specdec(engine.removeprefix("specdec "), ids)
+                else:
+                    run_llama(engine, ids)
+            turn += 1
+    llama.close()
     reference = [r["ids"] for r in results[engines[0]]]
     rows = [{**row(engine, results[engine], steps[engine], weight_bytes, bandwidth),
              "ids": [r["ids"] for r in results[engine]]} for engine in engines]
