@@ -1,14 +1,15 @@
 // Weight-only quantized CPU kernels, as paddle custom operators: the matmuls compute on GGML
-// blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quant_formats.h; Q4_0 and Q4_1 with each
-// row's bytes regrouped, "split"), never on a dequantized copy.
+// blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quant_formats.h; Q4_0, Q4_1 and Q8_0 with
+// their bytes regrouped: "interleaved" in groups of 16 rows, the rows left over "split"),
+// never on a dequantized copy.
 //
 // Activations are quantized to int8 per 32 elements (scale = max|x| / 127, round to nearest
 // even), per 256 for Q4_K and Q6_K, as llama.cpp does, and each weight sub-block is multiplied with
 // integer dot products:
 // AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it, and for Q4_K and
 // Q6_K matmuls of 16 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
-// time; SPECDEC_CPU_ISA=avx2 or avx512 forces the lesser paths). Every path computes a Q4_K or
-// Q6_K row's output bit for bit the same (quant_matmul.inc). reference.py holds the numpy twins.
+// time; SPECDEC_CPU_ISA=avx2 or avx512 forces the lesser paths). Every path computes a row's
+// output bit for bit the same (quant_matmul.inc). reference.py holds the numpy twins.
 //
 // A quantized weight [N, K] is a uint8 tensor holding its rows back to back and an int64
 // layout [S, 4]: segments of rows (type, rows, byte offset, bytes per row), so that q, k and v
@@ -169,11 +170,22 @@ struct QuantizedRows {
   void sum_sixteens();
 };
 
+// fn(m) for every activation row m: on the work pool for a prompt's rows, inline for a decode
+// or verify step's few (where waking the pool would cost more than the work).
+template <typename Fn>
+void for_each_row(int64_t M, Fn&& fn) {
+  if (M < 16) {
+    for (int64_t m = 0; m < M; ++m) fn(m);
+    return;
+  }
+  WorkPool::get().parallel_for(M, [&](int64_t m) { fn(m); });
+}
+
 void QuantizedRows::quantize_per_32(const float* x) {
   q_store.resize(M * K);
   d_store.assign(M * ld, 0.f);
   sum_store.assign(M * ld, 0.f);
-  for (int64_t m = 0; m < M; ++m)
+  for_each_row(M, [&](int64_t m) {
     for (int64_t j = 0; j < blocks; ++j) {
       const float* in = x + m * K + j * 32;
       const float scale = abs_max(in, 32) / 127.f;
@@ -181,6 +193,7 @@ void QuantizedRows::quantize_per_32(const float* x) {
       d_store[m * ld + j] = scale;
       sum_store[m * ld + j] = scale * static_cast<float>(total);
     }
+  });
   q = q_store.data();
   d = d_store.data();
   sum = sum_store.data();
@@ -209,13 +222,14 @@ void QuantizedRows::bias() {
 void QuantizedRows::quantize_per_256(const float* x) {
   q256_store.resize(M * K);
   d256t_store.assign((K / 256) * ldt, 0.f);
-  for (int64_t m = 0; m < M; ++m)
+  for_each_row(M, [&](int64_t m) {
     for (int64_t b = 0; b < K / 256; ++b) {
       const float* in = x + m * K + 256 * b;
       const float scale = abs_max(in, 256) / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
       for (int j = 0; j < 8; ++j) quantize32(in + 32 * j, inverse, q256_store.data() + m * K + 256 * b + 32 * j);
       d256t_store[b * ldt + m] = scale;
     }
+  });
   q256 = q256_store.data();
   d256t = d256t_store.data();
 }
@@ -428,13 +442,13 @@ void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Ep
 // rms_norm(x) * gain, row by row.
 std::vector<float> normalized(const float* x, int64_t M, int64_t K, const float* gain, float eps) {
   std::vector<float> h(M * K);
-  for (int64_t m = 0; m < M; ++m) {
+  for_each_row(M, [&](int64_t m) {
     const float* row = x + m * K;
     double squares = 0;
     for (int64_t k = 0; k < K; ++k) squares += static_cast<double>(row[k]) * row[k];
     const float scale = 1.0f / std::sqrt(static_cast<float>(squares / K) + eps);
     for (int64_t k = 0; k < K; ++k) h[m * K + k] = row[k] * scale * (gain ? gain[k] : 1.f);
-  }
+  });
   return h;
 }
 
@@ -472,12 +486,12 @@ void layer_tail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddl
   std::vector<float> both(M * 2 * I);
   matmul(h.data(), M, H, gate_up, Epilogue{}, both.data());
   std::vector<float> act(M * I);
-  for (int64_t m = 0; m < M; ++m) {
+  for_each_row(M, [&](int64_t m) {
     const float* g = both.data() + m * 2 * I;
     float* a = act.data() + m * I;
     for (int64_t i = 0; i < I; i += 8)
       _mm256_storeu_ps(a + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(g + I + i)));
-  }
+  });
   residual.residual = x1.data();
   matmul(act.data(), M, I, down, residual, out);
 }
