@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 import attrs
 import numpy as np
 
+from specdec.kernels.cpu import release_free_heap
+
 from ..config import MAX_SPECULATIVE_TOKENS, EngineConfig, SpeculativeConfig
 from ..errors import RequestError, SpecdecError
 from ..plugin_kinds import SPECULATIVE_KINDS
@@ -253,6 +255,7 @@ class Engine:
             tensor_parallel, watchdog, environment = self._start_tensor_parallel(config)
         try:
             built = build_model(config, self.plugins, progress, tensor_parallel=tensor_parallel)
+            release_free_heap()  # the loader's temporaries, freed by now
             if tensor_parallel is not None:
                 from .tensor_parallel import init_process_group
 

@@ -148,6 +148,8 @@ def worker_loop(config) -> None:
     from ..errors import require_paddle
     from ..model.tensor_parallel import CollectiveGroup
     from ..plugin_manager import get_plugins
+    from specdec.kernels.cpu import release_free_heap
+
     from .engine import build_model
 
     paddle = require_paddle()
@@ -155,6 +157,7 @@ def worker_loop(config) -> None:
     use_rank_device(paddle)
     group = CollectiveGroup(paddle, rank, world_size)
     built = build_model(config, get_plugins(), progress=False, tensor_parallel=(group, rank, world_size))
+    release_free_heap()  # the loader's temporaries, freed by now
     init_process_group(paddle)
     model = built.model
     while True:
