@@ -259,10 +259,10 @@ struct QuantWeight {
 // (a multiple of 16 rows: interleaved segments are computed in whole groups of 16), two to eight
 // per thread. Long runs stream contiguous memory (what the prefetchers follow best) and keep the
 // claims on the shared counter few; more than one per thread lets a thread that runs faster
-// take the work of one that runs slower. On the 2-vCPU VM (steal time 9-15%), 256 KB items
-// against two per thread took a Qwen2.5-Coder-1.5B 6-row forward from 168.8 to 159.8 ms and a
-// 1-row one from 97.8 to 92.4 (medians of 40-50, taking turns in one process); the default
-// model's matrices (at most 1.1 MB but the LM head) keep two per thread.
+// take the work of one that runs slower. On the 2-vCPU VM (steal time 9-15%), against two per
+// thread, medians of 50 forwards taking turns in one process: a Qwen2.5-Coder-1.5B 6-row
+// forward 230.4 to 200.4 ms, a 1-row one 95.1 to 90.2; the default model's within noise (its
+// matrices, at most 1.1 MB but the LM head, keep two per thread).
 constexpr int64_t kItemBytes = 256 * 1024;
 
 int64_t rows_per_item(const QuantWeight& w, int64_t threads) {
