@@ -257,7 +257,7 @@ struct QuantWeight {
 
 // Weight rows per work item of a matmul's parallel loop: runs of about kItemBytes of weights
 // (a multiple of 16 rows: interleaved segments are computed in whole groups of 16), two to eight
-// per thread. Long runs stream contiguous memory (what the prefetchers follow best) and keep the
+// per thread (a few more where rounding down to 16 rows, or a segment's end, cuts an extra one). Long runs stream contiguous memory (what the prefetchers follow best) and keep the
 // claims on the shared counter few; more than one per thread lets a thread that runs faster
 // take the work of one that runs slower. On the 2-vCPU VM (steal time 9-15%), against two per
 // thread, medians of 50 forwards taking turns in one process: a Qwen2.5-Coder-1.5B 6-row
