@@ -1,5 +1,5 @@
-"""The ``specdec`` command line: ``generate``, ``serve``, ``demo``, ``train-mtp``, ``cluster``
-and ``plugins``.
+"""The ``specdec`` command line: ``generate``, ``serve``, ``demo``, ``cluster`` and ``plugins``,
+plus the commands plugins add (``train-mtp``, the mtp plugin's).
 
 Bad input of any kind ends with one line on stderr (``error: ...``) and exit code 2; ``--debug``
 shows the traceback instead, and logs what the engine chose (kernels, attention backend, weights).
@@ -77,6 +77,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .plugin_manager import get_plugins, register_commands
     from .plugins_cli import add_plugins_subcommand
 
     parser = ArgumentParser(prog="specdec", description="Speculative decoding for Llama-family models.")
@@ -128,19 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.set_defaults(func=run_demo)
 
-    train = sub.add_parser("train-mtp", help="train an MTP head for a target model on local text (CPU)")
-    train.add_argument("--model", default=None, help="the target model (default: the default model)")
-    train.add_argument("--corpus", nargs="+", required=True,
-                       help="text files, and/or .jsonl files of prompts the target answers (one per line)")
-    train.add_argument("--output", required=True, help="directory for head.safetensors, checkpoints and the report")
-    for flag, kind, default, text in TRAIN_FLAGS:
-        train.add_argument(flag, type=kind, default=default, help=text)
-    train.add_argument("--resume", action="store_true", help="continue from the checkpoint and data in --output")
-    train.add_argument("--init", default=None, help="start from this head (weights and draft vocabulary), "
-                                                      "e.g. to train more substeps of a trained head")
-    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
-    train.set_defaults(func=run_train_mtp)
-
     cluster = sub.add_parser("cluster", help="a cluster of serve instances (docs/deployment.md)")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, parser_class=ArgumentParser)
     status = cluster_sub.add_parser("status", help="the instances of a cluster, their roles and load")
@@ -149,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=run_cluster_status)
 
     add_plugins_subcommand(sub)
+    register_commands(get_plugins(), sub)  # the plugins' own commands (train-mtp is the mtp plugin's)
     return parser
 
 
@@ -166,54 +155,6 @@ def _add_cluster_flags(serve: argparse.ArgumentParser) -> None:
                             "address when --host is 0.0.0.0)")
     group.add_argument("--kv-transfer-port", type=int, default=0, metavar="PORT",
                        help="a decode instance's port for KV hand-offs (default 0: any free port)")
-
-
-#: ``specdec train-mtp``'s numeric flags: (flag, type, default, help).
-TRAIN_FLAGS = (
-    ("--max-tokens", int, 256, "response tokens per prompt when the target answers the corpus's prompts"),
-    ("--window", int, 512, "tokens per window when reading text files"),
-    ("--collect-batch", int, 32, "requests at once while collecting"),
-    ("--draft-vocab-size", int, 8192, "the head drafts among this many most frequent tokens"),
-    ("--seq-len", int, 256, "training sequence length"),
-    ("--batch-size", int, 8, "sequences per training step"),
-    ("--learning-rate", float, 1e-3, "peak learning rate (AdamW, warm-up then cosine)"),
-    ("--max-steps", int, 2000, "training steps"),
-    ("--max-minutes", float, 30.0, "stop training after this many minutes"),
-    ("--checkpoint-every", int, 100, "steps between checkpoints"),
-    ("--held-out", float, 0.05, "share of sequences kept out of training for the accuracy report"),
-    ("--report-prompts", int, 8, "prompts kept out to measure acceptance with the engine at the end"),
-    ("--seed", int, 0, "seed of the split, the batches and the initial weights"),
-    ("--num-model-steps", int, 1, "substeps trained, chained as the mtp proposer runs them (1 to 8)"),
-)
-
-
-def run_train_mtp(args) -> int:
-    from .model.resolve import DEFAULT_MODEL
-    from .plugins.mtp.train import TrainOptions, train_mtp
-
-    for flag, kind, _, _ in TRAIN_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if flag == "--held-out" and not 0 <= value < 1:
-            raise SpecdecError(f"{flag}: must be in [0, 1), got {value}")
-        if kind is float and flag != "--held-out" and not value > 0:
-            raise SpecdecError(f"{flag}: must be > 0, got {value}")
-        low = 0 if flag in ("--report-prompts", "--seed", "--max-steps") else 1
-        if kind is int and value < low:
-            raise SpecdecError(f"{flag}: must be >= {low}, got {value}")
-    if args.num_model_steps > 8:
-        raise SpecdecError(f"--num-model-steps: must be between 1 and 8, got {args.num_model_steps}")
-    if args.init is not None and not Path(args.init).exists():
-        raise SpecdecError(f"--init: no such file: {args.init}")
-    options = TrainOptions(output=Path(args.output), draft_vocab_size=args.draft_vocab_size, seq_len=args.seq_len,
-                           batch_size=args.batch_size, learning_rate=args.learning_rate, max_steps=args.max_steps,
-                           max_minutes=args.max_minutes, checkpoint_every=args.checkpoint_every,
-                           held_out=args.held_out, seed=args.seed, resume=args.resume,
-                           num_model_steps=args.num_model_steps, init=None if args.init is None else Path(args.init))
-    report = train_mtp(args.model or DEFAULT_MODEL, args.corpus, options, max_tokens=args.max_tokens,
-                       window=args.window, collect_batch=args.collect_batch, report_prompts=args.report_prompts,
-                       progress=args.progress)
-    print(json.dumps(report, indent=2))
-    return 0
 
 
 # -- shared helpers --------------------------------------------------------------------------

@@ -47,6 +47,8 @@ from cattrs.gen import make_dict_structure_fn
 
 from .errors import ConfigError, PluginError, did_you_mean
 from .plugin_kinds import SPECULATIVE_KINDS
+# above and multiple_of are also read from here by older plugin code (specdec.sdk is their home).
+from .validators import InvalidValue, above, in_range, multiple_of, one_of, range_problem  # noqa: F401
 
 T = TypeVar("T")
 
@@ -61,7 +63,6 @@ DEFAULT_SPECULATIVE_TOKENS = 5
 MAX_MODEL_STEPS = 8
 MAX_NUM_SEQS = 256
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-MTP_STRATEGIES = ("default", "with_ngram")
 KERNELS = ("auto", "cpu", "paddle", "triton")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "wint8", "wint4", "gguf")
@@ -86,65 +87,6 @@ def describe(value: Any) -> str:
 
 def _join(items) -> str:
     return ", ".join(str(item) for item in items)
-
-
-# --- validators (plugin Config classes may use them too) --------------------------------------
-
-
-class InvalidValue(ValueError):
-    """Raised by the validators below; ``problem`` is the message after the key path."""
-
-    def __init__(self, name: str, problem: str):
-        super().__init__(f"{name}: {problem}")
-        self.name = name
-        self.problem = problem
-
-
-def _range_problem(low: int | float, high: int | float | None, value: Any) -> str:
-    if high is None:
-        return f"must be >= {low}, got {value}"
-    return f"must be between {low} and {high}, got {value}"
-
-
-def in_range(low: int | float, high: int | float | None = None) -> Callable:
-    """attrs validator: ``low <= value`` (``<= high`` when given); ``None`` passes."""
-
-    def check(_instance, attribute, value):
-        if value is not None and (value < low or (high is not None and value > high)):
-            raise InvalidValue(attribute.name, _range_problem(low, high, value))
-
-    return check
-
-
-def multiple_of(step: int) -> Callable:
-    """attrs validator: the value is a multiple of ``step``; ``None`` passes."""
-
-    def check(_instance, attribute, value):
-        if value is not None and value % step:
-            raise InvalidValue(attribute.name, f"must be a multiple of {step}, got {value}")
-
-    return check
-
-
-def above(low: int | float) -> Callable:
-    """attrs validator: ``value > low`` (strictly); ``None`` passes."""
-
-    def check(_instance, attribute, value):
-        if value is not None and not value > low:
-            raise InvalidValue(attribute.name, f"must be > {low}, got {value}")
-
-    return check
-
-
-def one_of(*choices: str) -> Callable:
-    """attrs validator: the value is one of ``choices``; ``None`` passes."""
-
-    def check(_instance, attribute, value):
-        if value is not None and value not in choices:
-            hint = did_you_mean(value, choices) if isinstance(value, str) else ""
-            raise InvalidValue(attribute.name, f"must be one of {_join(choices)}, got {value!r}{hint}")
-
-    return check
 
 
 # --- the converter ----------------------------------------------------------------------------
@@ -347,7 +289,6 @@ class SpeculativeConfig:
     :ivar quantization: quantization of the draft model.
     :ivar verify_strategy: the verify strategy's ``NAME``.
     :ivar accept_policy: the accept policy's ``NAME``.
-    :ivar mtp_strategy: ``default``, or ``with_ngram`` (MTP drafts, ngram fills up).
     :ivar adaptive_draft_length: verify only the drafts worth their cost: each step the engine
         keeps a draft when its expected acceptance (learned per draft class and position,
         shared across requests and per request) raises the batch's expected tokens per
@@ -367,7 +308,6 @@ class SpeculativeConfig:
     quantization: str | None = None
     verify_strategy: str = "rejection"
     accept_policy: str = "normal"
-    mtp_strategy: str = attrs.field(default="default", validator=one_of(*MTP_STRATEGIES))
     adaptive_draft_length: bool = True
     method_config: Any = None
     verify_config: Any = None
@@ -406,15 +346,16 @@ class SpeculativeConfig:
         return True
 
 
-#: The core keys only model-based methods read (the seed system's MTP keys). Given a value
-#: other than the default with a method that does not list them in ``USED_MODEL_KEYS``, they
-#: are a config error rather than silently ignored.
-MODEL_KEYS = ("num_model_steps", "model", "quantization", "mtp_strategy")
+#: The core keys that only model-based methods read (MTP heads, draft models, third-party
+#: EAGLE or Medusa heads alike; the seed system's names). Given a value other than the default
+#: with a method that does not list them in ``USED_MODEL_KEYS``, they are a config error
+#: rather than silently ignored.
+MODEL_KEYS = ("num_model_steps", "model", "quantization")
 
 #: The core keys of ``--speculative-config``, in documentation order.
 SPECULATIVE_KEYS = (
     "method", "num_speculative_tokens", "num_model_steps", "model", "quantization",
-    "verify_strategy", "accept_policy", "mtp_strategy", "adaptive_draft_length",
+    "verify_strategy", "accept_policy", "adaptive_draft_length",
 )
 
 
@@ -632,6 +573,18 @@ def _unknown_key(source: str, key: Any, valid: list[str], hint: str = "") -> Con
     return ConfigError(f"{source}: {_unknown_key_problem(key, valid, hint)}")
 
 
+def _is_unselecting_default(key: Any, value: Any, plugins) -> bool:
+    """Whether ``key`` is one of the keys some method's ``ALSO_SELECTED_BY`` spelling selects it
+    by (``mtp_strategy``), and ``value`` is that key's default in every method Config that
+    declares it (``default``): a seed-system config written out in full, which must load."""
+    proposers = list(_registered(plugins.proposers))
+    if not any(key in spelling for _, cls in proposers for spelling in getattr(cls, "ALSO_SELECTED_BY", ())):
+        return False
+    defaults = [attrs.fields_dict(cls.Config)[key].default for _, cls in proposers
+                if attrs.has(getattr(cls, "Config", None)) and key in attrs.fields_dict(cls.Config)]
+    return bool(defaults) and all(type(default) is type(value) and default == value for default in defaults)
+
+
 def _owner_hint(key: str, plugins, chosen: dict[str, str]) -> str:
     """Name the unselected plugins whose Config declares ``key``: ``it belongs to method 'ngram'...``."""
     owners, slots = [], []
@@ -662,7 +615,7 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     chosen: dict[str, str] = {}
     classes: dict[str, type] = {}
     config_classes: dict[str, type | None] = {}
-    data = _method_of_strategy(data)
+    data = _method_of_alias(data, plugins.proposers)
     for kind in SPECULATIVE_KINDS:
         slot = kind.config_key
         path = f"{source}.{slot}"
@@ -671,15 +624,20 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
         classes[slot] = _lookup(getattr(plugins, kind.attr), name, path)
         config_classes[slot] = _config_class(classes[slot], slot, name)
 
-    # 2. Every key is a core key or a field of a chosen plugin's Config.
+    # 2. Every key is a core key or a field of a chosen plugin's Config; a key that selects
+    # another method (``mtp_strategy``) at its default is ignored, as the seed system does.
     owners: dict[str, list[str]] = {}
     for slot, config_cls in config_classes.items():
         for field in attrs.fields(config_cls) if config_cls is not None else ():
             owners.setdefault(field.name, []).append(slot)
     valid = list(SPECULATIVE_KEYS) + list(owners)
-    for key in data:
-        if key not in SPECULATIVE_KEYS and key not in owners:
-            raise _unknown_key(source, key, valid, _owner_hint(str(key), plugins, chosen))
+    for key in list(data):
+        if key in SPECULATIVE_KEYS or key in owners:
+            continue
+        if _is_unselecting_default(key, data[key], plugins):
+            data = {k: v for k, v in data.items() if k != key}
+            continue
+        raise _unknown_key(source, key, valid, _owner_hint(str(key), plugins, chosen))
 
     # 3. num_speculative_tokens depends on the method: forced to 0 for one that drafts nothing.
     path = f"{source}.num_speculative_tokens"
@@ -692,7 +650,7 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     elif num_tokens is None:
         num_tokens = DEFAULT_SPECULATIVE_TOKENS
     elif not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
-        raise ConfigError(f"{path}: {_range_problem(1, MAX_SPECULATIVE_TOKENS, num_tokens)}")
+        raise ConfigError(f"{path}: {range_problem(1, MAX_SPECULATIVE_TOKENS, num_tokens)}")
 
     # 4. The core keys, then each plugin's Config from its own keys.
     core = {key: data[key] for key in SPECULATIVE_KEYS if key in data}
@@ -714,14 +672,14 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     return attrs.evolve(config, notices=tuple(notices), **plugin_configs)
 
 
-#: The seed system selects some methods by ``method`` and ``mtp_strategy`` together.
-STRATEGY_METHODS = {("mtp", "with_ngram"): "hybrid"}
-
-
-def _method_of_strategy(data: Mapping) -> Mapping:
-    """``data`` with ``method`` replaced where :data:`STRATEGY_METHODS` maps it."""
-    method = STRATEGY_METHODS.get((data.get("method"), data.get("mtp_strategy")))
-    return data if method is None else {**data, "method": method}
+def _method_of_alias(data: Mapping, proposers) -> Mapping:
+    """``data`` with ``method`` replaced by the proposer whose ``ALSO_SELECTED_BY`` spelling it
+    matches (the seed system writes hybrid as ``method: mtp`` with ``mtp_strategy: with_ngram``)."""
+    for name, cls in _registered(proposers):
+        for spelling in getattr(cls, "ALSO_SELECTED_BY", ()):
+            if all(key in data and data[key] == value for key, value in spelling.items()):
+                return {**data, "method": name}
+    return data
 
 
 def _registered(registry) -> Iterator[tuple[str, type]]:

@@ -1,7 +1,8 @@
-"""``specdec demo``, the main job of ``make run``: every built-in method against plain decoding.
+"""``specdec demo``, the main job of ``make run``: every method that shows itself, against plain decoding.
 
 Generates from one code-edit prompt on the default model with plain decoding (``naive``) and
-with each built-in method (or the one ``--speculative-config`` names), checks they gave the
+with each method that declares how it is shown (``Proposer.DEMO_CONFIG``; or the one
+``--speculative-config`` names), checks they gave the
 same tokens (greedy decoding is lossless), and prints the text and a table of tokens/s,
 decode speedup and mean acceptance length.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from .config import EngineConfig
+from .errors import SpecdecError
 from .workloads import code_edit_prompts
 
 
@@ -24,22 +26,24 @@ def _rate(output) -> float:
     return output.num_generated_tokens / output.elapsed_s if output.elapsed_s else 0.0
 
 
-#: The built-in methods the demo compares with plain decoding when no speculative config is given.
-DEMO_METHODS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 5},
-    "suffix": {"method": "suffix", "num_speculative_tokens": 5},
-    "mtp": {"method": "mtp"},
-    # The seed system's spelling of hybrid: MTP drafts 2 tokens, ngram continues them.
-    "hybrid": {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": 5},
-}
+def demo_methods(plugins) -> dict:
+    """The speculative configs of the methods that declare a ``DEMO_CONFIG``, by method name."""
+    methods = {}
+    for name in plugins.proposers.names():
+        try:
+            demo = plugins.proposers.get(name).DEMO_CONFIG
+        except SpecdecError:  # a name two plugins registered: not shown
+            continue
+        if demo is not None:
+            methods[name] = {"method": name, **demo}
+    return methods
 
 
 def run_demo(config: EngineConfig, plugins, max_tokens: int = 128, progress: bool = True) -> int:
     """Run the demo on the engine ``config`` describes: its speculative method against naive,
-    or, when it is ``naive``, every method of :data:`DEMO_METHODS`; print the output and a
-    table; return the exit status."""
+    or, when it is ``naive``, every method that declares a ``DEMO_CONFIG``; print the output
+    and a table; return the exit status."""
     from .api import LLM
-    from .errors import SpecdecError
     from .sampling import SamplingParams
 
     llm = LLM(config=config, plugins=plugins, progress=progress)
@@ -47,7 +51,7 @@ def run_demo(config: EngineConfig, plugins, max_tokens: int = 128, progress: boo
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     methods = {"naive": {"method": "naive"}}
     if config.speculative.method == "naive":
-        methods.update(DEMO_METHODS)
+        methods.update(demo_methods(plugins))
     else:
         methods[config.speculative.method] = config.speculative
     results, unavailable = {}, {}

@@ -95,3 +95,21 @@ def specdec_register_attention_backends(register):
         :class:`specdec.AttentionMetadata`). ``paddle`` is the reference
         backend every faster backend is tested against.
     """
+
+
+@hookspec
+def specdec_register_commands(subcommands):
+    """Add subcommands to the ``specdec`` command line (``specdec train-mtp`` is the mtp plugin's).
+
+    :param subcommands: the ``specdec`` parser's argparse sub-parsers object. Call
+        ``subcommands.add_parser(name, help=...)``, add the command's arguments to the parser it
+        returns, and ``set_defaults(func=run)``; ``run(args) -> int`` is called with the parsed
+        arguments and returns the exit status. Bad input is a :class:`specdec.SpecdecError`
+        (or :class:`specdec.ConfigError`) raised from ``run``: the command line prints it as
+        one line and exits with 2, as it does for its own commands.
+
+    Called when the command line is built, once per plugin, after the registration hooks.
+    Import what the command needs inside ``run``, so that building the parser stays cheap.
+    A hook that raises, or a name another command already has, becomes a plugin error (see
+    ``specdec plugins``) and the other commands still work.
+    """

@@ -274,7 +274,7 @@ def _import_and_register(pm: pluggy.PluginManager, info: PluginInfo, loader, plu
 def _report_unknown_hooks(pm: pluggy.PluginManager, info: PluginInfo, module, plugins: Plugins):
     """Per-plugin version of ``pm.check_pending()``: a hookimpl with no matching hookspec (a
     typo such as ``specdec_register_proposer``) becomes an error line for that plugin."""
-    known = [kind.hook for kind in KINDS]
+    known = [kind.hook for kind in KINDS] + [COMMANDS_HOOK]
     for caller in pm.get_hookcallers(module) or []:
         if caller.has_spec():
             continue
@@ -352,6 +352,32 @@ def load_plugins(load=_FROM_ENV, entry_points: Optional[Iterable[metadata.EntryP
     for kind in KINDS:
         plugins.registry(kind.attr).broken = broken
     return plugins
+
+
+#: The hook through which plugins add ``specdec`` subcommands.
+COMMANDS_HOOK = "specdec_register_commands"
+
+
+def register_commands(plugins: Plugins, subcommands) -> None:
+    """Let each loaded plugin add its subcommands to ``subcommands`` (argparse sub-parsers),
+    plugin by plugin, in load order. A hook that raises (a subcommand name already taken, say)
+    becomes an error line of that plugin; the command line works on without its commands."""
+    if plugins.manager is None:
+        return
+    by_name = {info.name: info for info in plugins.infos}
+    for name, module in plugins.manager.list_name_plugin():
+        if module is None:
+            continue
+        info = by_name.get(name)
+        others = [other for other in plugins.manager.get_plugins() if other is not module]
+        caller = plugins.manager.subset_hook_caller(COMMANDS_HOOK, remove_plugins=others)
+        try:
+            caller(subcommands=subcommands)
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure must not take the CLI down
+            provider = info.provider if info is not None else f"plugin '{name}'"
+            message = f"{provider} failed in {COMMANDS_HOOK}: {exception_line(exc)}"
+            if message not in plugins.errors:  # the parser may be built more than once
+                plugins.record_error(info, message)
 
 
 @functools.cache

@@ -7,7 +7,7 @@ it through the ``specdec_register_proposers`` hook (see :mod:`specdec.hookspecs`
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import attrs
 import numpy as np
@@ -187,9 +187,17 @@ class Proposer(Plugin):
     #: ``num_speculative_tokens`` to 0.
     DRAFTS_NOTHING: ClassVar[bool] = False
     #: The model-based core keys of the speculative config this method reads, of
-    #: ``num_model_steps``, ``model``, ``quantization`` and ``mtp_strategy``. Any of them set
-    #: (to other than its default) for a method that does not list it is a config error.
+    #: ``num_model_steps``, ``model`` and ``quantization``. Any of them set (to other than its
+    #: default) for a method that does not list it is a config error.
     USED_MODEL_KEYS: ClassVar[frozenset[str]] = frozenset()
+    #: Other spellings that select this method: each a mapping of config keys to values that,
+    #: all present in a speculative config, make it this method (hybrid declares the seed
+    #: system's ``{"method": "mtp", "mtp_strategy": "with_ngram"}``). The keys other than
+    #: ``method`` must be fields of this method's ``Config``.
+    ALSO_SELECTED_BY: ClassVar[tuple[Mapping[str, Any], ...]] = ()
+    #: The speculative config ``specdec demo`` shows this method with (``method`` added);
+    #: ``None`` leaves the method out of the demo.
+    DEMO_CONFIG: ClassVar[Optional[Mapping[str, Any]]] = None
     #: Set to True to receive ``hidden_states``, ``hidden_positions`` and ``block_table`` in
     #: every :class:`ProposalRequest`. The engine then calls :meth:`propose` every step, also
     #: when no request may draft (``max_draft_len`` 0 for all), so that no hidden state is

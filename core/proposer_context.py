@@ -88,7 +88,7 @@ class ProposerContext:
         ``method`` is its ``NAME``; ``keys`` are flat keys of its own ``Config``. It gets the
         speculative config of the composing method with ``method`` changed:
         ``num_speculative_tokens`` and the model keys it reads (``num_model_steps``, ``model``,
-        ``quantization``; ``mtp_strategy`` stays ``default``). Its :meth:`setup` runs with this
+        ``quantization``). Its :meth:`setup` runs with this
         context. The composing method owns it: it calls its ``propose`` and lifecycle methods
         itself. Raises :class:`specdec.SpecdecError` (one line) for an unknown method or a bad key.
         """

@@ -28,29 +28,29 @@ plugin or an engine module; a test holds the built-ins to it. What is here:
   :func:`load_triton_kernels` (the Triton kernel modules, ``attention`` and ``verify``, for
   a CUDA device or Triton's interpreter);
 - :class:`QuantizedLinear` (a matrix quantized to ``wint8`` / ``wint4`` and multiplied by the
-  engine's quantized kernels: what a draft or MTP model's ``quantization`` runs on);
-- :func:`load_plugins`, for a plugin's tools that run an engine with plugins of their own;
-- for training model-based proposers: :class:`HiddenStateRecorder` (runs the target and keeps
-  its hidden state and argmax at every position, as :class:`RecordedSequence`),
-  :func:`save_recorded` and :func:`load_recorded`.
+  engine's quantized kernels: what a draft or MTP model's ``quantization`` runs on).
+
+The SDK stands on the ground floor: importing it (or any plugin written against it) loads no
+engine, server, cluster, CLI, model loader, plugin manager or recorder. Tools that run an
+engine for a plugin's own commands live in :mod:`specdec.tools`; the SDK's old names for them
+(``load_plugins``, ``HiddenStateRecorder``, ``RecordedSequence``, ``save_recorded``,
+``load_recorded``) still resolve, with a ``DeprecationWarning``, for one release.
 
 Conformance checks for each kind are in :mod:`specdec.testing`.
 """
 
 from .attention import AttentionBackend, AttentionMetadata
-from .config import above, in_range, multiple_of, one_of
 from .errors import ConfigError, PluginError, SpecdecError, require_paddle
 from .hookspecs import hookimpl
 from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
 from .kernels.triton import load_triton_kernels
 from .model.quant import QuantizedLinear
 from .plugin import Plugin
-from .plugin_manager import load_plugins
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
                     target_choice, target_distribution, top_tokens)
 from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer
 from .proposer_context import ProposerContext, TargetModel
-from .recording import HiddenStateRecorder, RecordedSequence, load_recorded, save_recorded
+from .validators import above, in_range, multiple_of, one_of
 from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
 from .verify_builders import (accepted_prefix, assemble_output, at_positions, check_inputs, draft_mask,
                               pad_beyond_drafts, prefix_match_result, verify_on_device)
@@ -65,6 +65,20 @@ __all__ = [
     "prefix_match_result", "verify_on_device",
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
-    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_triton_kernels", "QuantizedLinear", "load_plugins",
-    "HiddenStateRecorder", "RecordedSequence", "save_recorded", "load_recorded",
+    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_triton_kernels", "QuantizedLinear",
 ]
+
+#: Names the SDK used to hold that moved to :mod:`specdec.tools` (they need the engine).
+_MOVED_TO_TOOLS = ("load_plugins", "HiddenStateRecorder", "RecordedSequence", "save_recorded", "load_recorded")
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_TOOLS:
+        import warnings
+
+        from . import tools
+
+        warnings.warn(f"specdec.sdk.{name} moved to specdec.tools.{name}; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(tools, name)
+    raise AttributeError(f"module 'specdec.sdk' has no attribute {name!r}")

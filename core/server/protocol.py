@@ -31,7 +31,8 @@ from typing import Any, Literal, Optional
 import attrs
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..config import MAX_SPECULATIVE_TOKENS, describe, in_range, structure
+from ..config import MAX_SPECULATIVE_TOKENS, describe, structure
+from ..validators import in_range
 from ..errors import ConfigError, RequestError
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams

@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import Drafts, ProposalBatch, ProposalRequest, in_range
+from specdec.sdk import Drafts, ProposalBatch, ProposalRequest, in_range, one_of
 
 #: Appended to a request id for the lookup proposer's one-step request.
 LOOKUP_SUFFIX = "/hybrid-lookup"
@@ -39,11 +39,14 @@ class HybridConfig:
         least this many tokens (its ``Drafts.classes``), its draft goes first and the model
         drafts nothing for that request this step; 0 (the default, the seed system's order)
         never. A long match is a near-certain draft the model's would only cut short.
+    :ivar mtp_strategy: the seed system's key: ``with_ngram`` with ``method: mtp`` selects this
+        method; it changes nothing here.
     """
 
     draft_model_method: str = "mtp"
     draft_lookup_method: str = "ngram"
     draft_lookup_first: int = attrs.field(default=0, validator=in_range(0, 64))
+    mtp_strategy: str = attrs.field(default="default", validator=one_of("default", "with_ngram"))
 
 
 class HybridProposer(specdec.Proposer):
@@ -51,7 +54,11 @@ class HybridProposer(specdec.Proposer):
 
     NAME = "hybrid"
     Config = HybridConfig
-    USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization", "mtp_strategy"})
+    USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization"})
+    #: The seed system's spelling of this method.
+    ALSO_SELECTED_BY = ({"method": "mtp", "mtp_strategy": "with_ngram"},)
+    #: The seed system's spelling: MTP drafts 2 tokens, ngram continues them.
+    DEMO_CONFIG = {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": 5}
     #: Follows the model proposer's (set in :meth:`setup`).
     NEEDS_HIDDEN_STATES = True
 

@@ -1,5 +1,5 @@
 """``mtp``: multi-token prediction over the target's hidden states (the seed system's
-``method: mtp``; docs/methods.md#mtp)."""
+``method: mtp``; docs/methods.md#mtp), and its ``specdec train-mtp`` command."""
 
 from __future__ import annotations
 
@@ -14,3 +14,10 @@ __all__ = ["MtpProposer", "MtpLayerWeights", "load_mtp_layers", "save_mtp_layers
 @specdec.hookimpl
 def specdec_register_proposers(register):
     register(MtpProposer)
+
+
+@specdec.hookimpl
+def specdec_register_commands(subcommands):
+    from .command import add_train_command
+
+    add_train_command(subcommands)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import (AttentionMetadata, Drafts, ProposalBatch, ProposalRequest, SpecdecError, processed_probs,
-                         sample_tokens)
+from specdec.sdk import (AttentionMetadata, Drafts, ProposalBatch, ProposalRequest, SpecdecError, one_of,
+                         processed_probs, sample_tokens)
 
 from .head import MtpHead
 from .weights import load_mtp_layers
@@ -35,12 +36,25 @@ HEADS_DIR = Path(__file__).resolve().parent / "heads"
 SHIPPED_HEADS = {"smollm2-135m-instruct": str(HEADS_DIR / "smollm2-135m-instruct.safetensors")}
 
 
+@attrs.define(frozen=True, kw_only=True)
+class MtpConfig:
+    """Flat keys of ``--speculative-config`` for ``method: mtp``.
+
+    :ivar mtp_strategy: the seed system's key: ``default``; ``with_ngram`` selects the
+        ``hybrid`` method instead (which declares that spelling).
+    """
+
+    mtp_strategy: str = attrs.field(default="default", validator=one_of("default", "with_ngram"))
+
+
 class MtpProposer(specdec.Proposer):
     """Multi-token prediction (DeepSeek-V3 / ERNIE-4.5 / MiMo style) over the target's hidden states."""
 
     NAME = "mtp"
+    Config = MtpConfig
     NEEDS_HIDDEN_STATES = True
-    USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization", "mtp_strategy"})
+    USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization"})
+    DEMO_CONFIG = {}
 
     def setup(self, context: specdec.ProposerContext) -> None:
         spec = self.spec_config
@@ -54,8 +68,6 @@ class MtpProposer(specdec.Proposer):
         if spec.quantization is not None and spec.quantization not in QUANTIZATIONS:
             raise SpecdecError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or null, "
                                f"got {spec.quantization!r}")
-        if spec.mtp_strategy != "default":
-            raise SpecdecError(f"mtp_strategy '{spec.mtp_strategy}' is not available yet; use 'default'")
         layers = load_mtp_layers(model, context.model_config.hidden_size)
         weights = layers[0]  # every substep reuses the first layer, as the seed system does
         self.num_model_steps = spec.num_model_steps

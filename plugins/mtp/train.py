@@ -27,16 +27,18 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import (HiddenStateRecorder, RecordedSequence, SpecdecError, load_recorded, require_paddle,
-                         save_recorded)
+from specdec.sdk import SpecdecError, require_paddle
 
 from .weights import MtpLayerWeights, load_mtp_layers, save_mtp_layers
+
+if TYPE_CHECKING:
+    from specdec.tools import RecordedSequence
 
 
 # --- 2. the trainable head --------------------------------------------------------------------
@@ -464,9 +466,12 @@ def measure_acceptance(model: Optional[str], head: Path, prompts: list[str], num
             "acceptance_per_position": (accepted / max(total.num_drafts, 1)).round(3).tolist()}
 
 
-def train_mtp(model: str, corpus: list[str], options: TrainOptions, *, max_tokens: int = 256, window: int = 512,
-              collect_batch: int = 32, report_prompts: int = 8, progress: bool = True) -> dict:
-    """What ``specdec train-mtp`` does: collect (or reuse collected) data, train, report."""
+def train_mtp(model: Optional[str], corpus: list[str], options: TrainOptions, *, max_tokens: int = 256,
+              window: int = 512, collect_batch: int = 32, report_prompts: int = 8, progress: bool = True) -> dict:
+    """What ``specdec train-mtp`` does: collect (or reuse collected) data, train, report.
+    ``model`` None is the engine's default model."""
+    from specdec.tools import HiddenStateRecorder, load_recorded, save_recorded
+
     prompts, texts = read_corpus(corpus)
     rng = np.random.default_rng(options.seed)
     rng.shuffle(prompts)

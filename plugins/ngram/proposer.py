@@ -152,6 +152,7 @@ class NgramProposer(specdec.Proposer):
     of :func:`find_ngram_draft`, the reference twin."""
 
     NAME = "ngram"
+    DEMO_CONFIG = {"num_speculative_tokens": 5}
     Config = NgramConfig
 
     def __init__(self, config: NgramConfig | None = None, spec_config=None):

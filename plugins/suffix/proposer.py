@@ -77,6 +77,7 @@ class SuffixProposer(specdec.Proposer):
     """
 
     NAME = "suffix"
+    DEMO_CONFIG = {"num_speculative_tokens": 5}
     Config = SuffixConfig
 
     def __init__(self, config: SuffixConfig | None = None, spec_config=None):

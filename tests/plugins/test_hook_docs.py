@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec import hookspecs
-from specdec.plugin_manager import KINDS
+from specdec.plugin_manager import COMMANDS_HOOK, KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "plugins.md"
@@ -21,8 +21,8 @@ def all_hookspecs() -> list:
             if hasattr(fn, "specdec_spec")]
 
 
-def test_there_are_four_hooks_and_the_loader_calls_each():
-    assert sorted(fn.__name__ for fn in all_hookspecs()) == sorted(kind.hook for kind in KINDS)
+def test_every_hook_is_one_the_loader_calls():
+    assert sorted(fn.__name__ for fn in all_hookspecs()) == sorted([kind.hook for kind in KINDS] + [COMMANDS_HOOK])
 
 
 @pytest.mark.parametrize("hook", all_hookspecs(), ids=lambda fn: fn.__name__)

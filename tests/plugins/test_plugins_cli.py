@@ -89,3 +89,54 @@ def test_add_plugins_subcommand_wires_func():
     add_plugins_subcommand(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["plugins", "--json"])
     assert args.json is True and args.func.__name__ == "run_plugins"
+
+
+COMMANDS_PLUGIN = '''
+import specdec
+
+@specdec.hookimpl
+def specdec_register_commands(subcommands):
+    hello = subcommands.add_parser("hello", help="say hello")
+    hello.add_argument("--name", default="world")
+    hello.set_defaults(func=run)
+
+def run(args):
+    if args.name == "":
+        raise specdec.SpecdecError("--name: must not be empty")
+    print(f"hello {args.name}")
+    return 0
+'''
+
+TAKEN_COMMAND_PLUGIN = '''
+import specdec
+
+@specdec.hookimpl
+def specdec_register_commands(subcommands):
+    subcommands.add_parser("generate")
+'''
+
+
+def test_a_plugin_adds_a_command_and_a_bad_one_does_not_break_the_cli(site, capsys):
+    """Through the real ``specdec`` entry point in this process: a third-party command runs
+    and reports bad input as one line with exit 2; a plugin whose hook fails (its command name
+    is taken) becomes a plugin error while the command line works on."""
+    from specdec.cli import main
+    from specdec.plugin_manager import get_plugins, reset_plugins
+
+    site.install("specdec-plugin-hello", "0.1.0", {"hello": "sdt_cli_hello"}, {"sdt_cli_hello": COMMANDS_PLUGIN})
+    site.install("specdec-plugin-taken", "0.1.0", {"taken": "sdt_cli_taken"},
+                 {"sdt_cli_taken": TAKEN_COMMAND_PLUGIN})
+    reset_plugins()
+    try:
+        assert main(["hello", "--name", "plugins"]) == 0
+        assert capsys.readouterr().out == "hello plugins\n"
+        assert main(["hello", "--name", ""]) == 2
+        assert capsys.readouterr().err == "error: --name: must not be empty\n"
+        errors = get_plugins().errors
+        assert [e for e in errors if "taken" in e] == [
+            "plugin 'taken' (specdec-plugin-taken 0.1.0) failed in specdec_register_commands: "
+            "ArgumentError: argument command: conflicting subparser: generate"], errors
+        assert main(["plugins"]) == 0  # the command line works on, and says what went wrong
+        assert "conflicting subparser: generate" in capsys.readouterr().err
+    finally:
+        reset_plugins()

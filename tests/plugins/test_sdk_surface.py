@@ -1,4 +1,4 @@
-"""Plugins import only the public SDK: ``specdec`` and ``specdec.sdk``, never another plugin or
+"""Plugins import only the public SDK: ``specdec``, ``specdec.sdk`` (and ``specdec.tools`` in their commands), never another plugin or
 an engine module. Checked on the source of every built-in plugin module and of the example
 third-party plugin, and by importing each of them."""
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_ROOTS = [ROOT / "plugins", ROOT / "examples" / "specdec-plugin-lastn" / "specdec_plugin_lastn",
                 ROOT / "examples" / "specdec-plugin-medusa" / "specdec_plugin_medusa"]
 #: The specdec modules a plugin may import.
-PUBLIC_MODULES = {"specdec", "specdec.sdk"}
+PUBLIC_MODULES = {"specdec", "specdec.sdk", "specdec.tools"}
 
 
 def plugin_files() -> list[Path]:
@@ -120,3 +120,16 @@ def test_the_sdk_exports_what_it_lists():
         assert getattr(specdec.sdk, name) is not None, name
     for name in specdec.__all__:
         assert hasattr(specdec, name), name
+
+
+@pytest.mark.parametrize("name", ["load_plugins", "HiddenStateRecorder", "RecordedSequence", "save_recorded",
+                                  "load_recorded"])
+def test_names_moved_to_tools_still_resolve_from_the_sdk_with_a_warning(name):
+    """Plugins written against the SDK before these names moved to specdec.tools keep working
+    for one release."""
+    import specdec.tools
+
+    with pytest.warns(DeprecationWarning, match=f"specdec.sdk.{name} moved to specdec.tools.{name}"):
+        assert getattr(specdec.sdk, name) is getattr(specdec.tools, name)
+    with pytest.raises(AttributeError):
+        specdec.sdk.not_a_name  # noqa: B018

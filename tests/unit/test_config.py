@@ -42,10 +42,15 @@ class Ngram:
 
 
 class ModelBased:
-    """Stands for a model-based method such as MTP: it reads the seed system's model keys."""
+    """Stands for a model-based method such as MTP: it reads the seed system's model keys, and
+    declares ``mtp_strategy`` in its own Config (as the mtp plugin does)."""
 
     NAME = "mtp_like"
-    USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization", "mtp_strategy"})
+    USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization"})
+
+    @attrs.define(frozen=True, kw_only=True)
+    class Config:
+        mtp_strategy: str = attrs.field(default="default", validator=one_of("default", "with_ngram"))
 
 
 class Topp:
@@ -134,7 +139,7 @@ def test_defaults_are_naive_with_zero_drafts(plugins):
     assert config.num_speculative_tokens == 0
     assert config.num_model_steps == 1
     assert config.model is None and config.quantization is None
-    assert (config.verify_strategy, config.accept_policy, config.mtp_strategy) == ("rejection", "normal", "default")
+    assert (config.verify_strategy, config.accept_policy) == ("rejection", "normal")
     assert config.method_config is None
     assert config.verify_config is None
     assert config.accept_config is None
@@ -168,11 +173,10 @@ def test_seed_system_keys_work_unchanged(plugins_with_mtp):
         plugins_with_mtp,
     )
     assert (config.model, config.quantization, config.num_model_steps) == ("/m/mtp", "wint8", 2)
-    assert config.mtp_strategy == "with_ngram"
+    assert config.method_config.mtp_strategy == "with_ngram"
 
 
-@pytest.mark.parametrize("key, value", [("num_model_steps", 2), ("model", "/x"), ("quantization", "wint8"),
-                                        ("mtp_strategy", "with_ngram")])
+@pytest.mark.parametrize("key, value", [("num_model_steps", 2), ("model", "/x"), ("quantization", "wint8")])
 def test_a_model_key_for_a_method_that_does_not_read_it_is_an_error(plugins, plugins_with_mtp, key, value):
     assert config_error(build_speculative_config, {"method": "ngram", key: value}, plugins_with_mtp) == (
         f"--speculative-config.{key}: method 'ngram' does not use it; it is read by method 'mtp_like'")
@@ -182,11 +186,23 @@ def test_a_model_key_for_a_method_that_does_not_read_it_is_an_error(plugins, plu
         f"such as 'mtp' (none is installed)")
 
 
-def test_model_keys_at_their_defaults_are_accepted_with_any_method(plugins):
-    """A seed-system config written out in full (defaults included) still loads."""
-    config = build_speculative_config({"method": "ngram", "num_model_steps": 1, "model": None, "quantization": None,
-                                       "mtp_strategy": "default"}, plugins)
-    assert config.method == "ngram"
+def test_model_keys_at_their_defaults_are_accepted_with_any_method(plugins, plugins_with_mtp):
+    """A seed-system config written out in full (defaults included) still loads: the core
+    model keys at their defaults."""
+    config = build_speculative_config({"method": "ngram", "num_model_steps": 1, "model": None, "quantization": None},
+                                      plugins)
+    assert config.method == "ngram" and config.method_config == Ngram.Config()
+    # A key of another method's Config, even at its default, names its owner: the user may
+    # believe that method is chosen.
+    assert config_error(build_speculative_config, {"method": "ngram", "mtp_strategy": "default"},
+                        plugins_with_mtp) == ("--speculative-config: unknown key 'mtp_strategy' (it belongs to "
+                                              "method 'mtp_like'; method is 'ngram')")
+
+
+def test_a_plugin_key_is_checked_by_its_plugins_config(plugins_with_mtp):
+    assert config_error(build_speculative_config, {"method": "mtp_like", "mtp_strategy": "eagle"},
+                        plugins_with_mtp) == (
+        "--speculative-config.mtp_strategy: must be one of default, with_ngram, got 'eagle'")
 
 
 def test_float_field_accepts_int(plugins):
@@ -253,8 +269,6 @@ def test_naive_still_type_checks_num_speculative_tokens(plugins):
         ({"num_model_steps": 9}, "--speculative-config.num_model_steps: must be between 1 and 8, got 9"),
         ({"num_model_steps": None}, "--speculative-config.num_model_steps: expected int, got null"),
         ({"model": 7}, "--speculative-config.model: expected str, got int 7"),
-        ({"mtp_strategy": "eagle"},
-         "--speculative-config.mtp_strategy: must be one of default, with_ngram, got 'eagle'"),
     ],
 )
 def test_core_key_errors(plugins, data, expected):
@@ -296,7 +310,7 @@ def test_key_of_a_verify_strategy_not_selected(plugins):
 def test_unknown_key_without_a_close_match_lists_the_valid_keys(plugins):
     assert config_error(build_speculative_config, {"method": "ngram", "zzz": 1}, plugins) == (
         "--speculative-config: unknown key 'zzz'; valid keys: accept_policy, adaptive_draft_length, banned_ids, "
-        "match_ratio, max_ngram_size, method, min_ngram_size, model, mtp_strategy, num_model_steps, "
+        "match_ratio, max_ngram_size, method, min_ngram_size, model, num_model_steps, "
         "num_speculative_tokens, quantization, verify_strategy"
     )
 
@@ -517,7 +531,7 @@ def test_speculative_config_json_replaces_the_yaml_one(plugins):
          "--config.speculative_config.num_speculative_tokens: expected int, got float 2.9"),
         ({"speculative_config": {"max_ngram_sise": 2}}, {},
          "--config.speculative_config: unknown key 'max_ngram_sise'; valid keys: accept_policy, adaptive_draft_length, "
-         "method, model, mtp_strategy, num_model_steps, num_speculative_tokens, quantization, verify_strategy"),
+         "method, model, num_model_steps, num_speculative_tokens, quantization, verify_strategy"),
         ({"speculative_config": ["ngram"]}, {}, "--config.speculative_config: expected a mapping, got list"),
         ([1], {}, "--config: expected a mapping, got list"),
         ({}, {"max_num_seq": 2}, "--max-num-seq: not an engine option; engine options: model, max_model_len, "
@@ -568,7 +582,7 @@ def test_speculative_to_dict_is_flat(plugins):
     flat = build_speculative_config({"method": "ngram"}, plugins).to_dict()
     assert flat == {
         "method": "ngram", "num_speculative_tokens": 5, "num_model_steps": 1, "model": None,
-        "quantization": None, "verify_strategy": "rejection", "accept_policy": "normal", "mtp_strategy": "default",
+        "quantization": None, "verify_strategy": "rejection", "accept_policy": "normal",
         "adaptive_draft_length": True,
         "max_ngram_size": 3, "min_ngram_size": 1, "match_ratio": 0.5, "banned_ids": [],
     }
@@ -649,3 +663,10 @@ def test_mtp_with_ngram_selects_the_hybrid_method():
     assert direct.method_config.draft_lookup_method == "suffix"
     assert config_error(build_speculative_config, {"method": "hybrid", "max_ngram_size": 3}, real).startswith(
         "--speculative-config: unknown key 'max_ngram_size'")
+    # The key that spells hybrid, at the value that does not, is ignored by every method (a
+    # seed-system config written out in full); at the value that does, it is hybrid's.
+    full = {"method": "ngram", "num_model_steps": 1, "model": None, "quantization": None, "mtp_strategy": "default"}
+    assert build_speculative_config(full, real).method == "ngram"
+    assert config_error(build_speculative_config, {**full, "mtp_strategy": "with_ngram"}, real) == (
+        "--speculative-config: unknown key 'mtp_strategy' (it belongs to method 'hybrid', method 'mtp'; "
+        "method is 'ngram')")

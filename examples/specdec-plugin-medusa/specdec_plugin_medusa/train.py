@@ -4,7 +4,7 @@
     python -m specdec_plugin_medusa.train --measure heads.safetensors     # acceptance only
 
 1. **Collect.** The target answers the prompts itself (greedy, its chat template) through the
-   public engine, and reads the texts; :class:`specdec.sdk.HiddenStateRecorder` keeps every
+   public engine, and reads the texts; :class:`specdec.tools.HiddenStateRecorder` keeps every
    position's hidden state, and the target's own argmax there (the token a draft must equal to
    be accepted).
 2. **Train.** Head ``k`` reads the normed state at position ``p`` and learns what the target
@@ -31,8 +31,8 @@ import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import (HiddenStateRecorder, RecordedSequence, SpecdecError, load_recorded, require_paddle,
-                         save_recorded)
+from specdec.sdk import SpecdecError, require_paddle
+from specdec.tools import HiddenStateRecorder, RecordedSequence, load_recorded, save_recorded
 
 from .heads import MedusaHeads, save_heads
 
