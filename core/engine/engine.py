@@ -7,6 +7,10 @@ with a common prompt prefix. A step packs every scheduled request's new rows int
 array (prefill chunks, and for decoding requests the last token plus its drafts), runs one
 forward pass, and verifies the drafts of the whole batch in one call on ``[B, k+1, V]``
 logits. Rejected rows are dropped by length: the next step overwrites them.
+
+The engine's other rooms: ``build.py`` builds the model and wires the plugins,
+``tensor_parallel.py`` runs the other ranks, ``handoff.py`` exports and imports requests
+(prefill/decode disaggregation), ``admission.py`` checks what a request asks for.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ import numpy as np
 
 from specdec.kernels.cpu import release_free_heap
 
-from ..config import MAX_SPECULATIVE_TOKENS, EngineConfig, SpeculativeConfig
-from ..errors import RequestError, SpecdecError
-from ..plugin_kinds import SPECULATIVE_KINDS
+from ..config import EngineConfig, SpeculativeConfig
+from ..errors import SpecdecError
 from ..proposer import Drafts, ProposalBatch, ProposalRequest, valid_draft_classes
+from ..proposer_context import ProposerContext, TargetModel
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
+from . import admission, handoff
 from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
 from .batch import SequenceRows, pack_step
+from .build import build_model, build_spec_plugins, create_cache_layers, spec_plugin_classes
 from .handoff import HandoffState, KVLayout
 from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
@@ -40,151 +46,6 @@ from .tensor_parallel import exit_after_failure
 
 logger = logging.getLogger("specdec.engine")
 T = TypeVar("T")
-
-
-def _on_gpu() -> bool:
-    from ..errors import require_paddle
-
-    paddle = require_paddle()
-    return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, backend: str, weight_dtype: str) -> str:
-    """The cache dtype ``kv_cache_dtype`` comes to: ``auto`` follows the weights with the
-    ``cpu`` backend (whose kernel reads either) and is float32 with any other."""
-    if kv_cache_dtype != "auto":
-        return kv_cache_dtype
-    return weight_dtype if backend == "cpu" else "float32"
-
-
-def resolve_quantization(config: EngineConfig, kernels: str) -> str:
-    """What ``config.quantization`` comes to for this model and these kernels, before loading:
-    ``auto`` is ``gguf`` for a GGUF file on the CPU kernels (the engine turns it into ``none``
-    once loading finds no quantized matrix in the file), else ``none``; a quantized path the
-    model or the kernels cannot take is a one-line error."""
-    from ..model.resolve import resolve_model_path
-
-    quantization = config.quantization
-    path = resolve_model_path(config.model)
-    is_gguf = path.suffix == ".gguf"
-    if quantization == "auto":
-        return "gguf" if kernels == "cpu" and is_gguf else "none"
-    if quantization != "none" and kernels != "cpu":
-        raise SpecdecError(f"quantization: {quantization} needs the CPU kernels (kernels: cpu or auto)")
-    if quantization == "gguf" and not is_gguf:
-        raise SpecdecError(f"quantization: gguf computes on a GGUF file's blocks, and {config.model} is not a "
-                           f"GGUF file; use wint8 or wint4")
-    return quantization
-
-
-def resolve_kernels(config: EngineConfig) -> tuple[str, str]:
-    """``(kernels, weight dtype)`` that ``config.kernels`` and ``config.dtype`` come to here.
-
-    ``auto``: on a CUDA device ``triton`` when Triton can run there, else ``paddle``; on the
-    CPU ``cpu`` when the CPU kernels build (they take CPU tensors only), else ``paddle``, and
-    ``paddle`` with tensor parallelism (which splits the float32 paddle path only).
-    ``auto`` dtype is float16 weights with the CPU kernels, float32 with any other (the
-    ``paddle`` and ``triton`` paths multiply with paddle's float32 ops)."""
-    from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
-    from specdec.kernels.triton import load_triton
-
-    dtype = config.dtype
-    if dtype == "bfloat16":
-        raise SpecdecError("dtype: bfloat16 is not supported on this build; use float32 or float16")
-    kernels = config.kernels
-    if kernels == "auto":
-        if _on_gpu():
-            try:
-                load_triton()
-                kernels = "triton"
-            except KernelUnavailable:
-                kernels = "paddle"
-        elif config.tensor_parallel_size > 1:
-            kernels = "paddle"  # tensor parallelism splits the float32 paddle path only
-        else:
-            kernels = "cpu"
-            try:
-                load_cpu_ops()
-            except KernelUnavailable:
-                if dtype == "float16":
-                    raise SpecdecError("dtype: float16 weights need the CPU kernels, which cannot be built "
-                                       "here; use dtype: float32") from None
-                kernels = "paddle"
-    elif kernels == "cpu":
-        if config.tensor_parallel_size > 1:
-            raise SpecdecError("kernels: cpu does not split over tensor_parallel_size ranks; use paddle (or auto)")
-        try:
-            load_cpu_ops()
-        except KernelUnavailable as exc:
-            raise SpecdecError(f"kernels: {exc}; use kernels: paddle") from None
-    elif kernels == "triton":
-        try:
-            load_triton()
-        except KernelUnavailable as exc:
-            raise SpecdecError(f"kernels: {exc}; use kernels: paddle") from None
-    if dtype == "auto":
-        dtype = "float16" if kernels == "cpu" else "float32"
-    if kernels != "cpu" and dtype != "float32":
-        raise SpecdecError(f"dtype: {dtype} weights need the CPU kernels (kernels: cpu or auto)")
-    return kernels, dtype
-
-
-@attrs.define
-class BuiltModel:
-    """What :func:`build_model` made: the model and what was resolved on the way."""
-
-    kernels: str
-    weight_dtype: str
-    quantization: str
-    backend: str
-    attention: Any
-    kv_cache_dtype: str
-    model_config: Any
-    max_model_len: int
-    model: Any
-    tokenizer: Any
-    #: With tensor parallelism, the whole embedding and LM head (numpy) for rank 0's proposers.
-    embedding: Any = None
-    lm_head: Any = None
-
-
-def build_model(config: EngineConfig, plugins, progress: bool = True, tensor_parallel=None) -> BuiltModel:
-    """Resolve kernels, attention backend, quantization and cache dtype for ``config``, load
-    the checkpoint and build the model (one rank's slice with ``tensor_parallel``, as
-    :class:`~specdec.model.llama.LlamaModel` takes it). The engine and the tensor-parallel
-    workers both build theirs here, so that every rank resolves the same way."""
-    from ..model.llama import LlamaModel
-    from ..model.quant import QuantizedMatrix
-    from ..model.resolve import load_checkpoint
-
-    kernels, weight_dtype = resolve_kernels(config)
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = {"cpu": "cpu", "triton": "triton"}.get(kernels, "paddle")
-    attention_cls = plugins.get("attention_backends", backend, "attention_backend")
-    quantization = resolve_quantization(config, kernels)
-    model_config, weights, tokenizer = load_checkpoint(config.model, progress=progress,
-                                                       keep_quantized=quantization == "gguf")
-    if config.quantization == "auto" and not any(isinstance(w, QuantizedMatrix) for w in weights.values()):
-        quantization = "none"  # a GGUF file of float matrices
-    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                        model_config.max_position_embeddings)
-    # Attention backends take no keys from the configuration (yet): their Config's defaults.
-    attention = attention_cls(attention_cls.Config() if attention_cls.Config is not None else None, None)
-    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, backend, weight_dtype)
-    embedding = lm_head = None
-    if tensor_parallel is not None and tensor_parallel[1] == 0:
-        embedding = weights["model.embed_tokens.weight"]
-        lm_head = embedding if model_config.tie_word_embeddings else weights["lm_head.weight"]
-    # Builds the layers and calls attention.setup (which records the cache's shape).
-    model = LlamaModel(model_config, weights, attention, max_positions=max_model_len + MAX_SPECULATIVE_TOKENS + 1,
-                       kernels=kernels, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype,
-                       quantization=quantization, tensor_parallel=tensor_parallel)
-    return BuiltModel(kernels=kernels, weight_dtype=weight_dtype, quantization=quantization, backend=backend,
-                      attention=attention, kv_cache_dtype=kv_cache_dtype, model_config=model_config,
-                      max_model_len=max_model_len, model=model, tokenizer=tokenizer, embedding=embedding,
-                      lm_head=lm_head)
-
 
 def _rows(logits, pick: np.ndarray):
     """The rows ``pick`` of step logits (numpy, or a paddle tensor on its device)."""
@@ -232,7 +93,7 @@ class Engine:
     """Owns the model, the plugins chosen by the config, the KV pool and the requests."""
 
     def __init__(self, config: EngineConfig, plugins=None, progress: bool = True):
-        """Load the model and build the plugins ``config`` names.
+        """Load the model and build the plugins ``config`` names (``build.py``).
 
         :param config: a resolved config, as :func:`specdec.config.build_engine_config` makes
             it (a hand-built ``SpeculativeConfig`` goes through ``.resolved(plugins)`` first).
@@ -244,25 +105,29 @@ class Engine:
 
         self.plugins = plugins if plugins is not None else get_plugins()
         self.config = config
-        # Resolve every plugin before loading weights, so a bad name fails fast.
-        self._spec_plugin_classes(config.speculative)
+        spec_plugin_classes(self.plugins, config.speculative)  # a bad name fails before loading
         #: The other tensor-parallel ranks' processes (started here on one machine), if any.
         self.tensor_parallel_workers: list = []
         self._closed = False
         self._on_fatal: Callable[[str], None] = exit_after_failure
-        tensor_parallel = watchdog = None
+        rank_zero = None
         if config.tensor_parallel_size > 1:
-            tensor_parallel, watchdog, environment = self._start_tensor_parallel(config)
+            from .tensor_parallel import start_rank_zero
+
+            rank_zero = start_rank_zero(config, lambda message: self._on_fatal(message))
+            self.tensor_parallel_workers = rank_zero.workers
+            atexit.register(self.close)  # before multiprocessing's own exit handler terminates the workers
         try:
-            built = build_model(config, self.plugins, progress, tensor_parallel=tensor_parallel)
+            built = build_model(config, self.plugins, progress,
+                                tensor_parallel=None if rank_zero is None else rank_zero.tensor_parallel)
             release_free_heap()  # the loader's temporaries, freed by now
-            if tensor_parallel is not None:
+            if rank_zero is not None:
                 from .tensor_parallel import init_process_group
 
-                init_process_group(tensor_parallel[0].paddle, environment)  # after loading: see there
+                init_process_group(rank_zero.tensor_parallel[0].paddle, rank_zero.environment)  # after loading
         except BaseException:
-            if watchdog is not None:  # the workers fail the same way: that is not news
-                watchdog.stop()
+            if rank_zero is not None:  # the workers fail the same way: that is not news
+                rank_zero.watchdog.stop()
                 for process in self.tensor_parallel_workers:
                     process.kill()  # silently: paddle prints a C++ trace on SIGTERM
                 self._closed = True
@@ -270,10 +135,11 @@ class Engine:
         self.kernels, self.weight_dtype, self.quantization = built.kernels, built.weight_dtype, built.quantization
         self.attention, self.kv_cache_dtype, self.tokenizer = built.attention, built.kv_cache_dtype, built.tokenizer
         self.model_config, self.max_model_len, self.model = built.model_config, built.max_model_len, built.model
-        if tensor_parallel is not None:
+        if rank_zero is not None:
             from .tensor_parallel import TensorParallelModel
 
-            self.model = TensorParallelModel(built.model, tensor_parallel[0], built.embedding, built.lm_head, watchdog)
+            self.model = TensorParallelModel(built.model, rank_zero.tensor_parallel[0], built.embedding,
+                                             built.lm_head, rank_zero.watchdog)
         logger.debug("kernels %s, attention backend %s, weights %s (quantization %s), kv cache %s, "
                      "tensor parallel %d", self.kernels, built.backend, self.weight_dtype, self.quantization,
                      self.kv_cache_dtype, config.tensor_parallel_size)
@@ -282,41 +148,14 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.hidden_states = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
         #: The prompt's hidden states of requests that capture them for a hand-off.
-        self._captured_hidden = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
-        #: What the adaptive draft length has learned, per method (see _build_spec_plugins).
+        self.captured_hidden = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
+        #: What the adaptive draft length has learned, per method (see _use_spec_plugins).
         self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
-        self._build_spec_plugins(config.speculative)
+        self._use_spec_plugins(config.speculative)
 
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self._ids = itertools.count()
-
-    def _start_tensor_parallel(self, config: EngineConfig):
-        """Become rank 0 of the tensor-parallel group: start the other ranks on this machine
-        (unless ``paddle.distributed.launch`` started them) and watch them. Returns
-        ``((group, 0, world_size), watchdog, rank 0's environment)``; the group is joined once
-        the model is built."""
-        from ..errors import require_paddle
-        from ..model.tensor_parallel import CollectiveGroup
-        from .tensor_parallel import Watchdog, launched_rank, start_local_workers, use_rank_device
-
-        paddle = require_paddle()
-        world_size = config.tensor_parallel_size
-        launched = launched_rank()
-        environment = None
-        if launched is None:
-            self.tensor_parallel_workers, environment = start_local_workers(
-                config, world_size, "nccl" if _on_gpu() else "gloo")
-        elif launched[1] != world_size:
-            raise SpecdecError(f"tensor_parallel_size: {world_size}, but paddle.distributed.launch "
-                               f"started {launched[1]} ranks")
-        # Watched from here on: a rank that dies while loading ends this process with the
-        # reason instead of leaving it waiting at the rendezvous.
-        watchdog = Watchdog(self.tensor_parallel_workers, config.tensor_parallel_timeout,
-                            lambda message: self._on_fatal(message))
-        use_rank_device(paddle, environment)
-        atexit.register(self.close)  # before multiprocessing's own exit handler terminates the workers
-        return (CollectiveGroup(paddle, 0, world_size), 0, world_size), watchdog, environment
 
     def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
         """What to do when the engine cannot go on (a tensor-parallel rank died or hung):
@@ -344,79 +183,31 @@ class Engine:
             self.model.init_cache(num_blocks, self.block_size)
         return KVCacheManager(BlockPool(num_blocks, self.block_size, config.enable_prefix_caching))
 
-    def _spec_plugin_classes(self, spec: SpeculativeConfig) -> list[type]:
-        """The proposer, verify strategy and accept policy classes ``spec`` names (in
-        :data:`SPECULATIVE_KINDS` order); an unresolved ``spec`` is an error."""
-        if not spec.is_resolved(self.plugins):
-            raise SpecdecError("the engine takes a resolved speculative config: build it with "
-                               "build_speculative_config(data, plugins), or call .resolved(plugins) on it")
-        return [self.plugins.get(kind.attr, getattr(spec, kind.config_key), f"speculative_config.{kind.config_key}")
-                for kind in SPECULATIVE_KINDS]
+    # -- the speculative plugins (build.py) ----------------------------------------------------
 
-    def _build_spec_plugins(self, spec: SpeculativeConfig) -> None:
-        proposer_cls, verify_cls, accept_cls = self._spec_plugin_classes(spec)
-        proposer = proposer_cls(spec.method_config, spec)
-        self._setup_proposer(proposer, spec)
+    def _use_spec_plugins(self, spec: SpeculativeConfig) -> None:
+        """Build the plugins ``spec`` names and make them the step loop's."""
+        built = build_spec_plugins(spec, self.plugins, self._proposer_context)
         self.spec: SpeculativeConfig = spec
         self.num_speculative_tokens = spec.num_speculative_tokens or 0
-        self.proposer = proposer
+        self.proposer, self.verifier, self.accept_policy = built.proposer, built.verifier, built.accept_policy
         # The adaptive policy's statistics belong to the method (draft classes mean what its
         # proposer says; the step-cost fit needs its multi-row steps, which another method's
         # 1-row steps would drown): switching methods and back resumes them.
         self.acceptance, self.step_costs = self._adaptive_state.setdefault(
             spec.method, (AcceptanceModel(), StepCostModel()))
-        self.verifier = verify_cls(spec.verify_config, spec)
-        self.accept_policy = accept_cls(spec.accept_config, spec)
 
-    def _setup_proposer(self, proposer, spec: SpeculativeConfig) -> None:
-        """``proposer.setup(context)``; what it raises is a one-line error naming the method."""
-        from ..proposer_context import ProposerContext, TargetModel
+    def _proposer_context(self, create_proposer: Callable) -> ProposerContext:
+        """What a proposer's ``setup`` gets: the target, its tokenizer and the cache geometry."""
+        return ProposerContext(model_name=self.config.model, model_config=self.model_config,
+                               tokenizer=self.tokenizer, target=TargetModel(self.model), block_size=self.block_size,
+                               num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers,
+                               create_proposer=create_proposer)
 
-        def create_proposer(context, method: str, keys: dict):
-            return self._create_inner_proposer(context, spec, method, keys)
-
-        context = ProposerContext(model_name=self.config.model, model_config=self.model_config,
-                                  tokenizer=self.tokenizer, target=TargetModel(self.model), block_size=self.block_size,
-                                  num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers,
-                                  create_proposer=create_proposer)
-        try:
-            proposer.setup(context)
-        except SpecdecError as exc:
-            raise SpecdecError(f"speculative_config.method: proposer '{spec.method}': {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - a plugin's failure, reported in one line
-            raise SpecdecError(f"speculative_config.method: proposer '{spec.method}' setup failed: "
-                               f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
-
-    def _create_inner_proposer(self, context, spec: SpeculativeConfig, method: str, keys: dict):
-        """``ProposerContext.create_proposer``: ``method`` built from ``spec`` (see its docstring)."""
-        from ..config import build_speculative_config
-
-        cls = self.plugins.get("proposers", method, "method")
-        data = {"method": method, "num_speculative_tokens": spec.num_speculative_tokens, **keys}
-        for key in ("num_model_steps", "model", "quantization"):
-            if key in getattr(cls, "USED_MODEL_KEYS", ()):
-                data[key] = getattr(spec, key)
-        inner = build_speculative_config(data, self.plugins, source=f"proposer '{method}'")
-        proposer = cls(inner.method_config, inner)
-        proposer.setup(context)
-        return proposer
-
-    def _create_cache_layers(self, num_layers: int, *, num_heads: Optional[int] = None,
-                             num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None):
-        """``ProposerContext.create_cache_layers``: a backend of the engine's kind over the same
-        block ids as the target's cache (see its docstring)."""
-        from ..model.llama import rope_tables
-
-        c = self.model_config
-        head_dim = head_dim or c.head_dim
-        backend = type(self.attention)(self.attention.config, None)
-        cos, sin = self.attention.rope_cos, self.attention.rope_sin
-        if head_dim != c.head_dim:
-            cos, sin = rope_tables(attrs.evolve(c, head_dim=head_dim), len(cos))
-        backend.setup(num_layers=num_layers, num_heads=num_heads or c.num_heads,
-                      num_kv_heads=num_kv_heads or c.num_kv_heads, head_dim=head_dim, dtype=self.kv_cache_dtype,
-                      rope_cos=cos, rope_sin=sin)
-        backend.init_cache(self.kv.pool.num_blocks, self.block_size)
+    def _create_cache_layers(self, num_layers: int, **shape: Optional[int]):
+        """``ProposerContext.create_cache_layers`` over this engine's pool (see its docstring)."""
+        backend = create_cache_layers(self.attention, self.model_config, self.kv_cache_dtype, self.kv.pool.num_blocks,
+                                      self.block_size, num_layers, **shape)
         self.kv.pool.reset_prefix_cache()  # its cached blocks hold no draft rows
         return backend
 
@@ -428,7 +219,7 @@ class Engine:
         """
         if self.has_unfinished():
             raise SpecdecError("cannot change the speculative config while requests are running")
-        self._build_spec_plugins(spec)
+        self._use_spec_plugins(spec)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -460,11 +251,11 @@ class Engine:
         :raises RequestError: for a prompt or sampling values the engine cannot take.
         :raises SpecdecError: for ``handoff`` with tensor parallelism.
         """
-        prompt_ids = self._checked_prompt(prompt_token_ids)
+        prompt_ids = self.checked_prompt(prompt_token_ids)
         self.check_sampling(sampling, len(prompt_ids))
         if handoff:
-            self._check_handoff_supported("add_request(handoff=True)")
-        request = self._new_request(prompt_ids, sampling, prompt, request_id)
+            handoff.check_handoff_supported(self, "add_request(handoff=True)")
+        request = self.new_request(prompt_ids, sampling, prompt, request_id)
         request.handoff = handoff
         request.capture_hidden = handoff and capture_hidden
         if request.capture_hidden:
@@ -472,7 +263,7 @@ class Engine:
         self.scheduler.waiting.append(request)
         return request
 
-    def _new_request(self, prompt_ids: np.ndarray, sampling: SamplingParams, prompt: Optional[str],
+    def new_request(self, prompt_ids: np.ndarray, sampling: SamplingParams, prompt: Optional[str],
                      request_id: Optional[str]) -> Request:
         """A request for a checked prompt, with its token buffer, generator and detokenizer."""
         from ..model.tokenizer import DetokenizeStream
@@ -515,177 +306,21 @@ class Engine:
         to it should come with them: ``add_request(..., capture_hidden=True)`` there)."""
         return bool(self.proposer.NEEDS_HIDDEN_STATES)
 
-    def _check_handoff_supported(self, what: str) -> None:
-        if self.config.tensor_parallel_size > 1:
-            raise SpecdecError(f"{what}: handing requests between engines does not work with tensor_parallel_size > 1")
-
     def import_request(self, state: HandoffState, request_id: Optional[str] = None) -> Request:
-        """Continue a request another engine handed off (``add_request(..., handoff=True)``
-        there): it produces the tokens that engine alone would have produced (the same greedy
-        tokens; a sampled request draws on from the same generator state).
+        """Continue a request another engine handed off: :func:`specdec.engine.handoff.import_request`."""
+        return handoff.import_request(self, state, request_id)
 
-        When the batch has a free seat (fewer than ``max_num_seqs`` running, none waiting) and
-        the pool has the blocks, its KV blocks are written into this cache and it joins the
-        running batch at once (``request.kv_imported`` True); its full prompt blocks join the
-        prefix cache. Otherwise, or when this engine's proposer reads hidden states and the
-        state has none, it queues and recomputes its tokens here (``kv_imported`` False):
-        the same tokens, later.
+    # -- admission (admission.py) ------------------------------------------------------------
 
-        :param request_id: the request's id here (default: a fresh one of this engine's).
-        :returns: the request; its ``text`` already holds the handed-off tokens' text, and its
-            first-token time is the exporting engine's.
-        :raises SpecdecError: one line, when the state's KV layout differs from this engine's
-            (:attr:`kv_layout`), its tokens or arrays do not fit, or with tensor parallelism;
-            a :class:`RequestError` for a prompt or sampling values this engine cannot take.
-        """
-        self._check_handoff_supported("import_request")
-        mismatch = state.layout.mismatch(self.kv_layout)
-        if mismatch is not None:
-            raise SpecdecError(f"import_request: the hand-off's KV layout differs from this engine's ({mismatch})")
-        prompt_ids = self._checked_prompt(state.prompt_token_ids)
-        self.check_sampling(state.sampling, len(prompt_ids))
-        output_ids = self._checked_handoff(state, len(prompt_ids))
-        request = self._new_request(prompt_ids, state.sampling, None, request_id)
-        self._restore(request, state, output_ids)
-        if not self._seat_imported(request, state):
-            request.context_len = 0  # recomputed, as a preempted request is
-            self.scheduler.waiting.append(request)
-        return request
-
-    def _checked_handoff(self, state: HandoffState, num_prompt_tokens: int) -> np.ndarray:
-        """The state's output ids, after checking that its tokens, positions and arrays fit."""
-        vocab = self.model_config.vocab_size
-        output_ids = np.asarray(state.output_token_ids, dtype=np.int64)
-        if output_ids.ndim != 1 or not 0 < len(output_ids) < state.sampling.max_tokens:
-            raise SpecdecError(f"import_request: {output_ids.size} output tokens; a hand-off has from 1 to "
-                               f"max_tokens - 1 ({state.sampling.max_tokens - 1})")
-        if output_ids.min() < 0 or output_ids.max() >= vocab:
-            raise SpecdecError(f"import_request: output token ids must lie in [0, {vocab})")
-        num_tokens = num_prompt_tokens + len(output_ids)
-        if not 0 < state.num_positions < num_tokens:
-            raise SpecdecError(f"import_request: num_positions {state.num_positions} outside [1, {num_tokens - 1}] "
-                               f"(the last token is never in the cache)")
-        blocks = -(-state.num_positions // self.block_size)
-        if len(state.kv) != self.model_config.num_layers or any(len(layer) != blocks for layer in state.kv):
-            raise SpecdecError(f"import_request: the KV must be {self.model_config.num_layers} layers of {blocks} "
-                               f"blocks for {state.num_positions} positions")
-        hidden = state.hidden_states
-        if hidden is not None and tuple(hidden.shape) != (state.num_positions, self.model_config.hidden_size):
-            raise SpecdecError(f"import_request: hidden states {list(hidden.shape)}; expected "
-                               f"[{state.num_positions}, {self.model_config.hidden_size}]")
-        return output_ids
-
-    def _restore(self, request: Request, state: HandoffState, output_ids: np.ndarray) -> None:
-        """Give a new request the handed-off tokens, text, generator state and times."""
-        start = request.num_prompt_tokens
-        request.tokens[start: start + len(output_ids)] = output_ids
-        request.num_tokens = start + len(output_ids)
-        try:
-            request.rng.bit_generator.state = state.rng_state
-        except (TypeError, ValueError, KeyError) as exc:
-            raise SpecdecError(f"import_request: the generator state does not fit numpy's "
-                               f"{type(request.rng.bit_generator).__name__}: {exc}") from None
-        request.text = request.detokenizer.step(request.generated_ids)
-        now = time.perf_counter()
-        request.arrival_time = now - state.first_token_s  # first_token_s stays the exporter's
-        request.first_token_time = now
-
-    def _seat_imported(self, request: Request, state: HandoffState) -> bool:
-        """Put an imported request straight into the running batch with its KV blocks (and
-        hidden states) when there is a seat and the blocks for it; False otherwise."""
-        scheduler, n = self.scheduler, state.num_positions
-        if scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs:
-            return False
-        if self.needs_hidden_states and state.hidden_states is None:
-            return False  # the proposer's own cache rows would be missing: recompute them
-        # Room for the token the next step feeds too, so that the import does not preempt itself.
-        if self.kv.blocks_needed(request, request.num_tokens) > self.kv.pool.num_free:
-            return False
-        self.kv.grow(request, n)
-        try:
-            self.attention.import_blocks(request.block_table, state.kv)
-        except BaseException:
-            self.kv.free(request)
-            raise
-        self.kv.adopt(request, n)
-        request.kv_imported = True
-        scheduler.running.append(request)
-        if self.needs_hidden_states:
-            hidden = self.model.paddle.to_tensor(np.asarray(state.hidden_states, dtype=np.float32))
-            self.hidden_states.keep(request, hidden, 0, 0, n)
-        self._start(request)
-        return True
-
-    def _hand_off(self, request: Request) -> None:
-        """End ``request`` (it has its first token) with finish reason ``handoff`` and its
-        exported state; its blocks are still held (the caller retires it)."""
-        n = request.context_len
-        hidden = self._captured_rows(request, n) if request.capture_hidden else None
-        request.handoff_state = HandoffState(
-            request_id=request.request_id,
-            prompt_token_ids=request.tokens[: request.num_prompt_tokens].copy(),
-            output_token_ids=request.generated_ids.copy(),
-            sampling=request.sampling,
-            rng_state=request.rng.bit_generator.state,
-            num_positions=n,
-            kv=self.attention.export_blocks(request.block_table[: -(-n // self.block_size)]),
-            hidden_states=hidden,
-            layout=self.kv_layout,
-            first_token_s=request.first_token_time - request.arrival_time,
-        )
-        request.finish_reason = "handoff"
-
-    def _captured_rows(self, request: Request, num_positions: int) -> np.ndarray:
-        """``[num_positions, H]`` float32: the hidden states captured for ``request``."""
-        states, positions = self._captured_hidden.take(request)
-        if not np.array_equal(positions, np.arange(num_positions)):
-            raise SpecdecError(f"captured hidden states of {len(positions)} positions, expected 0..{num_positions - 1}")
-        return np.asarray(states.numpy(), dtype=np.float32)
-
-    def _checked_prompt(self, prompt_token_ids: Sequence[int]) -> np.ndarray:
+    def checked_prompt(self, prompt_token_ids: Sequence[int]) -> np.ndarray:
         """The prompt as an int64 array, or a :class:`RequestError` naming what is wrong."""
-        vocab = self.model_config.vocab_size
-        try:
-            prompt_ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError):
-            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})") from None
-        if prompt_ids.ndim != 1 or len(prompt_ids) == 0:
-            raise RequestError("prompt", "must hold at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError("prompt", f"{len(prompt_ids)} tokens do not fit the context of {self.max_model_len} "
-                                         f"tokens", code="context_length_exceeded")
-        if prompt_ids.min() < 0 or prompt_ids.max() >= vocab:
-            raise RequestError("prompt", f"token ids must lie in [0, {vocab})")
-        blocks = -(-(len(prompt_ids) + 1) // self.block_size)
-        if blocks > self.kv.pool.num_blocks:
-            raise RequestError("prompt", f"{len(prompt_ids)} tokens need {blocks} KV blocks; the pool has "
-                                         f"{self.kv.pool.num_blocks} (raise num_kv_blocks or kv_cache_memory_gb)")
-        return prompt_ids
+        return admission.checked_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len,
+                                        self.block_size, self.kv.pool.num_blocks)
 
     def check_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> None:
-        """Check ``sampling`` against this engine (``SamplingParams`` checked the rest when it
-        was built): ``top_k`` within the vocabulary, the stop-string limits, and the context,
-        as the OpenAI API counts it (the prompt plus ``max_tokens`` must fit).
-
-        :raises RequestError: naming the field."""
-        vocab = self.model_config.vocab_size
-        if sampling.top_k > vocab:
-            raise RequestError("top_k", f"must be between 0 and {vocab} (the vocabulary size), or -1, "
-                                        f"got {sampling.top_k}")
-        stops = sampling.stop
-        if len(stops) > self.config.max_stop_strings:
-            raise RequestError("stop", f"at most {self.config.max_stop_strings} stop strings (max_stop_strings), "
-                                       f"got {len(stops)}")
-        longest = max(stops, key=len, default="")
-        if len(longest) > self.config.max_stop_string_length:
-            raise RequestError("stop", f"a stop string may have at most {self.config.max_stop_string_length} "
-                                       f"characters (max_stop_string_length), got {len(longest)}")
-        if num_prompt_tokens + sampling.max_tokens > self.max_model_len:
-            raise RequestError(
-                "max_tokens", f"the context holds {self.max_model_len} tokens, but the prompt's {num_prompt_tokens} "
-                              f"plus max_tokens {sampling.max_tokens} would need {num_prompt_tokens + sampling.max_tokens};"
-                              f" lower max_tokens to at most {self.max_model_len - num_prompt_tokens}",
-                code="context_length_exceeded")
+        """Check ``sampling`` against this engine; a :class:`RequestError` names the field."""
+        admission.check_sampling(sampling, num_prompt_tokens, self.model_config.vocab_size, self.max_model_len,
+                                 self.config.max_stop_strings, self.config.max_stop_string_length)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a queued or running request now (finish reason ``abort``) and free its KV
@@ -725,7 +360,7 @@ class Engine:
                 logger.exception("proposer '%s': on_request_finish(%s) failed", self.spec.method, request.request_id)
         self.acceptance.forget(request.request_id)
         self.hidden_states.drop(request)
-        self._captured_hidden.drop(request)
+        self.captured_hidden.drop(request)
         self._finish(request, reason or request.finish_reason)
 
     def _fail(self, request: Request, phase: str, exc: Exception) -> None:
@@ -796,10 +431,10 @@ class Engine:
             self._retire(request, "length")
         for request in plan.preempted:  # it recomputes its rows, hidden states included
             self.hidden_states.drop(request)
-            self._captured_hidden.drop(request)
+            self.captured_hidden.drop(request)
         for request in plan.admitted:
             if not request.started:  # not a preempted request coming back
-                self._start(request)
+                self.start_request(request)
         touched = {id(r): r for r in (*plan.exhausted, *plan.admitted, *plan.requests)}
         plan = plan.keeping(lambda r: not r.finished)
         if plan.num_requests:
@@ -817,7 +452,7 @@ class Engine:
             proposal.block_table.flags.writeable = False
         return proposal
 
-    def _start(self, request: Request) -> None:
+    def start_request(self, request: Request) -> None:
         """Tell the proposer a request starts (its prompt), and for an imported request the
         tokens generated elsewhere (one ``on_step``); a failure ends that request alone."""
         request.started = True
@@ -1013,7 +648,7 @@ class Engine:
                 appended_by_request[id(request)] = appended
                 self._check_stop_strings(request)
                 if request.handoff and not request.finished:
-                    self._hand_off(request)
+                    handoff.export_request(self, request)
             except Exception as exc:  # noqa: BLE001 - a detokenizer failure, say: this request only
                 self._fail(request, "update", exc)
         return state.only(lambda r: id(r) in appended_by_request and r.error is None), appended_by_request
@@ -1025,7 +660,7 @@ class Engine:
         if self.proposer.NEEDS_HIDDEN_STATES:
             self.hidden_states.keep(request, state.hidden, first_row, first_position, count)
         if request.capture_hidden:
-            self._captured_hidden.keep(request, state.hidden, first_row, first_position, count)
+            self.captured_hidden.keep(request, state.hidden, first_row, first_position, count)
 
     def _emitted_counts(self, decodes, output_tokens: np.ndarray, accepted: np.ndarray):
         """How many of each request's ``accepted + 1`` output tokens it keeps, and why it stops

@@ -9,11 +9,16 @@ process, loaded with the same model and cache settings (equal :class:`KVLayout`)
 it with :meth:`Engine.import_request`: the tokens are those one engine alone would have
 produced. The transport between them is not the engine's business: :meth:`HandoffState.to_wire`
 gives a JSON header and raw buffers, :meth:`HandoffState.from_wire` takes them back.
+
+This module holds the state and both halves of the engine's side: :func:`export_request`
+(the prefill engine's, called by the step when a hand-off request has its first token) and
+:func:`import_request` (the decode engine's, behind :meth:`Engine.import_request`).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Optional, Sequence, Union
 
 import attrs
@@ -188,3 +193,141 @@ def _array(spec: dict[str, Any], buffer: Buffer) -> np.ndarray:
     if size != expected:
         raise SpecdecError(f"hand-off buffer '{spec['name']}' has {size} bytes; {dtype} {list(shape)} needs {expected}")
     return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+# --- the engine's side: exporting on the prefill engine, importing on the decode engine ----------
+
+
+def check_handoff_supported(engine, what: str) -> None:
+    """A one-line error: hand-offs do not work with tensor parallelism."""
+    if engine.config.tensor_parallel_size > 1:
+        raise SpecdecError(f"{what}: handing requests between engines does not work with tensor_parallel_size > 1")
+
+
+def import_request(engine, state: HandoffState, request_id: Optional[str] = None):
+    """Continue a request another engine handed off (``add_request(..., handoff=True)``
+    there): it produces the tokens that engine alone would have produced (the same greedy
+    tokens; a sampled request draws on from the same generator state).
+
+    When the batch has a free seat (fewer than ``max_num_seqs`` running, none waiting) and
+    the pool has the blocks, its KV blocks are written into this cache and it joins the
+    running batch at once (``request.kv_imported`` True); its full prompt blocks join the
+    prefix cache. Otherwise, or when this engine's proposer reads hidden states and the
+    state has none, it queues and recomputes its tokens here (``kv_imported`` False):
+    the same tokens, later.
+
+    :param request_id: the request's id here (default: a fresh one of this engine's).
+    :returns: the request; its ``text`` already holds the handed-off tokens' text, and its
+        first-token time is the exporting engine's.
+    :raises SpecdecError: one line, when the state's KV layout differs from this engine's
+        (:attr:`kv_layout`), its tokens or arrays do not fit, or with tensor parallelism;
+        a :class:`RequestError` for a prompt or sampling values this engine cannot take.
+    """
+    check_handoff_supported(engine, "import_request")
+    mismatch = state.layout.mismatch(engine.kv_layout)
+    if mismatch is not None:
+        raise SpecdecError(f"import_request: the hand-off's KV layout differs from this engine's ({mismatch})")
+    prompt_ids = engine.checked_prompt(state.prompt_token_ids)
+    engine.check_sampling(state.sampling, len(prompt_ids))
+    output_ids = _checked_handoff(engine, state, len(prompt_ids))
+    request = engine.new_request(prompt_ids, state.sampling, None, request_id)
+    _restore(request, state, output_ids)
+    if not _seat_imported(engine, request, state):
+        request.context_len = 0  # recomputed, as a preempted request is
+        engine.scheduler.waiting.append(request)
+    return request
+
+
+def _checked_handoff(engine, state: HandoffState, num_prompt_tokens: int) -> np.ndarray:
+    """The state's output ids, after checking that its tokens, positions and arrays fit."""
+    vocab = engine.model_config.vocab_size
+    output_ids = np.asarray(state.output_token_ids, dtype=np.int64)
+    if output_ids.ndim != 1 or not 0 < len(output_ids) < state.sampling.max_tokens:
+        raise SpecdecError(f"import_request: {output_ids.size} output tokens; a hand-off has from 1 to "
+                           f"max_tokens - 1 ({state.sampling.max_tokens - 1})")
+    if output_ids.min() < 0 or output_ids.max() >= vocab:
+        raise SpecdecError(f"import_request: output token ids must lie in [0, {vocab})")
+    num_tokens = num_prompt_tokens + len(output_ids)
+    if not 0 < state.num_positions < num_tokens:
+        raise SpecdecError(f"import_request: num_positions {state.num_positions} outside [1, {num_tokens - 1}] "
+                           f"(the last token is never in the cache)")
+    blocks = -(-state.num_positions // engine.block_size)
+    if len(state.kv) != engine.model_config.num_layers or any(len(layer) != blocks for layer in state.kv):
+        raise SpecdecError(f"import_request: the KV must be {engine.model_config.num_layers} layers of {blocks} "
+                           f"blocks for {state.num_positions} positions")
+    hidden = state.hidden_states
+    if hidden is not None and tuple(hidden.shape) != (state.num_positions, engine.model_config.hidden_size):
+        raise SpecdecError(f"import_request: hidden states {list(hidden.shape)}; expected "
+                           f"[{state.num_positions}, {engine.model_config.hidden_size}]")
+    return output_ids
+
+
+def _restore(request, state: HandoffState, output_ids: np.ndarray) -> None:
+    """Give a new request the handed-off tokens, text, generator state and times."""
+    start = request.num_prompt_tokens
+    request.tokens[start: start + len(output_ids)] = output_ids
+    request.num_tokens = start + len(output_ids)
+    try:
+        request.rng.bit_generator.state = state.rng_state
+    except (TypeError, ValueError, KeyError) as exc:
+        raise SpecdecError(f"import_request: the generator state does not fit numpy's "
+                           f"{type(request.rng.bit_generator).__name__}: {exc}") from None
+    request.text = request.detokenizer.step(request.generated_ids)
+    now = time.perf_counter()
+    request.arrival_time = now - state.first_token_s  # first_token_s stays the exporter's
+    request.first_token_time = now
+
+
+def _seat_imported(engine, request, state: HandoffState) -> bool:
+    """Put an imported request straight into the running batch with its KV blocks (and
+    hidden states) when there is a seat and the blocks for it; False otherwise."""
+    scheduler, n = engine.scheduler, state.num_positions
+    if scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs:
+        return False
+    if engine.needs_hidden_states and state.hidden_states is None:
+        return False  # the proposer's own cache rows would be missing: recompute them
+    # Room for the token the next step feeds too, so that the import does not preempt itself.
+    if engine.kv.blocks_needed(request, request.num_tokens) > engine.kv.pool.num_free:
+        return False
+    engine.kv.grow(request, n)
+    try:
+        engine.attention.import_blocks(request.block_table, state.kv)
+    except BaseException:
+        engine.kv.free(request)
+        raise
+    engine.kv.adopt(request, n)
+    request.kv_imported = True
+    scheduler.running.append(request)
+    if engine.needs_hidden_states:
+        hidden = engine.model.paddle.to_tensor(np.asarray(state.hidden_states, dtype=np.float32))
+        engine.hidden_states.keep(request, hidden, 0, 0, n)
+    engine.start_request(request)
+    return True
+
+
+def export_request(engine, request) -> None:
+    """End ``request`` (it has its first token) with finish reason ``handoff`` and its
+    exported state; its blocks are still held (the caller retires it)."""
+    n = request.context_len
+    hidden = _captured_rows(engine, request, n) if request.capture_hidden else None
+    request.handoff_state = HandoffState(
+        request_id=request.request_id,
+        prompt_token_ids=request.tokens[: request.num_prompt_tokens].copy(),
+        output_token_ids=request.generated_ids.copy(),
+        sampling=request.sampling,
+        rng_state=request.rng.bit_generator.state,
+        num_positions=n,
+        kv=engine.attention.export_blocks(request.block_table[: -(-n // engine.block_size)]),
+        hidden_states=hidden,
+        layout=engine.kv_layout,
+        first_token_s=request.first_token_time - request.arrival_time,
+    )
+    request.finish_reason = "handoff"
+
+
+def _captured_rows(engine, request, num_positions: int) -> np.ndarray:
+    """``[num_positions, H]`` float32: the hidden states captured for ``request``."""
+    states, positions = engine.captured_hidden.take(request)
+    if not np.array_equal(positions, np.arange(num_positions)):
+        raise SpecdecError(f"captured hidden states of {len(positions)} positions, expected 0..{num_positions - 1}")
+    return np.asarray(states.numpy(), dtype=np.float32)

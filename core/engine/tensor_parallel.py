@@ -39,7 +39,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 logger = logging.getLogger("specdec.engine")
 
@@ -142,6 +142,40 @@ def _worker_main(config, environment: dict) -> None:
         sys.exit(2)
 
 
+class RankZero(NamedTuple):
+    """What the engine holds as rank 0: ``tensor_parallel`` as :func:`~specdec.engine.build.build_model`
+    takes it (its group, rank 0, the world size), the :class:`Watchdog`, rank 0's environment
+    (for :func:`init_process_group` once the model is built) and the local workers it started."""
+
+    tensor_parallel: tuple
+    watchdog: "Watchdog"
+    environment: Optional[dict]
+    workers: list
+
+
+def start_rank_zero(config, on_fatal: Callable[[str], None]) -> RankZero:
+    """Become rank 0 of the tensor-parallel group: start the other ranks on this machine
+    (unless ``paddle.distributed.launch`` started them) and watch them; a rank that dies while
+    loading ends this process with the reason (``on_fatal``) instead of leaving it waiting at
+    the rendezvous. The group is joined once the model is built."""
+    from ..errors import SpecdecError, require_paddle
+    from ..model.tensor_parallel import CollectiveGroup
+    from .build import on_gpu
+
+    paddle = require_paddle()
+    world_size = config.tensor_parallel_size
+    launched = launched_rank()
+    workers, environment = [], None
+    if launched is None:
+        workers, environment = start_local_workers(config, world_size, "nccl" if on_gpu() else "gloo")
+    elif launched[1] != world_size:
+        raise SpecdecError(f"tensor_parallel_size: {world_size}, but paddle.distributed.launch "
+                           f"started {launched[1]} ranks")
+    watchdog = Watchdog(workers, config.tensor_parallel_timeout, on_fatal)
+    use_rank_device(paddle, environment)
+    return RankZero((CollectiveGroup(paddle, 0, world_size), 0, world_size), watchdog, environment, workers)
+
+
 def worker_loop(config) -> None:
     """A rank other than 0: build this rank's slice of the model and attention cache, then
     run every step rank 0 broadcasts, until it says stop (or goes away)."""
@@ -150,7 +184,7 @@ def worker_loop(config) -> None:
     from ..plugin_manager import get_plugins
     from specdec.kernels.cpu import release_free_heap
 
-    from .engine import build_model
+    from .build import build_model
 
     paddle = require_paddle()
     rank, world_size = launched_rank()

@@ -80,7 +80,7 @@ class WeightArena:
 
 
 class QuantizedWeights:
-    """Same interface as :class:`specdec.model.llama.FloatWeights`, over quantized matrices.
+    """Same interface as :class:`specdec.model.float_weights.FloatWeights`, over quantized matrices.
 
     :param quantization: ``gguf`` (blocks as the file stores them), ``wint8`` or ``wint4``
         (float weights quantized here; see :func:`specdec.model.quant.quantize`).

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import SpecdecError
 from .config import ModelConfig
-from .llama import FloatWeights
+from .float_weights import FloatWeights
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
