@@ -61,7 +61,7 @@ class CpuKernelLinear:
         self.weight_dtype = np.float16 if weight_dtype == "float16" else np.float32
 
     def pack(self, weight_in_out: np.ndarray):
-        from specdec.kernels.cpu.reference import pack_panels
+        from specdec.kernels.cpu.packing import pack_panels
 
         if weight_in_out.shape[1] % 16:
             raise SpecdecError(f"kernels: the cpu kernels need matrices whose output width is a multiple of 16; "
@@ -69,7 +69,7 @@ class CpuKernelLinear:
         return self.paddle.to_tensor(pack_panels(weight_in_out, self.weight_dtype))
 
     def pack_gate_up(self, gate_in_out: np.ndarray, up_in_out: np.ndarray):
-        from specdec.kernels.cpu.reference import pack_gate_up_panels
+        from specdec.kernels.cpu.packing import pack_gate_up_panels
 
         return self.paddle.to_tensor(pack_gate_up_panels(gate_in_out, up_in_out, self.weight_dtype))
 
