@@ -48,9 +48,8 @@ class PaddleLinear:
 class CpuKernelLinear:
     """Weights in 16-column panels streamed once per call by the CPU kernels, stored as
     float16 (half the memory traffic) or float32, with norm, residual add and SwiGLU fused
-    into the matmul. The same kernel serves every row count: it multiplies 6 rows at a time
-    per panel, near the AVX2 peak from 4 rows on, and beat numpy's BLAS (over float32 copies
-    of the weights) from decode batches to prefill chunks when measured (docs/models.md)."""
+    into the matmul. The same kernel (6 rows at a time per panel) serves every row count,
+    because it beat numpy's BLAS from decode batches to prefill chunks (docs/models.md)."""
 
     name = "cpu"
 
