@@ -34,7 +34,7 @@ def method_configs(k: int) -> dict[str, dict]:
         "mtp": {"method": "mtp", "num_model_steps": 1, "verify_strategy": "greedy"},
         "mtp2": {"method": "mtp", "num_model_steps": 2, "num_speculative_tokens": 2, "verify_strategy": "greedy"},
         "mtp3": {"method": "mtp", "num_model_steps": 3, "num_speculative_tokens": 3, "verify_strategy": "greedy"},
-        # hybrid as the seed system writes it: MTP drafts num_model_steps, ngram continues to k.
+        # hybrid as FastDeploy writes it: MTP drafts num_model_steps, ngram continues to k.
         "hybrid": {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 1, "num_speculative_tokens": k,
                    "verify_strategy": "greedy"},
         "hybrid2": {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": k,

@@ -48,9 +48,8 @@ class PaddleLinear:
 class CpuKernelLinear:
     """Weights in 16-column panels streamed once per call by the CPU kernels, stored as
     float16 (half the memory traffic) or float32, with norm, residual add and SwiGLU fused
-    into the matmul. The same kernel serves every row count: it multiplies 6 rows at a time
-    per panel, near the AVX2 peak from 4 rows on, and beat numpy's BLAS (over float32 copies
-    of the weights) from decode batches to prefill chunks when measured (docs/models.md)."""
+    into the matmul. The same kernel (6 rows at a time per panel) serves every row count,
+    because it beat numpy's BLAS from decode batches to prefill chunks (docs/models.md)."""
 
     name = "cpu"
 
@@ -61,7 +60,7 @@ class CpuKernelLinear:
         self.weight_dtype = np.float16 if weight_dtype == "float16" else np.float32
 
     def pack(self, weight_in_out: np.ndarray):
-        from specdec.kernels.cpu.reference import pack_panels
+        from specdec.kernels.cpu.packing import pack_panels
 
         if weight_in_out.shape[1] % 16:
             raise SpecdecError(f"kernels: the cpu kernels need matrices whose output width is a multiple of 16; "
@@ -69,7 +68,7 @@ class CpuKernelLinear:
         return self.paddle.to_tensor(pack_panels(weight_in_out, self.weight_dtype))
 
     def pack_gate_up(self, gate_in_out: np.ndarray, up_in_out: np.ndarray):
-        from specdec.kernels.cpu.reference import pack_gate_up_panels
+        from specdec.kernels.cpu.packing import pack_gate_up_panels
 
         return self.paddle.to_tensor(pack_gate_up_panels(gate_in_out, up_in_out, self.weight_dtype))
 

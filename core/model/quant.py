@@ -12,11 +12,10 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-#: The block formats the kernels compute on: name -> (ggml type id, elements, bytes) per block.
-BLOCK_FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-                 "Q6_K": (14, 256, 210)}
-TYPE_IDS = {name: type_id for name, (type_id, _, _) in BLOCK_FORMATS.items()}
-TYPE_NAMES = {type_id: name for name, type_id in TYPE_IDS.items()}
+# The kernels' byte layouts live below the model layer; re-exported here under their old names.
+from specdec.kernels.cpu.layout import (BLOCK_FORMATS, GROUP_ROWS, INTERLEAVED_TYPE_IDS, SLACK_BYTES,  # noqa: F401
+                                        SPLIT_TYPE_IDS, TYPE_IDS, TYPE_NAMES, deinterleave_rows,
+                                        interleave_rows, split_rows, unsplit_rows)
 
 #: ``quantization`` values that quantize float weights at load, and the format each uses.
 LOAD_TIME_FORMATS = {"wint8": "Q8_0", "wint4": "Q4_0"}
@@ -115,79 +114,6 @@ def quantize(weight: np.ndarray, method: str) -> QuantizedMatrix:
         data = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_0)
         return QuantizedMatrix(cols, (Segment("Q4_0", data.reshape(rows, -1)),))
     raise ValueError(f"unknown quantization method {method!r}")
-
-
-#: The kernels' ids for Q4_0 / Q4_1 / Q8_0 rows in the split layout (:func:`split_rows`).
-SPLIT_TYPE_IDS = {"Q4_0": 102, "Q4_1": 103, "Q8_0": 108}
-#: Per split format: (block bytes, quant bytes, byte ranges of the block's halves d and m).
-_SPLIT_FIELDS = {"Q4_0": (18, 16, [(0, 2)]), "Q4_1": (20, 16, [(0, 2), (2, 4)]), "Q8_0": (34, 32, [(0, 2)])}
-#: Bytes after the last row: split rows read a little past their scales (see the kernel).
-SLACK_BYTES = 16
-
-
-def split_rows(type_name: str, data: np.ndarray) -> np.ndarray:
-    """Q4_0 / Q4_1 / Q8_0 rows ``[rows, blocks * size]`` regrouped as the kernels read them
-    fastest: each row becomes [the quants of every block][every d][every m (Q4_1)], in block
-    order. The same bytes, moved: nothing is dequantized or rounded."""
-    size, quant, halves = _SPLIT_FIELDS[type_name]
-    rows = data.shape[0]
-    blocks = np.asarray(data).reshape(rows, -1, size)
-    parts = [blocks[:, :, size - quant:]] + [blocks[:, :, a:b] for a, b in halves]
-    return np.concatenate([part.reshape(rows, -1) for part in parts], axis=1)
-
-
-def unsplit_rows(type_name: str, data: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`split_rows`."""
-    size, quant, halves = _SPLIT_FIELDS[type_name]
-    rows, count = data.shape[0], data.shape[1] // size
-    parts, offset = [], quant * count
-    for _ in halves:
-        parts.append(data[:, offset:offset + 2 * count].reshape(rows, count, 2))
-        offset += 2 * count
-    parts.append(data[:, :quant * count].reshape(rows, count, quant))
-    return np.concatenate(parts, axis=2).reshape(rows, -1)
-
-
-#: The kernels' ids for Q4_0 / Q4_1 / Q8_0 rows interleaved in groups of 16 (:func:`interleave_rows`).
-INTERLEAVED_TYPE_IDS = {"Q4_0": 202, "Q4_1": 203, "Q8_0": 208}
-#: Rows in one interleaved group.
-GROUP_ROWS = 16
-
-
-def interleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
-    """Q4_0 / Q4_1 / Q8_0 rows ``[16 * groups, blocks * size]`` regrouped as the kernels read
-    them for several activation rows at once: per group of 16 rows and per block, the 16 rows'
-    quants 4 bytes at a time (bytes 4c..4c+3 of every row, then 4c+4.., so that a 64-byte vector
-    holds one row per 32-bit lane), then the 16 rows' d, then their m (Q4_1). The same bytes,
-    moved; returned as ``[16 * groups, blocks * size]`` (each group's 16 rows of bytes hold the
-    group)."""
-    size, quant, halves = _SPLIT_FIELDS[type_name]
-    rows = data.shape[0]
-    if rows % GROUP_ROWS:
-        raise ValueError(f"interleaved rows come in groups of {GROUP_ROWS}, got {rows}")
-    groups, count = rows // GROUP_ROWS, data.shape[1] // size
-    blocks = np.asarray(data).reshape(groups, GROUP_ROWS, count, size)
-    quants = blocks[..., size - quant:].reshape(groups, GROUP_ROWS, count, quant // 4, 4).transpose(0, 2, 3, 1, 4)
-    parts = [quants.reshape(groups, count, -1)]
-    parts += [blocks[..., a:b].transpose(0, 2, 1, 3).reshape(groups, count, -1) for a, b in halves]
-    return np.concatenate(parts, axis=2).reshape(rows, -1)
-
-
-def deinterleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`interleave_rows`."""
-    size, quant, halves = _SPLIT_FIELDS[type_name]
-    rows = data.shape[0]
-    groups, count = rows // GROUP_ROWS, data.shape[1] // size
-    grouped = np.asarray(data).reshape(groups, count, GROUP_ROWS * size)
-    out = np.empty((groups, GROUP_ROWS, count, size), np.uint8)
-    quants = grouped[..., :GROUP_ROWS * quant].reshape(groups, count, quant // 4, GROUP_ROWS, 4)
-    out[..., size - quant:] = quants.transpose(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, count, quant)
-    offset = GROUP_ROWS * quant
-    for a, b in halves:
-        field = grouped[..., offset:offset + GROUP_ROWS * (b - a)].reshape(groups, count, GROUP_ROWS, b - a)
-        out[..., a:b] = field.transpose(0, 2, 1, 3)
-        offset += GROUP_ROWS * (b - a)
-    return out.reshape(rows, -1)
 
 
 def kernel_parts(segment: Segment, cols: int) -> list[tuple[int, np.ndarray]]:

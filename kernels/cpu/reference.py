@@ -1,23 +1,16 @@
-"""Numpy reference twins of the CPU kernels (same inputs, same outputs, no speed)."""
+"""Numpy reference twins of the CPU kernels (same inputs, same outputs, no speed): what the
+tests check the kernels against. Production weight packing is in :mod:`.packing` and
+:mod:`.layout`."""
 
 from __future__ import annotations
 
 import numpy as np
 
-PANEL = 16
-
-
-def pack_panels(weight_in_out: np.ndarray, dtype=np.float16) -> np.ndarray:
-    """``[K, N]`` weight -> ``[N/16, K, 16]`` panels (N is padded up to a multiple of 16)."""
-    k, n = weight_in_out.shape
-    padded = -(-n // PANEL) * PANEL
-    if padded != n:
-        weight_in_out = np.concatenate([weight_in_out, np.zeros((k, padded - n), weight_in_out.dtype)], axis=1)
-    return np.ascontiguousarray(weight_in_out.reshape(k, padded // PANEL, PANEL).transpose(1, 0, 2), dtype=dtype)
+from .layout import INTERLEAVED_TYPE_IDS, SPLIT_TYPE_IDS, TYPE_NAMES, deinterleave_rows, unsplit_rows
 
 
 def unpack_panels(panels: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_panels` (float32, padded width)."""
+    """Inverse of :func:`specdec.kernels.cpu.packing.pack_panels` (float32, padded width)."""
     count, k, width = panels.shape
     return panels.astype(np.float32).transpose(1, 0, 2).reshape(k, count * width)
 
@@ -76,17 +69,6 @@ def paged_attention(qkv: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np
     return out.reshape(qkv.shape[0], heads * dim).astype(np.float32), updated.astype(store)
 
 
-def pack_gate_up_panels(gate_in_out: np.ndarray, up_in_out: np.ndarray, dtype=np.float16) -> np.ndarray:
-    """Gate and up ``[K, I]`` weights -> ``[I/8, K, 16]`` panels: panel p holds gate columns
-    ``8p..8p+7`` then up columns ``8p..8p+7`` (what ``rms_matmul_swiglu`` expects)."""
-    k, inner = gate_in_out.shape
-    if inner % 8:
-        raise ValueError("gate/up widths must be multiples of 8")
-    gate = gate_in_out.reshape(k, inner // 8, 8)
-    up = up_in_out.reshape(k, inner // 8, 8)
-    return np.ascontiguousarray(np.concatenate([gate, up], axis=2).transpose(1, 0, 2), dtype=dtype)
-
-
 def rms_matmul(x: np.ndarray, panels: np.ndarray, eps: float) -> np.ndarray:
     return skinny_matmul(rms_norm(x, eps), panels)
 
@@ -104,13 +86,6 @@ def rms_matmul_swiglu(x: np.ndarray, gate_up_panels: np.ndarray, eps: float) -> 
 
 # --- weight-only quantized kernels (specdec_quant_ops.cc) -------------------------------------
 
-#: ggml type id -> the ``gguf`` package's name for it (the formats the quantized kernels read).
-GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
-#: The kernels' split layouts of Q4_0 / Q4_1 rows (specdec.model.quant.split_rows).
-SPLIT_TYPE_NAMES = {102: "Q4_0", 103: "Q4_1", 108: "Q8_0"}
-#: And their interleaved layouts (specdec.model.quant.interleave_rows).
-INTERLEAVED_TYPE_NAMES = {202: "Q4_0", 203: "Q4_1", 208: "Q8_0"}
-
 
 def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.ndarray:
     """``[N, cols]`` float64 rows of a quantized weight given as the kernels take it (``data``
@@ -118,18 +93,20 @@ def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.nda
     ``gguf`` package (llama.cpp's formats, independently of the kernels)."""
     import gguf
 
-    from specdec.model.quant import deinterleave_rows, unsplit_rows
-
+    split_names = {type_id: name for name, type_id in SPLIT_TYPE_IDS.items()}
+    interleaved_names = {type_id: name for name, type_id in INTERLEAVED_TYPE_IDS.items()}
     parts = []
     for type_id, rows, offset, row_bytes in layout.tolist():
         blocks = data[offset:offset + rows * row_bytes].reshape(rows, row_bytes)
-        if type_id in SPLIT_TYPE_NAMES:
-            blocks = unsplit_rows(SPLIT_TYPE_NAMES[type_id], blocks)
-            type_id = {name: i for i, name in GGML_TYPE_NAMES.items()}[SPLIT_TYPE_NAMES[type_id]]
-        elif type_id in INTERLEAVED_TYPE_NAMES:
-            blocks = deinterleave_rows(INTERLEAVED_TYPE_NAMES[type_id], blocks)
-            type_id = {name: i for i, name in GGML_TYPE_NAMES.items()}[INTERLEAVED_TYPE_NAMES[type_id]]
-        qtype = gguf.GGMLQuantizationType[GGML_TYPE_NAMES[type_id]]
+        if type_id in split_names:
+            name = split_names[type_id]
+            blocks = unsplit_rows(name, blocks)
+        elif type_id in interleaved_names:
+            name = interleaved_names[type_id]
+            blocks = deinterleave_rows(name, blocks)
+        else:
+            name = TYPE_NAMES[type_id]
+        qtype = gguf.GGMLQuantizationType[name]
         parts.append(gguf.quants.dequantize(blocks, qtype).reshape(rows, cols))
     return np.concatenate(parts).astype(np.float64)
 

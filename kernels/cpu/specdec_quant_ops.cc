@@ -47,7 +47,8 @@ namespace {
 
 // A prompt's matmuls allocate megabytes (a [rows, 2 * inner] gate/up output, paddle's output
 // tensors). glibc serves such blocks with fresh mmaps and returns them at free, so every call
-// paid a page fault per 4 KiB touched (about 5 us each in a VM: 4 of a 6.6 ms 190-row matmul).
+// paid a page fault per 4 KiB touched, most of a prompt's matmul time in a VM
+// (docs/benchmarks.md#one-quantized-matmul-benchmarksbench_quant_matmulpy).
 // Blocks up to 32 MiB come from the heap instead, and the heap keeps up to 256 MiB it no longer
 // uses, so that the next call reuses the same pages. Set once, when the kernels load.
 const bool kHeapReuse = [] {
@@ -256,13 +257,13 @@ struct QuantWeight {
 };
 
 // Weight rows per work item of a matmul's parallel loop: runs of about kItemBytes of weights
-// (a multiple of 16 rows: interleaved segments are computed in whole groups of 16), two to eight
-// per thread (a few more where rounding down to 16 rows, or a segment's end, cuts an extra one). Long runs stream contiguous memory (what the prefetchers follow best) and keep the
-// claims on the shared counter few; more than one per thread lets a thread that runs faster
-// take the work of one that runs slower. On the 2-vCPU VM (steal time 9-15%), against two per
-// thread, medians of 50 forwards taking turns in one process: a Qwen2.5-Coder-1.5B 6-row
-// forward 230.4 to 200.4 ms, a 1-row one 95.1 to 90.2; the default model's within noise (its
-// matrices, at most 1.1 MB but the LM head, keep two per thread).
+// (a multiple of 16 rows: interleaved segments are computed in whole groups of 16), two to
+// eight per thread (a few more where rounding down to 16 rows, or a segment's end, cuts an
+// extra one). Long runs stream contiguous memory (what the prefetchers follow best) and keep
+// the claims on the shared counter few; more than one per thread lets a thread that runs
+// faster take the work of one that runs slower (a VM's steal time; figures in
+// docs/benchmarks.md#work-items-sized-by-weight-bytes-2026-12-03-evening). Small matrices
+// (the default model's, but its LM head) keep two per thread.
 constexpr int64_t kItemBytes = 256 * 1024;
 
 int64_t rows_per_item(const QuantWeight& w, int64_t threads) {

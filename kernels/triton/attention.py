@@ -1,42 +1,11 @@
 """Paged attention for a packed step: RoPE + cache write, then variable-length causal attention.
 
-A step packs ``T`` rows of ``B`` requests: prefill chunks and decode rows (``1 + k`` per
-request when verifying ``k`` drafts) side by side. Per layer the ``triton`` attention backend
-makes two launches (three with split-KV):
-
-1. :func:`rope_and_cache_write`: rotates each row's query and key heads (rotate-half RoPE),
-   writes the rotated queries to a float32 ``[T, H, D]`` buffer and the rotated keys and the
-   raw values into the paged cache at ``slot_mapping``, rounded to the cache's dtype.
-2. :func:`paged_attention`: every row attends causally to its request's cached positions
-   (the context plus the step's rows up to itself). One program takes a *tile*: up to
-   ``plan.rows_per_tile`` consecutive rows of one request times all ``G = H / KVH`` query
-   heads of one KV head, flattened into ``BLOCK_M = rows x G`` matrix rows, so each key/value
-   tile is loaded once for every query head that shares it (GQA). Keys are walked in tiles of
-   ``BLOCK_N`` positions, each position finding its cache block through the block table, so
-   any block size works (multiples of 8: 8 .. 1024) with power-of-two tiles. Softmax is
-   online in float32. With split-KV the positions are cut into ``num_splits`` ranges of
-   whole cache blocks, a program per (tile, KV head, split) writes its partial maximum, sum
-   and accumulator to scratch, and a small second kernel combines them (flash-decoding).
-
-Which tiles exist and how many splits is decided on the host, once per step, by
-:func:`plan_attention` (numpy; see it for the heuristic).
-
-Cache layout, per layer: ``[num_blocks, 2, KVH, block_size, D]`` in the cache dtype
-(float32, float16 or bfloat16): keys at ``[:, 0]``, values at ``[:, 1]``, so one KV head's
-block of keys is one contiguous ``[block_size, D]`` tile.
-
-Numerics: with a float32 cache both products run on tensor cores in 3xTF32
-(``input_precision="tf32x3"``: each operand split into two TF32 parts, about float32
-accuracy; the exact ``"ieee"`` products run on the FMA units and spill registers heavily at
-these tile sizes on sm_90). With float16 / bfloat16 caches the query is rounded to the cache
-dtype for ``q @ k^T`` and the probabilities for ``p @ v`` (the usual flash-attention
-rounding, tensor cores on a GPU), accumulating in float32. bfloat16 rounding is done on the
-bits (round to nearest even), so that the interpreter (whose own float32 -> bfloat16 cast
-truncates) rounds as a GPU does; the interpreter also multiplies half-precision tiles after
-widening them to float32 (it cannot multiply bfloat16), which gives the same products. The
-numpy twins are in :mod:`specdec.kernels.triton.reference`.
-
-The launchers take paddle or torch tensors (see :mod:`.runtime`) and never import either.
+Per layer the ``triton`` attention backend launches :func:`rope_and_cache_write` (rotate the
+step's new query and key rows, store keys and values in the paged cache) and
+:func:`paged_attention` (every row attends causally to its request's cached positions; GQA
+heads share loaded tiles; split-KV with a combine pass for long contexts at small batch), as
+planned on the host by :func:`plan_attention`. Tiling, cache layout and numerics:
+docs/gpu.md#how-the-attention-kernels-work. Numpy twins: :mod:`specdec.kernels.triton.reference`.
 """
 
 from __future__ import annotations
@@ -243,9 +212,7 @@ def plan_attention(query_lens, context_lens, *, block_size: int, num_heads: int,
     cache 64, or 32 when the padded head_dim exceeds 128; with a float32 cache, whose 3xTF32
     products hold twice the operands, ``block_m * block_n * head_dim`` stays within
     ``16 * 64 * 128`` (64 / 32 / 16 for ``block_m`` 16 / 32 / 64 at head_dim 128). Tiles of 64
-    rows get 8 warps, smaller ones 4. Compiled for sm_90 the half-precision configurations use
-    at most ~230 registers without spilling; float32 ones reach 255 with a few dozen bytes of
-    spill at head_dim <= 128 (more at 256).
+    rows get 8 warps, smaller ones 4 (register use per configuration: docs/gpu.md).
 
     Splits (flash-decoding), when ``num_splits`` is None: with ``n_tiles * KVH`` programs short
     of ``target_programs`` (two per SM) and the longest sequence at least

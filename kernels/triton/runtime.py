@@ -60,7 +60,7 @@ def load_triton():
     try:
         import triton
     except ImportError as exc:
-        raise KernelUnavailable(f"triton cannot be imported ({exc}); see docs/install.md, GPU") from None
+        raise KernelUnavailable(f"triton cannot be imported ({exc}); see docs/gpu.md#install") from None
     return triton
 
 

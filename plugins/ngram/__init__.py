@@ -1,4 +1,4 @@
-"""``ngram``: prompt/output lookup drafting (the seed system's ``method: ngram``).
+"""``ngram``: prompt/output lookup drafting (FastDeploy's ``method: ngram``).
 
 Find the longest suffix of the context (``max_ngram_size`` tokens down to ``min_ngram_size``)
 that occurred earlier in the prompt or the generated tokens, and draft the tokens that followed

@@ -1,4 +1,4 @@
-"""``suffix``: suffix decoding (SuffixDecoding, Oliaro et al. 2024; the seed's ``method: suffix``).
+"""``suffix``: suffix decoding (SuffixDecoding, Oliaro et al. 2024; FastDeploy's ``method: suffix``).
 
 Drafts from a suffix tree over the request's own tokens and one over the responses of earlier
 requests; the longer the context's match, the longer the draft may grow. Our own

@@ -22,7 +22,7 @@ MAX_DRAFT_CLASS = 8
 
 @attrs.define(frozen=True, kw_only=True)
 class SuffixConfig:
-    """Flat keys of ``--speculative-config`` for ``method: suffix`` (the seed system's names
+    """Flat keys of ``--speculative-config`` for ``method: suffix`` (FastDeploy's names
     and defaults; docs/methods.md explains each).
 
     :ivar suffix_decoding_max_tree_depth: suffixes are stored and matched up to this many tokens.

@@ -1,6 +1,6 @@
 """The ``hybrid`` method (MTP drafts, then ngram continues them) on the real default model:
 greedy output equal to naive token for token, alone and batched with continuous batching;
-the seed system's spelling selects it; the lookup really continues the model's drafts."""
+FastDeploy's spelling selects it; the lookup really continues the model's drafts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = tuple(code_edit_prompts(5))
 SAMPLING = SamplingParams(max_tokens=64, ignore_eos=True)
-#: As the seed system writes it.
+#: As FastDeploy writes it.
 SEED_SPEC = {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": 5,
              "adaptive_draft_length": False}
 

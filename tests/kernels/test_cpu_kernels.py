@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.kernels.cpu import reference
+from specdec.kernels.cpu import packing, reference
 
 paddle = pytest.importorskip("paddle")
 
@@ -23,7 +23,7 @@ def test_skinny_matmul_matches_reference(ops, rows, dtype):
     rng = np.random.default_rng(rows)
     weight = rng.standard_normal((96, 80)).astype(np.float32)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
-    panels = reference.pack_panels(weight, dtype)
+    panels = packing.pack_panels(weight, dtype)
     got = ops.specdec_skinny_matmul(paddle.to_tensor(x), paddle.to_tensor(panels)).numpy()
     want = reference.skinny_matmul(x, panels)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
@@ -37,9 +37,9 @@ def test_fused_matmuls_match_reference(ops, rows, dtype):
     rng = np.random.default_rng(10 + rows)
     x = (rng.standard_normal((rows, 64)) * 2).astype(np.float32)
     residual = rng.standard_normal((rows, 48)).astype(np.float32)
-    panels = reference.pack_panels(rng.standard_normal((64, 48)).astype(np.float32), dtype)
-    gate_up = reference.pack_gate_up_panels(rng.standard_normal((64, 40)).astype(np.float32),
-                                            rng.standard_normal((64, 40)).astype(np.float32), dtype)
+    panels = packing.pack_panels(rng.standard_normal((64, 48)).astype(np.float32), dtype)
+    gate_up = packing.pack_gate_up_panels(rng.standard_normal((64, 40)).astype(np.float32),
+                                          rng.standard_normal((64, 40)).astype(np.float32), dtype)
     t = paddle.to_tensor
     np.testing.assert_allclose(ops.specdec_rms_matmul(t(x), t(panels), 1e-5).numpy(),
                                reference.rms_matmul(x, panels, 1e-5), rtol=1e-4, atol=1e-4)
@@ -54,7 +54,7 @@ def test_swiglu_reference_matches_the_definition():
     rng = np.random.default_rng(3)
     gate, up = rng.standard_normal((32, 16)).astype(np.float32), rng.standard_normal((32, 16)).astype(np.float32)
     x = np.eye(32, dtype=np.float32)[:4] * np.sqrt(32)  # rms_norm leaves these rows unchanged
-    got = reference.rms_matmul_swiglu(x, reference.pack_gate_up_panels(gate, up, np.float32), 0.0)
+    got = reference.rms_matmul_swiglu(x, packing.pack_gate_up_panels(gate, up, np.float32), 0.0)
     g, u = x @ gate, x @ up
     np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
 
@@ -66,7 +66,7 @@ def test_swiglu_kernel_handles_large_and_tiny_gates(ops):
     gate[0, :] = [200, -200, 30, -30, 1, -1, 0, 88]
     up = np.ones((16, 8), np.float32)
     got = ops.specdec_rms_matmul_swiglu(paddle.to_tensor(x), paddle.to_tensor(
-        reference.pack_gate_up_panels(gate, up, np.float32)), 0.0).numpy()
+        packing.pack_gate_up_panels(gate, up, np.float32)), 0.0).numpy()
     g = np.array([800, -800, 120, -120, 4, -4, 0, 352], np.float64)
     want = g / (1 + np.exp(np.clip(-g, -700, 700))) * 4.0  # up = h @ ones = 4
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
@@ -75,7 +75,7 @@ def test_swiglu_kernel_handles_large_and_tiny_gates(ops):
 
 def test_pack_panels_round_trips():
     weight = np.arange(12 * 40, dtype=np.float32).reshape(12, 40)
-    panels = reference.pack_panels(weight, np.float32)
+    panels = packing.pack_panels(weight, np.float32)
     assert panels.shape == (3, 12, 16)
     np.testing.assert_array_equal(reference.unpack_panels(panels)[:, :40], weight)
     np.testing.assert_array_equal(reference.unpack_panels(panels)[:, 40:], 0)

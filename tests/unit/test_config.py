@@ -42,7 +42,7 @@ class Ngram:
 
 
 class ModelBased:
-    """Stands for a model-based method such as MTP: it reads the seed system's model keys, and
+    """Stands for a model-based method such as MTP: it reads FastDeploy's model keys, and
     declares ``mtp_strategy`` in its own Config (as the mtp plugin does)."""
 
     NAME = "mtp_like"
@@ -116,7 +116,7 @@ def plugins() -> FakePlugins:
 
 @pytest.fixture
 def plugins_with_mtp(plugins) -> FakePlugins:
-    """The same plugins plus a model-based method that reads the seed system's model keys."""
+    """The same plugins plus a model-based method that reads FastDeploy's model keys."""
     plugins.proposers = _registry("proposer", Naive, Ngram, ModelBased)
     return plugins
 
@@ -634,7 +634,7 @@ def test_docs_list_every_key():
 
 
 def test_num_speculative_tokens_is_raised_to_num_model_steps(plugins_with_mtp):
-    """As the seed system does, for a method that reads num_model_steps (and only for one)."""
+    """As FastDeploy does, for a method that reads num_model_steps (and only for one)."""
     config = build_speculative_config({"method": "mtp_like", "num_speculative_tokens": 2, "num_model_steps": 3},
                                       plugins_with_mtp)
     assert config.num_speculative_tokens == 3
@@ -645,7 +645,7 @@ def test_num_speculative_tokens_is_raised_to_num_model_steps(plugins_with_mtp):
     assert config.num_speculative_tokens == 5 and config.notices == ()
 
 
-# --- the seed system's hybrid spelling, with the real built-in plugins --------------------------
+# --- FastDeploy's hybrid spelling, with the real built-in plugins -------------------------------
 
 
 def test_mtp_with_ngram_selects_the_hybrid_method():
