@@ -1,6 +1,6 @@
 """Configuration: the engine and speculative configs, parsed strictly, with one-line errors.
 
-Users write the speculative config as the seed system (FastDeploy) does, one flat JSON object::
+Users write the speculative config as FastDeploy does, one flat JSON object::
 
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 5, "max_ngram_size": 4}'
 
@@ -347,7 +347,7 @@ class SpeculativeConfig:
 
 
 #: The core keys that only model-based methods read (MTP heads, draft models, third-party
-#: EAGLE or Medusa heads alike; the seed system's names). Given a value other than the default
+#: EAGLE or Medusa heads alike; FastDeploy's names). Given a value other than the default
 #: with a method that does not list them in ``USED_MODEL_KEYS``, they are a config error
 #: rather than silently ignored.
 MODEL_KEYS = ("num_model_steps", "model", "quantization")
@@ -625,7 +625,7 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
         config_classes[slot] = _config_class(classes[slot], slot, name)
 
     # 2. Every key is a core key or a field of a chosen plugin's Config; a key that selects
-    # another method (``mtp_strategy``) at its default is ignored, as the seed system does.
+    # another method (``mtp_strategy``) at its default is ignored, as FastDeploy does.
     owners: dict[str, list[str]] = {}
     for slot, config_cls in config_classes.items():
         for field in attrs.fields(config_cls) if config_cls is not None else ():
@@ -659,7 +659,7 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
     _check_model_keys(config, classes["method"], plugins, source)
     steps = config.num_model_steps
     if "num_model_steps" in getattr(classes["method"], "USED_MODEL_KEYS", ()) and num_tokens < steps:
-        # As the seed system does: a model that runs num_model_steps substeps drafts as many tokens.
+        # As FastDeploy does: a model that runs num_model_steps substeps drafts as many tokens.
         notices.append(f"{path}: method '{chosen['method']}' drafts num_model_steps ({steps}) tokens; "
                        f"{num_tokens} raised to {steps}")
         config = attrs.evolve(config, num_speculative_tokens=steps)
@@ -674,7 +674,7 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
 
 def _method_of_alias(data: Mapping, proposers) -> Mapping:
     """``data`` with ``method`` replaced by the proposer whose ``ALSO_SELECTED_BY`` spelling it
-    matches (the seed system writes hybrid as ``method: mtp`` with ``mtp_strategy: with_ngram``)."""
+    matches (FastDeploy writes hybrid as ``method: mtp`` with ``mtp_strategy: with_ngram``)."""
     for name, cls in _registered(proposers):
         for spelling in getattr(cls, "ALSO_SELECTED_BY", ()):
             if all(key in data and data[key] == value for key, value in spelling.items()):

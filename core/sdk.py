@@ -1,42 +1,18 @@
 """The plugin SDK: everything a plugin of any kind may import from specdec.
 
 A plugin (built-in or third-party) imports ``specdec`` and ``specdec.sdk`` only, never another
-plugin or an engine module; a test holds the built-ins to it. What is here:
-
-- the four plugin bases and their data: :class:`Proposer` (:class:`ProposalBatch`,
-  :class:`ProposalRequest`, :class:`Drafts`, :data:`DRAFT_PAD`), :class:`VerifyStrategy`
-  (:class:`VerifyInputs`, :class:`VerifyResult`, :class:`BatchSampling`),
-  :class:`AcceptPolicy`, :class:`AttentionBackend` (:class:`AttentionMetadata`), their common
-  base :class:`Plugin`, and the :data:`hookimpl` marker; for model-based proposers
-  :class:`ProposerContext` and :class:`TargetModel`;
-- the sampling math of verify strategies (``[B, R, V]`` batches, no Python loop per request):
-  :func:`processed_probs`, :func:`greedy_tokens`, :func:`one_hot`, :func:`sample_tokens`
-  (inverse CDF with pre-drawn uniforms), :func:`target_choice`, :func:`target_distribution`,
-  :func:`top_tokens`, and speculative sampling's :func:`residual_distribution` and
-  :func:`recovered_tokens`;
-- the verify result builders: :func:`check_inputs`, :func:`draft_mask`,
-  :func:`accepted_prefix`, :func:`assemble_output`, :func:`at_positions`,
-  :func:`pad_beyond_drafts`, :func:`prefix_match_result`, and :func:`verify_on_device` (the
-  fused Triton verify kernels, for inputs that carry ``device_logits``);
-- the validators for a plugin's attrs ``Config`` (they make config errors one line naming the
-  key): :func:`in_range`, :func:`above`, :func:`one_of`, :func:`multiple_of`;
-- errors (:class:`SpecdecError`, :class:`ConfigError`, :class:`PluginError`) and
-  :func:`require_paddle`;
-- native code: :func:`load_cpu_ops` (the engine's compiled CPU operators), and for a plugin
-  that compiles its own, :func:`kernel_build_dir` (where a source version is built, shared
-  with the engine's kernels) and :class:`KernelUnavailable` (raise it when it cannot build);
-  :func:`load_triton_kernels` (the Triton kernel modules, ``attention`` and ``verify``, for
-  a CUDA device or Triton's interpreter);
-- :class:`QuantizedLinear` (a matrix quantized to ``wint8`` / ``wint4`` and multiplied by the
-  engine's quantized kernels: what a draft or MTP model's ``quantization`` runs on).
+plugin or an engine module; a test holds the built-ins to it. Here are the four plugin bases
+and their data, the ``hookimpl`` marker, the contract of model-based proposers
+(:class:`ProposerContext`, :class:`TargetModel`), the sampling math and verify result builders
+that strategies share, the validators of a plugin's ``Config``, the errors, and the native
+code a plugin may use (the CPU and Triton kernel loaders, :class:`QuantizedLinear`).
+docs/plugins.md ("The SDK") lists every name with what it is for.
 
 The SDK stands on the ground floor: importing it (or any plugin written against it) loads no
 engine, server, cluster, CLI, model loader, plugin manager or recorder. Tools that run an
-engine for a plugin's own commands live in :mod:`specdec.tools`; the SDK's old names for them
-(``load_plugins``, ``HiddenStateRecorder``, ``RecordedSequence``, ``save_recorded``,
-``load_recorded``) still resolve, with a ``DeprecationWarning``, for one release.
-
-Conformance checks for each kind are in :mod:`specdec.testing`.
+engine for a plugin's own commands live in :mod:`specdec.tools`; their old SDK names still
+resolve, with a ``DeprecationWarning``, for one release. Conformance checks for each kind are
+in :mod:`specdec.testing`.
 """
 
 from .attention import AttentionBackend, AttentionMetadata

@@ -8,10 +8,10 @@ learns per kind of draft and per request. Adding that row raises the step's expe
 per second exactly when ``a_bj / c`` exceeds the current ``tokens / seconds`` of the step, so
 the policy takes candidate rows best first while that holds (:func:`choose_draft_lengths`).
 
-At batch 1 on these CPUs ``c`` is about a twentieth of ``F`` (0.9 against 16 ms): drafts with
-a fair chance pass. In a large batch the rows already dominate the step time, the bar rises
-towards 1, and only drafts that are nearly certain remain: speculation never costs throughput
-by design.
+At batch 1 ``c`` is a small fraction of ``F``, so drafts with a fair chance pass. In a large
+batch the rows already dominate the step time, the bar rises towards 1, and only drafts that
+are nearly certain remain: speculation never costs throughput by design
+(docs/benchmarks.md has the measured ``F`` and ``c``).
 
 ``F`` and ``c`` are fitted online from the measured step times (a least-squares line over
 recent steps), starting from a prior measured on this machine class.
@@ -22,9 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 #: Cost of one extra row relative to the fixed cost of a step, before anything is measured,
-#: and for batches whose steps are all about one size. On the 2-core AVX2 machines a batch-64
-#: decode step takes about 193 ms (331 tok/s) against 16 ms for one row: 2.8 ms a row, 0.17 of
-#: the fixed part. (At batch 1 a row costs less, 0.9 ms; the fit finds that within a few steps.)
+#: and for batches whose steps are all about one size: a batch-64 decode step's rows measured
+#: on a 2-core AVX2 machine (docs/benchmarks.md); the fit corrects it within a few steps.
 PRIOR_ROW_COST = 0.16
 #: Conditional acceptance of a draft token assumed before anything is measured.
 PRIOR_ACCEPTANCE = 0.6
@@ -105,8 +104,7 @@ class AcceptanceModel:
     """The chance that a draft token is accepted, learned from what earlier steps accepted.
 
     Drafts are not alike: an ngram draft copied after a 4-token match is accepted whole most
-    of the time, one found by a 1-token match rarely gets its first token through (on the
-    code-edit benchmark, 88% against 27% for the first token). A proposer says which kind each
+    of the time, one found by a 1-token match rarely gets its first token through. A proposer says which kind each
     draft is (``Drafts.classes``; ngram and suffix give the length of the match), and the
     model keeps, per class and draft position ``j``, the conditional acceptance
     ``p(j) = P(draft j accepted | drafts before it accepted)`` as decayed counts:

@@ -564,9 +564,8 @@ class Engine:
 
         The bar is what this batch earns in a plain decode step: one row per request. Prompt
         rows (prefill chunks, or a prompt's last chunk before its first token) emit no token
-        this step, but they are work the engine owes anyway: counted as the step's base they
-        made its tokens per second look poor and every draft look cheap, so the steps that
-        prefilled a batch of 64 prompts verified every draft and the run lost 10%."""
+        this step and are owed anyway; counted in the base, they would make every draft look
+        cheap."""
         base_rows = len(plan.decodes)
         fixed, per_row = self.step_costs.costs()
         chances = self.acceptance.chances([r.request_id for r in batch.requests], classes, int(lengths.max()))

@@ -1,4 +1,4 @@
-"""``hybrid``: model drafts extended by lookup (the seed system's ``method: mtp`` with
+"""``hybrid``: model drafts extended by lookup (FastDeploy's ``method: mtp`` with
 ``mtp_strategy: with_ngram``; docs/methods.md#hybrid)."""
 
 from __future__ import annotations

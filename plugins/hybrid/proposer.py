@@ -1,6 +1,6 @@
 """The ``hybrid`` method: a model proposer drafts first, a lookup proposer continues the draft.
 
-As the seed system's ``mtp_strategy: with_ngram``: each step the model proposer (``mtp``)
+As FastDeploy's ``mtp_strategy: with_ngram``: each step the model proposer (``mtp``)
 drafts up to ``num_model_steps`` tokens; then the lookup proposer (``ngram``) continues from
 the request's tokens followed by those drafts, up to ``num_speculative_tokens`` in all. Where
 the model drafts nothing (a request whose state it has not caught up with), the lookup drafts
@@ -13,8 +13,8 @@ drafts from a request's own tokens compose this way.
 
 The lookup proposer sees, each step, a one-step request holding the context plus the model's
 drafts (as prompt), started and finished around its ``propose`` call: drafts that the target
-may reject never enter its per-request state. For ngram that costs an index rebuild per step
-(about 0.4 ms for 1,500 tokens with the compiled index).
+may reject never enter its per-request state. For ngram that costs an index rebuild per step,
+which the compiled index makes cheap next to a forward pass.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class HybridConfig:
     :ivar draft_lookup_method: the proposer that continues the draft.
     :ivar draft_lookup_first: when the lookup, on the context alone, matches a suffix of at
         least this many tokens (its ``Drafts.classes``), its draft goes first and the model
-        drafts nothing for that request this step; 0 (the default, the seed system's order)
+        drafts nothing for that request this step; 0 (the default, FastDeploy's order)
         never. A long match is a near-certain draft the model's would only cut short.
-    :ivar mtp_strategy: the seed system's key: ``with_ngram`` with ``method: mtp`` selects this
+    :ivar mtp_strategy: FastDeploy's key: ``with_ngram`` with ``method: mtp`` selects this
         method; it changes nothing here.
     """
 
@@ -55,9 +55,9 @@ class HybridProposer(specdec.Proposer):
     NAME = "hybrid"
     Config = HybridConfig
     USED_MODEL_KEYS = frozenset({"num_model_steps", "model", "quantization"})
-    #: The seed system's spelling of this method.
+    #: FastDeploy's spelling of this method.
     ALSO_SELECTED_BY = ({"method": "mtp", "mtp_strategy": "with_ngram"},)
-    #: The seed system's spelling: MTP drafts 2 tokens, ngram continues them.
+    #: FastDeploy's spelling: MTP drafts 2 tokens, ngram continues them.
     DEMO_CONFIG = {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": 5}
     #: Follows the model proposer's (set in :meth:`setup`).
     NEEDS_HIDDEN_STATES = True

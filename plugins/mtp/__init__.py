@@ -1,4 +1,4 @@
-"""``mtp``: multi-token prediction over the target's hidden states (the seed system's
+"""``mtp``: multi-token prediction over the target's hidden states (FastDeploy's
 ``method: mtp``; docs/methods.md#mtp), and its ``specdec train-mtp`` command."""
 
 from __future__ import annotations

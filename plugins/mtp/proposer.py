@@ -5,7 +5,7 @@ hidden state the target computed since the last step (the row at ``p`` from the 
 ``p - 1`` and the token at ``p``; its keys and values go to the head's own cache layer, over the
 request's blocks). The last of those rows sits at the request's last token and predicts the
 next one: draft 1. With ``num_model_steps`` > 1 the head then runs that many substeps, each
-feeding its own output state and its previous draft back in (as the seed system does), one
+feeding its own output state and its previous draft back in (as FastDeploy does), one
 draft per substep. Rows of drafts the target rejects are simply rewritten by the next
 catch-up. For a greedy request a draft is the head's argmax (deterministic, no ``probs``); at
 temperature > 0 it is sampled, with the request's own generator, from the head's distribution
@@ -40,7 +40,7 @@ SHIPPED_HEADS = {"smollm2-135m-instruct": str(HEADS_DIR / "smollm2-135m-instruct
 class MtpConfig:
     """Flat keys of ``--speculative-config`` for ``method: mtp``.
 
-    :ivar mtp_strategy: the seed system's key: ``default``; ``with_ngram`` selects the
+    :ivar mtp_strategy: FastDeploy's key: ``default``; ``with_ngram`` selects the
         ``hybrid`` method instead (which declares that spelling).
     """
 
@@ -69,7 +69,7 @@ class MtpProposer(specdec.Proposer):
             raise SpecdecError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or null, "
                                f"got {spec.quantization!r}")
         layers = load_mtp_layers(model, context.model_config.hidden_size)
-        weights = layers[0]  # every substep reuses the first layer, as the seed system does
+        weights = layers[0]  # every substep reuses the first layer, as FastDeploy does
         self.num_model_steps = spec.num_model_steps
         self.block_size = context.block_size
         self.hidden_size = context.model_config.hidden_size
