@@ -18,6 +18,8 @@ plugin or an engine module; a test holds the built-ins to it. What is here:
   :func:`accepted_prefix`, :func:`assemble_output`, :func:`at_positions`,
   :func:`pad_beyond_drafts`, :func:`prefix_match_result`, and :func:`verify_on_device` (the
   fused Triton verify kernels, for inputs that carry ``device_logits``);
+- :class:`DeviceVerifyKernel`: a verify strategy's fused device kernel and its numpy twin,
+  which the strategy declares as ``DEVICE_KERNEL`` and :func:`verify_on_device` dispatches;
 - the validators for a plugin's attrs ``Config`` (they make config errors one line naming the
   key): :func:`in_range`, :func:`above`, :func:`one_of`, :func:`multiple_of`;
 - errors (:class:`SpecdecError`, :class:`ConfigError`, :class:`PluginError`) and
@@ -52,6 +54,7 @@ from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Propose
 from .proposer_context import ProposerContext, TargetModel
 from .recording import HiddenStateRecorder, RecordedSequence, load_recorded, save_recorded
 from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
+from .verify import DeviceVerifyKernel
 from .verify_builders import (accepted_prefix, assemble_output, at_positions, check_inputs, draft_mask,
                               pad_beyond_drafts, prefix_match_result, verify_on_device)
 
@@ -67,4 +70,5 @@ __all__ = [
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
     "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_triton_kernels", "QuantizedLinear", "load_plugins",
     "HiddenStateRecorder", "RecordedSequence", "save_recorded", "load_recorded",
+    "DeviceVerifyKernel",
 ]
