@@ -94,16 +94,15 @@ class RejectionVerify(specdec.VerifyStrategy):
     NAME = "rejection"
     LOSSLESS = True
     DEVICE_KERNEL = DeviceVerifyKernel(launch=rejection_on_device, reference=rejection_rule)
+    #: The per-draft test of the host path (a subclass may replace it, as a statistical control
+    #: does; the device kernel keeps the plain one).
+    accept = staticmethod(accept_drafts)
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         check_inputs(inputs)
         if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
             return verify_on_device(self, inputs)
         return rejection_rule(inputs, self.accept)
-
-    #: The per-draft test on the host path (a subclass may replace it; the device kernel keeps
-    #: the plain one).
-    accept = staticmethod(accept_drafts)
 
 
 @specdec.hookimpl
