@@ -37,9 +37,9 @@ vocabulary), so the loops have static bounds.
 ``rejection`` tests each draft with ``u0 * q(d) < p(d)`` (``q`` from ``draft_probs``, or 1) and,
 at the first rejection, samples from ``max(0, p - q)`` (``p`` without the draft when ``q`` is
 one-hot; ``p`` itself when the residual is empty) with two more passes. ``topp`` keeps the
-draft's rank and the row's candidate count in registers and walks the step table of
-``topp``'s host rule (``topp_rule`` and ``walk`` in ``plugins/verify/topp.py``) after the last row. Results are written to device
-tensors and copied to the host once.
+draft's rank and the row's candidate count in registers and, after the last row, walks the
+step table of its host twin (``topp_rule`` and ``walk`` in ``plugins/verify/topp.py``).
+Results are written to device tensors and copied to the host once.
 
 Agreement with numpy. Every float operation is the one ``core/probs.py`` does in the same
 precision (float32 division by the temperature and by the sums, float32 ``exp``, float64 sums
