@@ -1,11 +1,12 @@
 """Check and time specdec's Triton kernels on a CUDA machine; one table.
 
-For a machine with CUDA, torch and triton, and neither paddle nor specdec's other dependencies
-(numpy is enough): the kernels are loaded straight from this checkout and run on torch CUDA
-tensors. It
+For a machine with CUDA, torch and triton, without paddle: specdec is loaded straight from this
+checkout (it needs its pure-Python dependencies only: numpy, attrs, cattrs, pluggy, pyyaml) and
+the kernels run on torch CUDA tensors. It
 
 1. runs every kernel against its numpy twin (RoPE + cache write, paged attention with and
-   without split-KV over float16 and bfloat16 caches, fused verify for every strategy);
+   without split-KV over float16 and bfloat16 caches, and each built-in verify strategy's
+   declared device kernel against its host rule, the kernel's twin);
 2. times paged attention for a verify step (1 + 5 rows per request, Llama-8B-like shapes: 32
    query heads, 8 KV heads, head_dim 128, float16 cache, one layer) at batch 1/32/256 and
    contexts 512/4k/32k, as achieved bandwidth (cache bytes read per launch over the time)
@@ -31,7 +32,6 @@ import importlib.util
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -44,26 +44,39 @@ VOCAB_152K = 151936
 
 
 def load_kernels():
-    """The kernel modules, from an installed specdec or, without one (the GPU machine), straight
-    from this checkout without specdec's own package init (which needs the engine's
-    dependencies)."""
+    """The kernel modules and the built-in verify strategies (whose ``DEVICE_KERNEL`` pairs a
+    fused verify launcher with its numpy twin), from an installed specdec or, without one (the
+    GPU machine), straight from this checkout."""
     try:
         import specdec.kernels.triton  # noqa: F401
     except ImportError:
-        for name in [n for n in sys.modules if n == "specdec" or n.startswith("specdec.")]:
-            del sys.modules[name]
-        package = types.ModuleType("specdec")
-        package.__path__ = [str(ROOT / "core")]
-        sys.modules["specdec"] = package
-        spec = importlib.util.spec_from_file_location("specdec.kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
-        kernels = importlib.util.module_from_spec(spec)
-        sys.modules["specdec.kernels"] = kernels
-        spec.loader.exec_module(kernels)
-    from specdec.kernels.triton import load_triton_kernels, reference, verify_reference
+        _import_checkout()
+    from specdec.kernels.triton import load_triton_kernels, reference
+    from specdec.plugins.verify.greedy import GreedyVerify
+    from specdec.plugins.verify.rejection import RejectionVerify
+    from specdec.plugins.verify.target_match import TargetMatchVerify
+    from specdec.plugins.verify.topp import ToppVerify
 
     modules = load_triton_kernels()
-    return modules.attention, modules.verify, reference, verify_reference
+    return modules.attention, modules.verify, reference, (GreedyVerify, TargetMatchVerify, RejectionVerify, ToppVerify)
+
+
+def _import_checkout() -> None:
+    """Import specdec from this checkout without installing it, with pyproject.toml's package
+    layout: ``core/`` is ``specdec``, ``kernels/`` ``specdec.kernels``, ``plugins/`` ``specdec.plugins``."""
+    for name in [n for n in sys.modules if n == "specdec" or n.startswith("specdec.")]:
+        del sys.modules[name]
+    loaded = []
+    for name, folder in (("specdec", "core"), ("specdec.kernels", "kernels"), ("specdec.plugins", "plugins")):
+        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        loaded.append((spec, module))
+    package = loaded[0][1]
+    package.kernels, package.plugins = loaded[1][1], loaded[2][1]
+    for spec, module in loaded:
+        spec.loader.exec_module(module)
 
 
 class Device:
@@ -198,16 +211,22 @@ def verify_inputs(rng, batch: int, width: int, vocab: int, sampled: bool):
     return logits, drafts, lengths.astype(np.int64), temperature, top_k, top_p, rng.random((batch, width + 1, 2))
 
 
-def check_verify(device: Device, verify, verify_reference, rng, *, batch, width, vocab) -> int:
-    """How many (strategy, greedy/sampled) cases differ from the twin (0 expected)."""
+def check_verify(device: Device, strategies, rng, *, batch, width, vocab) -> int:
+    """How many (strategy, greedy/sampled) cases differ from the twin (0 expected): each
+    strategy's ``DEVICE_KERNEL.launch`` on device logits against its ``reference`` on the host."""
+    from specdec.sdk import BatchSampling, Drafts, VerifyInputs
+
     mismatches = 0
     for sampled in (False, True):
         logits, drafts, lengths, temperature, top_k, top_p, uniforms = verify_inputs(rng, batch, width, vocab, sampled)
-        for strategy in verify_reference.STRATEGIES:
-            got = verify.fused_verify(strategy, device.tensor(logits), drafts, lengths, temperature, top_k, top_p,
-                                      uniforms)
-            want = verify_reference.verify(strategy, logits, drafts, lengths, temperature, top_k, top_p, uniforms)
-            mismatches += not all(np.array_equal(g, w) for g, w in zip(got, want))
+        draft_batch = Drafts(drafts, lengths)
+        sampling = BatchSampling(temperature=temperature, top_p=top_p, top_k=top_k, uniforms=uniforms)
+        for strategy in strategies:
+            kernel = strategy.DEVICE_KERNEL
+            got = kernel.launch(VerifyInputs(None, draft_batch, sampling, device_logits=device.tensor(logits)))
+            want = kernel.reference(VerifyInputs(logits, draft_batch, sampling))
+            mismatches += not all(np.array_equal(getattr(got, f), getattr(want, f))
+                                  for f in ("accepted_lengths", "output_tokens", "target_tokens"))
     return mismatches
 
 
@@ -235,8 +254,8 @@ def time_attention(device: Device, attention, rng, *, batch, context, rows, head
 def time_verify(device: Device, verify, rng, *, batch, width, vocab, sampled):
     logits, drafts, lengths, temperature, top_k, top_p, uniforms = verify_inputs(rng, batch, width, vocab, sampled)
     device_logits = device.tensor(logits)
-    return device.seconds(lambda: verify.fused_verify("rejection", device_logits, drafts, lengths, temperature,
-                                                      top_k, top_p, uniforms))
+    return device.seconds(lambda: verify.rejection_verify(device_logits, drafts, lengths, temperature, top_k, top_p,
+                                                          uniforms))
 
 
 def main(argv=None) -> int:
@@ -248,7 +267,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
         os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
     device = Device(args.dry_run)
-    attention, verify, reference, verify_reference = load_kernels()
+    attention, verify, reference, strategies = load_kernels()
     rng = np.random.default_rng(0)
     started = time.perf_counter()
     rows_out = []  # (what, shape, result, figure)
@@ -266,8 +285,7 @@ def main(argv=None) -> int:
             rows_out.append(("attention vs twin", f"{cache_dtype}, splits {splits or 'auto'}",
                              "ok" if ok else "FAIL", f"max abs err {error:.1e}"))
     vocab = 300 if tiny else 32000
-    mismatches = check_verify(device, verify, verify_reference, rng, batch=4 if tiny else 64, width=3 if tiny else 5,
-                              vocab=vocab)
+    mismatches = check_verify(device, strategies, rng, batch=4 if tiny else 64, width=3 if tiny else 5, vocab=vocab)
     rows_out.append(("fused verify vs twin", f"4 strategies x greedy/sampled, V {vocab}",
                      "ok" if mismatches == 0 else "FAIL", f"{mismatches} cases differ"))
 

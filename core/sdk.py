@@ -4,7 +4,8 @@ A plugin (built-in or third-party) imports ``specdec`` and ``specdec.sdk`` only,
 plugin or an engine module; a test holds the built-ins to it. Here are the four plugin bases
 and their data, the ``hookimpl`` marker, the contract of model-based proposers
 (:class:`ProposerContext`, :class:`TargetModel`), the sampling math and verify result builders
-that strategies share, the validators of a plugin's ``Config``, the errors, and the native
+that strategies share (with a strategy's fused device kernel, :class:`DeviceVerifyKernel`,
+which :func:`verify_on_device` dispatches), the validators of a plugin's ``Config``, the errors, and the native
 code a plugin may use (the CPU and Triton kernel loaders, :class:`QuantizedLinear`).
 docs/plugins.md ("The SDK") lists every name with what it is for.
 
@@ -27,7 +28,7 @@ from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, r
 from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer
 from .proposer_context import ProposerContext, TargetModel
 from .validators import above, in_range, multiple_of, one_of
-from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
+from .verify import AcceptPolicy, BatchSampling, DeviceVerifyKernel, VerifyInputs, VerifyResult, VerifyStrategy
 from .verify_builders import (accepted_prefix, assemble_output, at_positions, check_inputs, draft_mask,
                               pad_beyond_drafts, prefix_match_result, verify_on_device)
 

@@ -7,7 +7,7 @@ there is no per-request Python loop inside a strategy.
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import attrs
 import numpy as np
@@ -53,8 +53,9 @@ class VerifyInputs:
     :ivar sampling: per-request sampling settings and pre-drawn uniforms.
     :ivar device_logits: the same logits as a tensor on the device the model ran on, when the
         engine runs the Triton kernels (``kernels: triton``), else ``None``. A strategy with a
-        fused kernel verifies from it (:func:`specdec.sdk.verify_on_device`) and the logits
-        never leave the device; any other strategy reads ``logits`` as usual.
+        fused kernel (:attr:`VerifyStrategy.DEVICE_KERNEL`) verifies from it through
+        :func:`specdec.sdk.verify_on_device` and the logits never leave the device; any other
+        strategy reads ``logits`` as usual.
     """
 
     __slots__ = ("drafts", "sampling", "device_logits", "_logits")
@@ -110,12 +111,40 @@ class VerifyResult:
         return self.output_tokens[b, : self.accepted_lengths[b] + 1]
 
 
+@attrs.frozen
+class DeviceVerifyKernel:
+    """A verify strategy's fused device kernel and its numpy twin, declared by the strategy as
+    :attr:`VerifyStrategy.DEVICE_KERNEL` and dispatched by :func:`specdec.sdk.verify_on_device`.
+
+    Both callables take ``(inputs: VerifyInputs, **options)`` and return a
+    :class:`VerifyResult`, and must return the same one for the same inputs and options (the
+    strategy's tests hold them to it):
+
+    :ivar launch: verifies from ``inputs.device_logits`` (a tensor on the device the model ran
+        on) without copying the logits to the host; only the result comes back.
+    :ivar reference: the same rule on the host, from ``inputs.logits`` (numpy). For a
+        strategy's own rule, this is the function its ``verify`` runs without device logits,
+        so the rule has one host implementation and one device implementation.
+
+    ``options`` are the strategy's own keyword options (``topp`` passes its
+    ``max_candidate_len`` and ``verify_window``). ``launch`` imports its kernel's framework
+    (Triton) when called, not when the strategy's module is imported.
+    """
+
+    launch: Callable[..., "VerifyResult"] = attrs.field(validator=attrs.validators.is_callable())
+    reference: Callable[..., "VerifyResult"] = attrs.field(validator=attrs.validators.is_callable())
+
+
 class VerifyStrategy(Plugin):
     """Base class of verify strategies: turn target logits + drafts into emitted tokens."""
 
     #: True when the strategy's output equals plain sampling from the target (for
     #: deterministic drafts at least). Documentation and tests rely on it.
     LOSSLESS: ClassVar[bool] = False
+
+    #: The strategy's fused device kernel and its numpy twin, or ``None`` when it has none
+    #: (then :func:`specdec.sdk.verify_on_device` runs :meth:`verify` on host logits).
+    DEVICE_KERNEL: ClassVar[Optional[DeviceVerifyKernel]] = None
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         """Decide, for the whole batch at once, how many drafts each request keeps and which

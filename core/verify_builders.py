@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .device_verify import verify_on_device  # noqa: F401 (specdec.sdk imports it from here)
 from .proposer import DRAFT_PAD, Drafts
 from .verify import VerifyInputs, VerifyResult
 
@@ -20,26 +21,6 @@ def check_inputs(inputs: VerifyInputs) -> None:
             f"verify: logits of shape {shape} do not match drafts of shape "
             f"{(batch, width)}; expected ({batch}, {width + 1}, vocab)"
         )
-
-
-def verify_on_device(strategy: str, inputs: VerifyInputs, **options) -> VerifyResult:
-    """Verify with the fused Triton kernel of ``strategy`` (``greedy``, ``target_match``,
-    ``rejection`` or ``topp``; ``options`` are topp's ``max_candidate_len`` and
-    ``verify_window``) from ``inputs.device_logits``: the same result as the numpy strategy of
-    that name, computed on the device in one launch (one program per request). Only the
-    accepted lengths and tokens come back to the host.
-
-    :raises ValueError: when ``inputs`` has no device logits.
-    """
-    from specdec.kernels.triton import load_triton_kernels
-
-    if inputs.device_logits is None:
-        raise ValueError("verify_on_device needs inputs.device_logits (the engine sets them with kernels: triton)")
-    drafts, sampling = inputs.drafts, inputs.sampling
-    accepted, output, target = load_triton_kernels().verify.fused_verify(
-        strategy, inputs.device_logits, drafts.token_ids, drafts.lengths, sampling.temperature, sampling.top_k,
-        sampling.top_p, sampling.uniforms, drafts.probs, **options)
-    return VerifyResult(accepted_lengths=accepted, output_tokens=output, target_tokens=target)
 
 
 def draft_mask(drafts: Drafts) -> np.ndarray:

@@ -1,6 +1,9 @@
 """Fused verification on the device: one Triton launch turns a step's target logits and drafts
-into what the numpy verify strategies (``plugins/verify``) return, for ``greedy``,
-``target_match``, ``rejection`` and ``topp``.
+into what the numpy verify strategies (``plugins/verify``) return. A shared kernel library:
+one launcher per rule, :func:`greedy_verify`, :func:`target_match_verify`,
+:func:`rejection_verify` and :func:`topp_verify`, each the device half of the strategy that
+declares it as its ``DEVICE_KERNEL`` (``plugins/verify/<rule>.py``, whose host rule is the
+numpy twin). This module does not know the strategies: it imports Triton and numpy only.
 
 Layout. One program per request (grid ``(B,)``). It walks the request's rows ``j = 0 ..
 lengths[b]`` in order (rows past the drafts are padding and are skipped) and, per row, makes a
@@ -34,9 +37,9 @@ vocabulary), so the loops have static bounds.
 ``rejection`` tests each draft with ``u0 * q(d) < p(d)`` (``q`` from ``draft_probs``, or 1) and,
 at the first rejection, samples from ``max(0, p - q)`` (``p`` without the draft when ``q`` is
 one-hot; ``p`` itself when the residual is empty) with two more passes. ``topp`` keeps the
-draft's rank and the row's candidate count in registers and walks the step table of
-:func:`specdec.plugins.verify.topp.walk` after the last row. Results are written to device
-tensors and copied to the host once.
+draft's rank and the row's candidate count in registers and, after the last row, walks the
+step table of its host twin (``topp_rule`` and ``walk`` in ``plugins/verify/topp.py``).
+Results are written to device tensors and copied to the host once.
 
 Agreement with numpy. Every float operation is the one ``core/probs.py`` does in the same
 precision (float32 division by the temperature and by the sums, float32 ``exp``, float64 sums
@@ -59,6 +62,8 @@ are not handled.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import triton
@@ -92,8 +97,8 @@ _SUM = getattr(tl.standard, "_sum_combine", _add)
 _MAX = getattr(tl.standard, "_elementwise_max", _maximum)
 _MIN = getattr(tl.standard, "_elementwise_min", _minimum)
 
-#: Strategy names -> the kernel's ``STRATEGY`` code.
-STRATEGIES = {"greedy": 0, "target_match": 1, "rejection": 2, "topp": 3}
+#: The kernel's ``STRATEGY`` codes: which rule a compiled specialisation runs.
+_GREEDY, _TARGET_MATCH, _REJECTION, _TOPP = 0, 1, 2, 3
 DRAFT_PAD = -1  # specdec.DRAFT_PAD (core/proposer.py); not imported so this module needs triton only
 #: Largest vocabulary chunk a program loads at once (on a GPU; the interpreter takes bigger ones).
 _BLOCK_V_GPU = 1024
@@ -414,8 +419,9 @@ def _fused_verify_kernel(
                 stopped = tl.where(stop_here, 1, stopped)
 
     if STRATEGY == 3:
-        # plugins/verify/topp.py: steps[j] = 1 for a candidate, window + 1 for the second-best
-        # token followed by `window` top-1 drafts, else 0; walk them from position 0.
+        # The device half of topp; its host twin is topp_rule in plugins/verify/topp.py (steps,
+        # then walk): steps[j] = 1 for a candidate, window + 1 for the second-best token
+        # followed by `window` top-1 drafts, else 0; walk them from position 0.
         valid = idx < length
         in_set = valid & (ranks < counts)
         top1 = valid & (ranks == 0)
@@ -457,11 +463,11 @@ def _float32_tensor(tensor):
     return tensor
 
 
-def fused_verify(strategy: str, logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms,
-                 draft_probs=None, *, max_candidate_len: int = 5, verify_window: int = 2):
-    """Verify a batch of drafts in one launch, as the numpy strategy named ``strategy`` would.
+def _launch(code: int, logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs=None, *,
+            max_candidate_len: int = 5, verify_window: int = 2):
+    """Verify a batch of drafts in one launch of the kernel specialised for rule ``code``.
 
-    :param strategy: ``"greedy"``, ``"target_match"``, ``"rejection"`` or ``"topp"``.
+    :param code: the rule, one of ``_GREEDY``, ``_TARGET_MATCH``, ``_REJECTION``, ``_TOPP``.
     :param logits: ``[B, k+1, V]`` float32 target logits, a paddle (or torch) tensor on the
         device (a paddle CPU tensor in Triton's interpreter).
     :param draft_ids: ``[B, k]`` int64 drafts (numpy), ``DRAFT_PAD`` past each length.
@@ -476,11 +482,9 @@ def fused_verify(strategy: str, logits, draft_ids, draft_lengths, temperature, t
     :param verify_window: ``topp``'s top-1 window (``ToppVerify.Config``).
     :returns: ``(accepted_lengths [B], output_tokens [B, k+1], target_tokens [B, k+1])``, int64
         numpy arrays: the fields of the numpy strategy's ``VerifyResult``.
-    :raises ValueError: for an unknown strategy, a non-positive ``topp`` option or arrays whose
-        shapes do not match the logits.
+    :raises ValueError: for a non-positive ``topp`` option or arrays whose shapes do not match
+        the logits.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown verify strategy {strategy!r}; expected one of {sorted(STRATEGIES)}")
     if max_candidate_len < 1 or verify_window < 1:
         raise ValueError("fused_verify: max_candidate_len and verify_window must be >= 1")
     if len(logits.shape) != 3:
@@ -526,10 +530,57 @@ def fused_verify(strategy: str, logits, draft_ids, draft_lengths, temperature, t
         arg(device["top_k"]), arg(device["top_p"]), arg(device["uniforms"]), arg(q),
         arg(accepted), arg(output), arg(targets),
         vocab, int(max_candidate_len), int(verify_window),
-        K=width, STRATEGY=STRATEGIES[strategy], HAS_Q=has_q, BLOCK_V=block, N_CHUNKS=triton.cdiv(vocab, block),
+        K=width, STRATEGY=code, HAS_Q=has_q, BLOCK_V=block, N_CHUNKS=triton.cdiv(vocab, block),
         K_PAD=max(2, triton.next_power_of_2(rows)), PIVOTS=_PIVOTS, num_warps=_NUM_WARPS,
     )
     return runtime.to_numpy(accepted), runtime.to_numpy(output), runtime.to_numpy(targets)
 
 
-__all__ = ["STRATEGIES", "fused_verify"]
+def greedy_verify(logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs=None):
+    """``greedy`` on the device: accept drafts while they equal the argmax, emit the argmax
+    (host twin: ``greedy_rule`` in ``plugins/verify/greedy.py``). Arguments and result as
+    :func:`_launch` takes and returns them; sampling settings and ``draft_probs`` are unused."""
+    return _launch(_GREEDY, logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs)
+
+
+def target_match_verify(logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs=None):
+    """``target_match`` on the device: accept drafts while they equal the target's own sample
+    (host twin: ``target_match_rule`` in ``plugins/verify/target_match.py``). Arguments and
+    result as :func:`_launch` takes and returns them; ``draft_probs`` is unused."""
+    return _launch(_TARGET_MATCH, logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs)
+
+
+def rejection_verify(logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs=None):
+    """``rejection`` on the device: speculative sampling against ``draft_probs`` (one-hot
+    drafts when ``None``) (host twin: ``rejection_rule`` in ``plugins/verify/rejection.py``).
+    Arguments and result as :func:`_launch` takes and returns them."""
+    return _launch(_REJECTION, logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs)
+
+
+def topp_verify(logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs=None, *,
+                max_candidate_len: int = 5, verify_window: int = 2):
+    """``topp`` on the device: accept drafts among the nucleus's best ``max_candidate_len``
+    tokens, or a second-best draft followed by ``verify_window`` top-1 drafts (host twin:
+    ``topp_rule`` in ``plugins/verify/topp.py``). Arguments and result as :func:`_launch` takes
+    and returns them; ``draft_probs`` is unused."""
+    return _launch(_TOPP, logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs,
+                   max_candidate_len=max_candidate_len, verify_window=verify_window)
+
+
+_CODES = {"greedy": _GREEDY, "target_match": _TARGET_MATCH, "rejection": _REJECTION, "topp": _TOPP}
+
+
+def fused_verify(strategy: str, logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms,
+                 draft_probs=None, *, max_candidate_len: int = 5, verify_window: int = 2):
+    """Deprecated (kept for one release): the launcher of the built-in rule named ``strategy``.
+    Call that rule's launcher (:func:`greedy_verify`, ...) or, from a strategy,
+    ``specdec.sdk.verify_on_device(self, inputs)``."""
+    warnings.warn("fused_verify(name, ...) is deprecated: call greedy_verify, target_match_verify, rejection_verify "
+                  "or topp_verify, or specdec.sdk.verify_on_device(strategy, inputs)", DeprecationWarning, stacklevel=2)
+    if strategy not in _CODES:
+        raise ValueError(f"unknown verify strategy {strategy!r}; expected one of {sorted(_CODES)}")
+    return _launch(_CODES[strategy], logits, draft_ids, draft_lengths, temperature, top_k, top_p, uniforms, draft_probs,
+                   max_candidate_len=max_candidate_len, verify_window=verify_window)
+
+
+__all__ = ["greedy_verify", "target_match_verify", "rejection_verify", "topp_verify", "fused_verify"]

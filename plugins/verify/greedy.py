@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import specdec
-from specdec.sdk import (VerifyInputs, VerifyResult, check_inputs, greedy_tokens, prefix_match_result,
-                         verify_on_device)
+from specdec.sdk import (DeviceVerifyKernel, VerifyInputs, VerifyResult, check_inputs, greedy_tokens,
+                         load_triton_kernels, prefix_match_result, verify_on_device)
+
+from ._fused import run_fused
+
+
+def greedy_rule(inputs: VerifyInputs) -> VerifyResult:
+    """The rule on the host: accept while ``draft == argmax``, emit the argmax where the drafts
+    stop. Its device twin is :func:`greedy_on_device`."""
+    return prefix_match_result(inputs.drafts, greedy_tokens(inputs.logits))
+
+
+def greedy_on_device(inputs: VerifyInputs) -> VerifyResult:
+    """The rule on the device, from ``inputs.device_logits``: ``greedy_verify`` of the fused
+    verify kernel (``kernels/triton/verify.py``). Its host twin is :func:`greedy_rule`."""
+    return run_fused(load_triton_kernels().verify.greedy_verify, inputs)
 
 
 class GreedyVerify(specdec.VerifyStrategy):
@@ -16,12 +30,13 @@ class GreedyVerify(specdec.VerifyStrategy):
     """
 
     NAME = "greedy"
+    DEVICE_KERNEL = DeviceVerifyKernel(launch=greedy_on_device, reference=greedy_rule)
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         check_inputs(inputs)
         if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
-            return verify_on_device(self.NAME, inputs)
-        return prefix_match_result(inputs.drafts, greedy_tokens(inputs.logits))
+            return verify_on_device(self, inputs)
+        return greedy_rule(inputs)
 
 
 @specdec.hookimpl

@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import specdec
-from specdec.sdk import (VerifyInputs, VerifyResult, check_inputs, prefix_match_result, target_choice,
-                         verify_on_device)
+from specdec.sdk import (DeviceVerifyKernel, VerifyInputs, VerifyResult, check_inputs, load_triton_kernels,
+                         prefix_match_result, target_choice, verify_on_device)
+
+from ._fused import run_fused
+
+
+def target_match_rule(inputs: VerifyInputs) -> VerifyResult:
+    """The rule on the host: sample the target's token at every position with
+    ``uniforms[..., 1]`` (the argmax for greedy requests), accept while ``draft == sample``,
+    emit the sample where the drafts stop. Its device twin is :func:`target_match_on_device`."""
+    target_tokens = target_choice(inputs.logits, inputs.sampling, inputs.sampling.uniforms[..., 1])
+    return prefix_match_result(inputs.drafts, target_tokens)
+
+
+def target_match_on_device(inputs: VerifyInputs) -> VerifyResult:
+    """The rule on the device, from ``inputs.device_logits``: ``target_match_verify`` of the
+    fused verify kernel (``kernels/triton/verify.py``). Its host twin is :func:`target_match_rule`."""
+    return run_fused(load_triton_kernels().verify.target_match_verify, inputs)
 
 
 class TargetMatchVerify(specdec.VerifyStrategy):
@@ -18,13 +34,13 @@ class TargetMatchVerify(specdec.VerifyStrategy):
 
     NAME = "target_match"
     LOSSLESS = True
+    DEVICE_KERNEL = DeviceVerifyKernel(launch=target_match_on_device, reference=target_match_rule)
 
     def verify(self, inputs: VerifyInputs) -> VerifyResult:
         check_inputs(inputs)
         if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
-            return verify_on_device(self.NAME, inputs)
-        target_tokens = target_choice(inputs.logits, inputs.sampling, inputs.sampling.uniforms[..., 1])
-        return prefix_match_result(inputs.drafts, target_tokens)
+            return verify_on_device(self, inputs)
+        return target_match_rule(inputs)
 
 
 @specdec.hookimpl

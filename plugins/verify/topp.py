@@ -10,88 +10,60 @@ import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import (VerifyInputs, VerifyResult, assemble_output, at_positions, check_inputs, draft_mask,
-                         pad_beyond_drafts, target_distribution, top_tokens, verify_on_device)
+from specdec.sdk import (DeviceVerifyKernel, VerifyInputs, VerifyResult, assemble_output, at_positions, check_inputs,
+                         draft_mask, load_triton_kernels, pad_beyond_drafts, target_distribution, top_tokens,
+                         verify_on_device)
+
+from ._fused import run_fused
 
 _positive_int = [attrs.validators.instance_of(int), attrs.validators.ge(1)]
 
 
-class ToppVerify(specdec.VerifyStrategy):
-    """Accept drafts that lie in the target's top-p candidate set.
+def topp_rule(inputs: VerifyInputs, *, max_candidate_len: int = 5, verify_window: int = 2) -> VerifyResult:
+    """The rule on the host (``ToppVerify`` says what it is), with its two options. Its device
+    twin is :func:`topp_on_device` (the ``STRATEGY == 3`` branch of the fused verify kernel)."""
+    drafts, sampling = inputs.drafts, inputs.sampling
+    target_tokens, sampled, probs = target_distribution(inputs.logits, sampling, sampling.uniforms[..., 1])
+    accepted = np.zeros(drafts.batch_size, dtype=np.int64)
+    if drafts.width > 0:
+        accepted = walk(_steps(inputs, sampled, probs, max_candidate_len, verify_window), drafts.lengths)
+    return VerifyResult(
+        accepted_lengths=accepted,
+        output_tokens=assemble_output(drafts.token_ids, accepted, at_positions(target_tokens, accepted)),
+        target_tokens=pad_beyond_drafts(target_tokens, drafts.lengths),
+    )
 
-    At each draft position the candidates are the tokens of the target's nucleus (the request's
-    temperature, top-k and top-p applied), at most ``max_candidate_len`` of them, best first.
-    Walking the drafts in order:
 
-    1. a draft among its position's candidates is accepted;
-    2. otherwise, a draft that is the target's second most likely token is accepted together
-       with the next ``verify_window`` drafts when each of those is its position's most likely
-       token (needs ``max_candidate_len >= 2``); the walk then goes on after them;
-    3. otherwise the walk stops.
+def topp_on_device(inputs: VerifyInputs, *, max_candidate_len: int = 5, verify_window: int = 2) -> VerifyResult:
+    """The rule on the device, from ``inputs.device_logits``: ``topp_verify`` of the fused
+    verify kernel (``kernels/triton/verify.py``). Its host twin is :func:`topp_rule`."""
+    return run_fused(load_triton_kernels().verify.topp_verify, inputs, max_candidate_len=max_candidate_len,
+                     verify_window=verify_window)
 
-    The emitted token at the stop position is the target's own choice there: a sample from the
-    processed distribution (argmax at temperature 0, where the candidate set is the argmax
-    alone and only rule 2 can accept anything else).
-    """
 
-    NAME = "topp"
-    LOSSLESS = False
+def _steps(inputs: VerifyInputs, sampled: np.ndarray, probs, max_candidates: int, window: int) -> np.ndarray:
+    """``[B, k]`` int64: how many drafts the walk accepts when it reaches each position (0 stops it)."""
+    drafts = inputs.drafts
+    width = drafts.width
+    valid = draft_mask(drafts)
 
-    @attrs.frozen(kw_only=True)
-    class Config:
-        """Options of ``topp``; flat keys of the speculative config."""
+    # The candidates are the best tokens of the nucleus: as many as top-k/top-p left with
+    # some probability (one, the argmax, at temperature 0), at most max_candidates.
+    candidate_count = np.ones((drafts.batch_size, width), dtype=np.int64)
+    if probs is not None:
+        candidate_count[sampled] = np.minimum(np.count_nonzero(probs[:, :width], axis=-1), max_candidates)
+    use_window = max_candidates >= 2
+    ranked = top_tokens(inputs.logits[:, :width], max(int(candidate_count.max()), 2 if use_window else 1))
 
-        #: The most candidates a position offers (the nucleus is cut to this many tokens).
-        max_candidate_len: int = attrs.field(default=5, validator=_positive_int)
-        #: How many following drafts must equal the target's top-1 for a top-2 draft to pass.
-        verify_window: int = attrs.field(default=2, validator=_positive_int)
-
-    def __init__(self, config=None, spec_config=None):
-        super().__init__(config if config is not None else self.Config(), spec_config)
-
-    def verify(self, inputs: VerifyInputs) -> VerifyResult:
-        check_inputs(inputs)
-        if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
-            return verify_on_device(self.NAME, inputs, max_candidate_len=self.config.max_candidate_len,
-                                    verify_window=self.config.verify_window)
-        drafts, sampling = inputs.drafts, inputs.sampling
-        target_tokens, sampled, probs = target_distribution(
-            inputs.logits, sampling, sampling.uniforms[..., 1]
-        )
-        accepted = np.zeros(drafts.batch_size, dtype=np.int64)
-        if drafts.width > 0:
-            steps = self._steps(inputs, sampled, probs)
-            accepted = walk(steps, drafts.lengths)
-        return VerifyResult(
-            accepted_lengths=accepted,
-            output_tokens=assemble_output(drafts.token_ids, accepted, at_positions(target_tokens, accepted)),
-            target_tokens=pad_beyond_drafts(target_tokens, drafts.lengths),
-        )
-
-    def _steps(self, inputs: VerifyInputs, sampled: np.ndarray, probs) -> np.ndarray:
-        """``[B, k]`` int64: how many drafts the walk accepts when it reaches each position (0 stops it)."""
-        max_candidates, window = self.config.max_candidate_len, self.config.verify_window
-        drafts = inputs.drafts
-        width = drafts.width
-        valid = draft_mask(drafts)
-
-        # The candidates are the best tokens of the nucleus: as many as top-k/top-p left with
-        # some probability (one, the argmax, at temperature 0), at most max_candidates.
-        candidate_count = np.ones((drafts.batch_size, width), dtype=np.int64)
-        if probs is not None:
-            candidate_count[sampled] = np.minimum(np.count_nonzero(probs[:, :width], axis=-1), max_candidates)
-        use_window = max_candidates >= 2
-        ranked = top_tokens(inputs.logits[:, :width], max(int(candidate_count.max()), 2 if use_window else 1))
-
-        count = min(max_candidates, ranked.shape[-1])
-        is_candidate = np.arange(count) < candidate_count[..., None]
-        in_set = np.any((drafts.token_ids[..., None] == ranked[..., :count]) & is_candidate, axis=-1) & valid
-        steps = np.where(in_set, 1, 0)
-        if use_window and ranked.shape[-1] >= 2:
-            top1 = (drafts.token_ids == ranked[..., 0]) & valid
-            second = (drafts.token_ids == ranked[..., 1]) & valid
-            steps = np.where(~in_set & second & top1_window(top1, window), window + 1, steps)
-        return steps
+    count = min(max_candidates, ranked.shape[-1])
+    is_candidate = np.arange(count) < candidate_count[..., None]
+    in_set = np.any((drafts.token_ids[..., None] == ranked[..., :count]) & is_candidate, axis=-1) & valid
+    steps = np.where(in_set, 1, 0)
+    if use_window and ranked.shape[-1] >= 2:
+        top1 = (drafts.token_ids == ranked[..., 0]) & valid
+        second = (drafts.token_ids == ranked[..., 1]) & valid
+        steps = np.where(~in_set & second & top1_window(top1, window), window + 1, steps)
+    return steps
 
 
 def top1_window(top1: np.ndarray, window: int) -> np.ndarray:
@@ -119,6 +91,48 @@ def walk(steps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
             break
         position += step
     return position
+
+
+class ToppVerify(specdec.VerifyStrategy):
+    """Accept drafts that lie in the target's top-p candidate set.
+
+    At each draft position the candidates are the tokens of the target's nucleus (the request's
+    temperature, top-k and top-p applied), at most ``max_candidate_len`` of them, best first.
+    Walking the drafts in order:
+
+    1. a draft among its position's candidates is accepted;
+    2. otherwise, a draft that is the target's second most likely token is accepted together
+       with the next ``verify_window`` drafts when each of those is its position's most likely
+       token (needs ``max_candidate_len >= 2``); the walk then goes on after them;
+    3. otherwise the walk stops.
+
+    The emitted token at the stop position is the target's own choice there: a sample from the
+    processed distribution (argmax at temperature 0, where the candidate set is the argmax
+    alone and only rule 2 can accept anything else).
+    """
+
+    NAME = "topp"
+    LOSSLESS = False
+    DEVICE_KERNEL = DeviceVerifyKernel(launch=topp_on_device, reference=topp_rule)
+
+    @attrs.frozen(kw_only=True)
+    class Config:
+        """Options of ``topp``; flat keys of the speculative config."""
+
+        #: The most candidates a position offers (the nucleus is cut to this many tokens).
+        max_candidate_len: int = attrs.field(default=5, validator=_positive_int)
+        #: How many following drafts must equal the target's top-1 for a top-2 draft to pass.
+        verify_window: int = attrs.field(default=2, validator=_positive_int)
+
+    def __init__(self, config=None, spec_config=None):
+        super().__init__(config if config is not None else self.Config(), spec_config)
+
+    def verify(self, inputs: VerifyInputs) -> VerifyResult:
+        check_inputs(inputs)
+        options = attrs.asdict(self.config)  # max_candidate_len, verify_window
+        if inputs.device_logits is not None:  # the engine runs the Triton kernels: one fused launch
+            return verify_on_device(self, inputs, **options)
+        return topp_rule(inputs, **options)
 
 
 @specdec.hookimpl

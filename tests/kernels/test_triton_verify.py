@@ -1,10 +1,12 @@
-"""The fused Triton verify kernel (``kernels/triton/verify.py``) against the numpy verify strategies.
+"""Each built-in verify strategy's device kernel against its host rule: the two halves of the
+``DeviceVerifyKernel`` it declares (``launch``, a launcher of ``kernels/triton/verify.py``, and
+``reference``, the strategy's own numpy rule).
 
 Every case draws a random batch (fixed seed): logits with a peaked token per row (so that
 sampled requests accept drafts too), drafts that are often the argmax or the second-best token
 (acceptance, and ``topp``'s window rule) and otherwise random, draft lengths from 0 to ``k``,
 and per-request temperature / top-k / top-p. The kernel runs in Triton's interpreter on paddle
-CPU tensors and must return exactly the numpy strategy's ``VerifyResult``: accepted lengths,
+CPU tensors and must return exactly the host rule's ``VerifyResult``: accepted lengths,
 output tokens and target tokens.
 """
 
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 
+import attrs
 import numpy as np
 import pytest
 
@@ -37,7 +40,8 @@ from specdec.plugins.verify.greedy import GreedyVerify  # noqa: E402
 from specdec.plugins.verify.rejection import RejectionVerify  # noqa: E402
 from specdec.plugins.verify.target_match import TargetMatchVerify  # noqa: E402
 from specdec.plugins.verify.topp import ToppVerify  # noqa: E402
-from specdec.sdk import DRAFT_PAD, BatchSampling, Drafts, VerifyInputs, processed_probs  # noqa: E402
+from specdec.sdk import (DRAFT_PAD, BatchSampling, Drafts, PluginError, VerifyInputs, processed_probs,  # noqa: E402
+                         verify_on_device)
 
 STRATEGIES = {
     "greedy": GreedyVerify,
@@ -94,23 +98,28 @@ def make_case(seed: int, *, batch: int = 5, width: int = 3, vocab: int = 211, mi
                 top_p=top_p, uniforms=uniforms, draft_probs=q)
 
 
-def numpy_result(strategy: str, case: dict, config=None):
-    """``(accepted, output, target)`` of the numpy strategy on ``case``."""
-    inputs = VerifyInputs(
-        logits=case["logits"],
-        drafts=Drafts(case["draft_ids"], case["draft_lengths"], case["draft_probs"]),
-        sampling=BatchSampling(temperature=case["temperature"], top_p=case["top_p"], top_k=case["top_k"],
-                               uniforms=case["uniforms"]),
-    )
-    cls = STRATEGIES[strategy]
-    result = (cls(config) if config is not None else cls()).verify(inputs)
+def inputs_of(case: dict, on_device: bool = False) -> VerifyInputs:
+    """``case`` as verify inputs: host logits, or (``on_device``) device logits only."""
+    drafts = Drafts(case["draft_ids"], case["draft_lengths"], case["draft_probs"])
+    sampling = BatchSampling(temperature=case["temperature"], top_p=case["top_p"], top_k=case["top_k"],
+                             uniforms=case["uniforms"])
+    if on_device:
+        return VerifyInputs(None, drafts, sampling, device_logits=paddle.to_tensor(case["logits"]))
+    return VerifyInputs(case["logits"], drafts, sampling)
+
+
+def fields(result) -> tuple:
     return result.accepted_lengths, result.output_tokens, result.target_tokens
 
 
+def numpy_result(strategy: str, case: dict, **options):
+    """``(accepted, output, target)`` of the strategy's host rule (its kernel's numpy twin) on ``case``."""
+    return fields(STRATEGIES[strategy].DEVICE_KERNEL.reference(inputs_of(case), **options))
+
+
 def kernel_result(strategy: str, case: dict, **options):
-    args = dict(case)
-    args["logits"] = paddle.to_tensor(case["logits"])
-    return triton_verify.fused_verify(strategy, **args, **options)
+    """The same from the strategy's device kernel, on device logits (paddle CPU tensors here)."""
+    return fields(STRATEGIES[strategy].DEVICE_KERNEL.launch(inputs_of(case, on_device=True), **options))
 
 
 def assert_same(got, expected, case):
@@ -146,8 +155,8 @@ def test_rejection_with_draft_probs(mix, filters):
 def test_rejection_draft_probs_as_tensor():
     case = make_case(21, batch=4, width=2, vocab=97, mix="sampled", draft_probs=True)
     expected = numpy_result("rejection", case)
-    got = kernel_result("rejection", dict(case, draft_probs=paddle.to_tensor(case["draft_probs"])))
-    assert_same(got, expected, case)
+    args = dict(case, logits=paddle.to_tensor(case["logits"]), draft_probs=paddle.to_tensor(case["draft_probs"]))
+    assert_same(triton_verify.rejection_verify(**args), expected, case)
 
 
 def test_rejection_empty_residual_falls_back_to_p():
@@ -168,10 +177,10 @@ def test_rejection_empty_residual_falls_back_to_p():
 @pytest.mark.parametrize("max_candidate_len, verify_window", [(3, 1), (1, 2), (8, 3)])
 def test_topp_config(max_candidate_len, verify_window):
     case = make_case(50 + max_candidate_len, batch=6, width=4, mix="mixed")
-    config = ToppVerify.Config(max_candidate_len=max_candidate_len, verify_window=verify_window)
-    expected = numpy_result("topp", case, config)
-    got = kernel_result("topp", case, max_candidate_len=max_candidate_len, verify_window=verify_window)
-    assert_same(got, expected, case)
+    options = dict(max_candidate_len=max_candidate_len, verify_window=verify_window)
+    expected = numpy_result("topp", case, **options)
+    assert_same(kernel_result("topp", case, **options), expected, case)
+    assert_same(fields(ToppVerify(ToppVerify.Config(**options)).verify(inputs_of(case))), expected, case)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -194,50 +203,53 @@ def test_vocabulary_in_several_chunks(strategy, monkeypatch):
     assert_same(kernel_result(strategy, case), numpy_result(strategy, case), case)
 
 
-def test_matches_the_numpy_twin():
-    """The kernel also equals ``kernels/triton/verify_reference.py`` (row-at-a-time numpy)."""
-    reference = pytest.importorskip("specdec.kernels.triton.verify_reference")
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_the_twin_is_the_strategys_host_path(strategy):
+    """Without device logits a strategy verifies with its kernel's twin: one host rule each."""
     case = make_case(123, batch=6, width=4, mix="mixed", draft_probs=True)
-    for strategy in STRATEGIES:
-        expected = reference.verify(strategy, **case)
-        assert_same(numpy_result(strategy, case), expected, case)
-        if strategy == "rejection":
-            assert_same(kernel_result(strategy, case), expected, case)
+    assert_same(fields(STRATEGIES[strategy]().verify(inputs_of(case))), numpy_result(strategy, case), case)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_strategies_verify_from_device_logits(strategy):
-    """With ``device_logits`` (``kernels: triton``) the strategies verify through the kernel
-    (``specdec.sdk.verify_on_device``) and return what their numpy path returns."""
-    import specdec.sdk
-
-    if not hasattr(specdec.sdk, "verify_on_device"):
-        pytest.skip("this engine has no device verify path")
+    """With ``device_logits`` (``kernels: triton``) the strategies verify through their declared
+    kernel (``specdec.sdk.verify_on_device``) and return what their host path returns."""
     case = make_case(140 + len(strategy), batch=4, width=3, mix="mixed", draft_probs=strategy == "rejection")
-    drafts = Drafts(case["draft_ids"], case["draft_lengths"], case["draft_probs"])
-    sampling = BatchSampling(temperature=case["temperature"], top_p=case["top_p"], top_k=case["top_k"],
-                             uniforms=case["uniforms"])
     config = ToppVerify.Config(max_candidate_len=3, verify_window=1) if strategy == "topp" else None
     strategy_obj = STRATEGIES[strategy](config) if config is not None else STRATEGIES[strategy]()
-    result = strategy_obj.verify(VerifyInputs(None, drafts, sampling, device_logits=paddle.to_tensor(case["logits"])))
-    got = (result.accepted_lengths, result.output_tokens, result.target_tokens)
-    assert_same(got, numpy_result(strategy, case, config), case)
+    got = fields(strategy_obj.verify(inputs_of(case, on_device=True)))
+    options = attrs.asdict(config) if config is not None else {}
+    assert_same(got, numpy_result(strategy, case, **options), case)
+    assert_same(fields(verify_on_device(strategy_obj, inputs_of(case), **options)), got, case)
 
 
-def test_unknown_strategy():
-    case = make_case(1, batch=2, width=1, vocab=16)
-    with pytest.raises(ValueError, match="unknown verify strategy"):
-        kernel_result("typical", case)
-    with pytest.raises(ValueError):
-        kernel_result("topp", case, max_candidate_len=0)
+def test_the_old_name_forms_still_work_with_a_warning():
+    """``verify_on_device("topp", ...)`` (the strategy registered under that name) and the
+    kernel library's ``fused_verify("topp", ...)``: deprecated, same results for one release."""
+    case = make_case(77, batch=4, width=3, mix="mixed")
+    expected = numpy_result("topp", case, max_candidate_len=3, verify_window=1)
+    with pytest.warns(DeprecationWarning, match="verify_on_device"):
+        got = verify_on_device("topp", inputs_of(case, on_device=True), max_candidate_len=3, verify_window=1)
+    assert_same(fields(got), expected, case)
+    with pytest.warns(DeprecationWarning, match="fused_verify"):
+        got = triton_verify.fused_verify("topp", **dict(case, logits=paddle.to_tensor(case["logits"])),
+                                         max_candidate_len=3, verify_window=1)
+    assert_same(got, expected, case)
+    with pytest.warns(DeprecationWarning), pytest.raises(PluginError, match="unknown verify strategy 'typical'"):
+        verify_on_device("typical", inputs_of(case, on_device=True))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="unknown verify strategy"):
+        triton_verify.fused_verify("typical", **case)
 
 
-def test_bad_shapes():
+def test_bad_options_and_shapes():
     case = make_case(2, batch=2, width=2, vocab=16)
+    args = dict(case, logits=paddle.to_tensor(case["logits"]))
+    with pytest.raises(ValueError, match="max_candidate_len"):
+        triton_verify.topp_verify(**args, max_candidate_len=0)
     with pytest.raises(ValueError, match="uniforms"):
-        kernel_result("greedy", dict(case, uniforms=case["uniforms"][:, :2]))
+        triton_verify.greedy_verify(**dict(args, uniforms=case["uniforms"][:, :2]))
     with pytest.raises(ValueError, match="draft_ids"):
-        kernel_result("greedy", dict(case, draft_ids=case["draft_ids"][:, :1]))
+        triton_verify.greedy_verify(**dict(args, draft_ids=case["draft_ids"][:, :1]))
 
 
 _COMPILE = textwrap.dedent("""
