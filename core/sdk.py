@@ -43,6 +43,7 @@ __all__ = [
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
     "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_triton_kernels", "QuantizedLinear",
+    "DeviceVerifyKernel",
 ]
 
 #: Names the SDK used to hold that moved to :mod:`specdec.tools` (they need the engine).

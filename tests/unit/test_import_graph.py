@@ -28,7 +28,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("specdec.kernels",)),
     ("contract", ("specdec", "specdec.sdk", "specdec.plugin", "specdec.hookspecs", "specdec.plugin_kinds",
                   "specdec.attention", "specdec.proposer", "specdec.verify", "specdec.probs",
-                  "specdec.verify_builders", "specdec.sampling", "specdec.proposer_context", "specdec.metrics",
+                  "specdec.verify_builders", "specdec.device_verify", "specdec.sampling", "specdec.proposer_context", "specdec.metrics",
                   "specdec.workloads", "specdec.model.quant")),
     ("model", ("specdec.model",)),
     ("plugin host", ("specdec.registry", "specdec.plugin_manager", "specdec.config")),
@@ -40,10 +40,12 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 ]
 #: What a plugin may import of specdec: the contract, and the tools inside its commands.
 PLUGIN_SURFACE = ("specdec", "specdec.sdk", "specdec.tools")
-#: Lazy names resolved by a module ``__getattr__``, the only places a lower floor names a higher
-#: one, on purpose: the package face's ``specdec.LLM`` and ``specdec.SpeculativeConfig``, and
-#: the SDK's deprecated aliases of what moved to ``specdec.tools`` (until the next release).
-LAZY_FACE = {("specdec", "specdec.api"), ("specdec", "specdec.config"), ("specdec.sdk", "specdec.tools")}
+#: The only places a lower floor names a higher one, lazily and on purpose: the package face's
+#: ``specdec.LLM`` and ``specdec.SpeculativeConfig``; and, until the next release, the SDK's
+#: deprecated aliases of what moved to ``specdec.tools`` and ``verify_on_device``'s deprecated
+#: form that names a strategy (looked up among the installed plugins).
+LAZY_FACE = {("specdec", "specdec.api"), ("specdec", "specdec.config"), ("specdec.sdk", "specdec.tools"),
+             ("specdec.device_verify", "specdec.plugin_manager")}
 
 
 def module_name(path: Path) -> str:
