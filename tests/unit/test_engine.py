@@ -446,7 +446,7 @@ def test_kv_cache_dtype_auto_is_float16_and_float32_holds_half_the_blocks(model_
 
 
 def test_engine_resolves_the_kv_cache_dtype():
-    from specdec.engine.engine import resolve_kv_cache_dtype
+    from specdec.engine.build import resolve_kv_cache_dtype
 
     assert resolve_kv_cache_dtype("auto", "cpu", "float16") == "float16"
     assert resolve_kv_cache_dtype("auto", "cpu", "float32") == "float32"

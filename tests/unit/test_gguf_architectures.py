@@ -314,7 +314,7 @@ def test_quantization_auto_follows_the_matrices_in_the_file(tmp_path, case_id, q
     inside: a file whose matrices are all F32 (or all F16) runs the float path (``none``), one of
     Q8_0 matrices computes on its blocks."""
     from specdec.config import EngineConfig
-    from specdec.engine.engine import build_model, resolve_quantization
+    from specdec.engine.build import build_model, resolve_quantization
     from specdec.kernels.cpu import cpu_ops_or_none
     from specdec.model.quant_weights import QuantizedWeights
     from specdec.plugin_manager import get_plugins
