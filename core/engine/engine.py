@@ -33,11 +33,11 @@ from ..proposer import Drafts, ProposalBatch, ProposalRequest, valid_draft_class
 from ..proposer_context import ProposerContext, TargetModel
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
-from . import admission, handoff
+from . import admission
 from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
 from .batch import SequenceRows, pack_step
 from .build import build_model, build_spec_plugins, create_cache_layers, spec_plugin_classes
-from .handoff import HandoffState, KVLayout
+from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
 from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
 from .request import Request, RequestOutput
@@ -254,7 +254,7 @@ class Engine:
         prompt_ids = self.checked_prompt(prompt_token_ids)
         self.check_sampling(sampling, len(prompt_ids))
         if handoff:
-            handoff.check_handoff_supported(self, "add_request(handoff=True)")
+            check_handoff_supported(self, "add_request(handoff=True)")
         request = self.new_request(prompt_ids, sampling, prompt, request_id)
         request.handoff = handoff
         request.capture_hidden = handoff and capture_hidden
@@ -308,7 +308,7 @@ class Engine:
 
     def import_request(self, state: HandoffState, request_id: Optional[str] = None) -> Request:
         """Continue a request another engine handed off: :func:`specdec.engine.handoff.import_request`."""
-        return handoff.import_request(self, state, request_id)
+        return import_request(self, state, request_id)
 
     # -- admission (admission.py) ------------------------------------------------------------
 
@@ -647,7 +647,7 @@ class Engine:
                 appended_by_request[id(request)] = appended
                 self._check_stop_strings(request)
                 if request.handoff and not request.finished:
-                    handoff.export_request(self, request)
+                    export_request(self, request)
             except Exception as exc:  # noqa: BLE001 - a detokenizer failure, say: this request only
                 self._fail(request, "update", exc)
         return state.only(lambda r: id(r) in appended_by_request and r.error is None), appended_by_request

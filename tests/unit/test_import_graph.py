@@ -185,7 +185,7 @@ def test_the_checks_catch_what_they_should():
     assert floor_of("specdec.engine.build") > floor_of("specdec.sdk") > floor_of("specdec.errors")
     assert floor_of("specdec.server.serve") > floor_of("specdec.cluster.node") > floor_of("specdec.server.app")
     assert "specdec.engine.build" in GRAPH["specdec.engine.engine"]  # relative imports resolve
-    assert "specdec.engine.handoff" in GRAPH["specdec.engine.engine"]  # ``from . import handoff``
+    assert "specdec.engine.admission" in GRAPH["specdec.engine.engine"]  # ``from . import admission``
 
 
 def test_the_sdk_stands_on_the_ground_floors():
