@@ -5,60 +5,10 @@ one launcher per rule, :func:`greedy_verify`, :func:`target_match_verify`,
 declares it as its ``DEVICE_KERNEL`` (``plugins/verify/<rule>.py``, whose host rule is the
 numpy twin). This module does not know the strategies: it imports Triton and numpy only.
 
-Layout. One program per request (grid ``(B,)``). It walks the request's rows ``j = 0 ..
-lengths[b]`` in order (rows past the drafts are padding and are skipped) and, per row, makes a
-few passes over the vocabulary in chunks of ``BLOCK_V`` tokens, so any vocabulary size works and
-nothing ``[V]``-sized is ever held or written:
-
-1. max pass: argmax of the raw logits (ties to the lowest id, as ``np.argmax``), the largest
-   scaled logit and, for ``topp``, the draft's rank among the raw logits. A greedy request
-   (temperature <= 0) stops here: its token is the argmax.
-2. top-k (``0 < top_k < V``): the cut is found by a search instead of a sort. Scaled logits
-   are mapped to the order-preserving integer image of their float32 bits ("keys"); the search
-   looks for the cut ``c`` such that the tokens with ``key > c`` are those with fewer than
-   ``top_k`` keys above them, and keeps those. It is a bisection that tries ``_PIVOTS`` evenly
-   spaced keys per pass over the row (one ``[PIVOTS, BLOCK_V]`` comparison) and stops as soon
-   as the remaining interval holds a single token's key: 3-6 passes on real rows rather than
-   the 32 of a plain bisection over 32-bit keys.
-3. softmax sum over the kept tokens: ``exp(s - max)`` in float32, summed in float64 and
-   rounded to float32 as ``core/probs.py`` does; ``p1 = e / sum``.
-4. top-p (``top_p < 1``): the same search over the keys of ``p1`` (non-negative floats: their
-   bits), weighing each token by ``p1`` (float64 sums): a token is kept while the mass
-   strictly above it is below ``top_p``, so the token that reaches ``top_p`` is kept.
-5. renormalisation sum (when top-k or top-p cut anything): ``p2 = p1 / float32(sum)``.
-6. sampling: the total mass (float64), then an inverse-CDF scan in vocabulary order (a
-   float64 prefix sum per chunk) for the first token whose cumulative weight exceeds
-   ``u * total``; a zero-weight token is never chosen.
-
-A sampled row thus reads its logits 5 times, plus 3-6 times for each of top-k and top-p when
-on; a greedy row once. ``K`` and the chunk count are compile-time constants (one compilation per draft width and
-vocabulary), so the loops have static bounds.
-
-``rejection`` tests each draft with ``u0 * q(d) < p(d)`` (``q`` from ``draft_probs``, or 1) and,
-at the first rejection, samples from ``max(0, p - q)`` (``p`` without the draft when ``q`` is
-one-hot; ``p`` itself when the residual is empty) with two more passes. ``topp`` keeps the
-draft's rank and the row's candidate count in registers and, after the last row, walks the
-step table of its host twin (``topp_rule`` and ``walk`` in ``plugins/verify/topp.py``).
-Results are written to device tensors and copied to the host once.
-
-Agreement with numpy. Every float operation is the one ``core/probs.py`` does in the same
-precision (float32 division by the temperature and by the sums, float32 ``exp``, float64 sums
-and uniforms), so in Triton's interpreter (which runs the same numpy ufuncs) the kernel gives
-the numpy strategies' tokens exactly, bar the cases below, which have probability zero on
-random float logits:
-
-- ties: numpy's top-k (``argpartition``) and top-p (a stable sort of a partition) keep an
-  arbitrary one of several tokens tied at the cut; the search keeps all of them (top-k can
-  then keep more than ``top_k`` tokens). ``-0.0`` and ``+0.0`` have distinct keys here.
-- sums: float64 sums are taken in another order than numpy's pairwise sums and two-level
-  sampling CDF, so a uniform or ``top_p`` within about 1e-16 (relative) of a cumulative mass
-  boundary can pick the neighbouring token.
-
-On a GPU the divisions are still correctly rounded (``div_rn``), but ``exp`` is not numpy's:
-probabilities differ in the last bits (and denormals flush to zero), so sampled tokens, top-k /
-top-p cuts and rejection tests can differ where a uniform, ``top_p`` or ``p(d)`` falls within
-about 1e-6 (relative) of a boundary. Greedy results (argmax, ranks) agree exactly. NaN logits
-are not handled.
+One program per request walks its rows in order, each in a few passes over the vocabulary in
+chunks (no ``[V]``-sized buffer); every float operation is the one ``core/probs.py`` does, so in
+Triton's interpreter the kernel gives the numpy rules' tokens exactly. docs/gpu.md ("How the
+verify kernel works") describes the passes, the top-k/top-p search and where a GPU may differ.
 """
 
 from __future__ import annotations
