@@ -321,11 +321,25 @@ def run_serve(args) -> int:
             max_pending=args.max_pending_requests or serve.DEFAULT_MAX_PENDING,
             shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
             limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
-            log_level=args.log_level, cluster_options=cluster_options,
+            log_level=args.log_level,
+            join_cluster=_cluster_joiner(cluster_options, args.served_model_name or config.model),
         )
     finally:
         engine.close()
     return 0
+
+
+def _cluster_joiner(cluster_options, served_model_name: str):
+    """What ``run_server`` calls to join the cluster (None without one)."""
+    if cluster_options is None:
+        return None
+    from .cluster import Cluster
+
+    def join_cluster(engine_loop, host: str, port: int):
+        return Cluster(cluster_options, engine_loop, served_model_name, http_host=host, http_port=port,
+                       metrics=engine_loop.metrics)
+
+    return join_cluster
 
 
 def _cluster_options(args, api_key):

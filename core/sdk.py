@@ -5,8 +5,9 @@ plugin or an engine module; a test holds the built-ins to it. Here are the four 
 and their data, the ``hookimpl`` marker, the contract of model-based proposers
 (:class:`ProposerContext`, :class:`TargetModel`), the sampling math and verify result builders
 that strategies share (with a strategy's fused device kernel, :class:`DeviceVerifyKernel`,
-which :func:`verify_on_device` dispatches), the validators of a plugin's ``Config``, the errors, and the native
-code a plugin may use (the CPU and Triton kernel loaders, :class:`QuantizedLinear`).
+which :func:`verify_on_device` dispatches), the validators of a plugin's ``Config``, the
+errors, and the native code a plugin may use (the CPU and Triton kernel loaders,
+:class:`QuantizedLinear`).
 docs/plugins.md ("The SDK") lists every name with what it is for.
 
 The SDK stands on the ground floor: importing it (or any plugin written against it) loads no
@@ -17,6 +18,7 @@ in :mod:`specdec.testing`.
 """
 
 from .attention import AttentionBackend, AttentionMetadata
+from .device_verify import verify_on_device
 from .errors import ConfigError, PluginError, SpecdecError, require_paddle
 from .hookspecs import hookimpl
 from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
@@ -30,7 +32,7 @@ from .proposer_context import ProposerContext, TargetModel
 from .validators import above, in_range, multiple_of, one_of
 from .verify import AcceptPolicy, BatchSampling, DeviceVerifyKernel, VerifyInputs, VerifyResult, VerifyStrategy
 from .verify_builders import (accepted_prefix, assemble_output, at_positions, check_inputs, draft_mask,
-                              pad_beyond_drafts, prefix_match_result, verify_on_device)
+                              pad_beyond_drafts, prefix_match_result)
 
 __all__ = [
     "Plugin", "Proposer", "ProposalBatch", "ProposalRequest", "Drafts", "DRAFT_PAD", "ProposerContext", "TargetModel",
@@ -52,10 +54,11 @@ _MOVED_TO_TOOLS = ("load_plugins", "HiddenStateRecorder", "RecordedSequence", "s
 
 def __getattr__(name: str):
     if name in _MOVED_TO_TOOLS:
+        import importlib
         import warnings
 
-        from . import tools
-
+        # Looked up by name when an old plugin asks: the SDK itself does not depend on the tools.
+        tools = importlib.import_module("specdec.tools")
         warnings.warn(f"specdec.sdk.{name} moved to specdec.tools.{name}; the old name goes in the next release",
                       DeprecationWarning, stacklevel=2)
         return getattr(tools, name)

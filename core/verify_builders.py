@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .device_verify import verify_on_device  # noqa: F401 (specdec.sdk imports it from here)
 from .proposer import DRAFT_PAD, Drafts
 from .verify import VerifyInputs, VerifyResult
 

@@ -137,24 +137,20 @@ def _graceful_exit() -> Iterator[None]:
 def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: Optional[str] = None,
                max_pending: int = DEFAULT_MAX_PENDING, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                limits: Optional[ServerLimits] = None, enable_docs: bool = False, metrics_require_key: bool = False,
-               log_level: str = "info", cluster_options=None) -> None:
+               log_level: str = "info", join_cluster=None) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
 
     ``limits``, ``enable_docs`` and ``metrics_require_key`` are those of
-    :func:`~specdec.server.app.build_app`; with ``cluster_options`` (a
-    :class:`specdec.cluster.ClusterOptions`) the server joins that cluster."""
+    :func:`~specdec.server.app.build_app`. ``join_cluster(engine_loop, host, port)``, when
+    given, returns the :class:`specdec.cluster.Cluster` this server joins (the command line
+    builds it: the cluster stands above the server)."""
     limits = limits or ServerLimits()
     warning = raise_open_file_limit(limits.max_connections)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     engine_loop = EngineLoop(engine, max_pending=max_pending, metrics=ServerMetrics(served_model_name))
     host, port = sock.getsockname()[:2]
-    cluster = None
-    if cluster_options is not None:
-        from ..cluster import Cluster
-
-        cluster = Cluster(cluster_options, engine_loop, served_model_name, http_host=host, http_port=port,
-                          metrics=engine_loop.metrics)
+    cluster = None if join_cluster is None else join_cluster(engine_loop, host, port)
 
     def engine_lost(message: str) -> None:  # a tensor-parallel rank died or hung: fail, then exit
         engine_loop.engine_lost(message)
@@ -169,7 +165,7 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
     ready = (f"specdec serve: listening on http://{shown}:{port} (model '{served_model_name}', "
              f"max_num_seqs {engine.config.max_num_seqs}, method {engine.spec.method}"
              f"{', API key required' if api_key else ''}"
-             f"{f', cluster role {cluster_options.role}' if cluster_options else ''})")
+             f"{f', cluster role {cluster.options.role}' if cluster else ''})")
     server = Server(config, engine_loop, drain_timeout=shutdown_timeout, ready_line=ready, cluster=cluster)
     with _graceful_exit():
         server.run(sockets=[sock])
