@@ -314,6 +314,16 @@ class SpeculativeConfig:
     accept_config: Any = None
     notices: tuple[str, ...] = attrs.field(default=(), eq=False, repr=False)
 
+    @property
+    def mtp_strategy(self) -> str:
+        """Deprecated: ``mtp_strategy`` is the mtp and hybrid methods' own key now (their
+        ``method_config.mtp_strategy``); this reads it from there for one more release."""
+        import warnings
+
+        warnings.warn("SpeculativeConfig.mtp_strategy moved to the method's Config (method_config.mtp_strategy); "
+                      "the old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return getattr(self.method_config, "mtp_strategy", "default")
+
     def to_dict(self) -> dict[str, Any]:
         """The flat form users write: core keys, then each plugin Config's fields."""
         data = {name: getattr(self, name) for name in SPECULATIVE_KEYS}

@@ -199,6 +199,14 @@ def test_model_keys_at_their_defaults_are_accepted_with_any_method(plugins, plug
                                               "method 'mtp_like'; method is 'ngram')")
 
 
+def test_the_old_mtp_strategy_attribute_still_reads_with_a_warning(plugins, plugins_with_mtp):
+    config = build_speculative_config({"method": "mtp_like", "mtp_strategy": "with_ngram"}, plugins_with_mtp)
+    with pytest.warns(DeprecationWarning, match="mtp_strategy moved to the method's Config"):
+        assert config.mtp_strategy == "with_ngram"
+    with pytest.warns(DeprecationWarning):
+        assert build_speculative_config({"method": "ngram"}, plugins).mtp_strategy == "default"
+
+
 def test_a_plugin_key_is_checked_by_its_plugins_config(plugins_with_mtp):
     assert config_error(build_speculative_config, {"method": "mtp_like", "mtp_strategy": "eagle"},
                         plugins_with_mtp) == (
