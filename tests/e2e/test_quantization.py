@@ -54,7 +54,11 @@ def engine(quantization: str) -> specdec.LLM:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _release_engines():
+def _release_engines(llm):
+    # ``gguf`` is the default (``quantization: auto`` on the CPU kernels with a GGUF file): the
+    # session's engine (tests/conftest.py) is that engine, loaded once.
+    assert llm.engine.quantization == "gguf"
+    _ENGINES["gguf"] = llm
     yield
     _ENGINES.clear()
 
