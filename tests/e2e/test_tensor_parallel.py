@@ -78,10 +78,15 @@ def test_the_model_is_split_over_two_ranks(parallel):
     assert engine.attention.num_kv_heads == 2 and engine.attention.num_heads == 6  # rank 0's share of 3 / 9
 
 
+#: The prompts also run one at a time: the short one and a code edit (drafts are accepted on
+#: it); a single request takes the same path whatever its prompt.
+ALONE = 2
+
+
 @pytest.mark.parametrize("speculative", METHODS, ids=lambda s: (s or {"method": "naive"})["method"])
 def test_greedy_tokens_equal_one_process(parallel, expected, speculative):
     assert _tokens(parallel, PROMPTS, speculative) == expected  # batched
-    assert [_tokens(parallel, [prompt], speculative)[0] for prompt in PROMPTS] == expected  # one at a time
+    assert [_tokens(parallel, [prompt], speculative)[0] for prompt in PROMPTS[:ALONE]] == expected[:ALONE]  # alone
 
 
 def _worker_pid(parent: int, timeout: float = 120.0) -> int:
