@@ -12,7 +12,7 @@ run: install
 
 # The suite, and the example third-party packages' own tests (examples/*/tests).
 test: install-test
-	$(BIN)/python -m pytest tests examples/specdec-plugin-medusa/tests -q --durations=10
+	$(BIN)/python -m pytest tests examples/specdec-plugin-medusa/tests -q --durations=20
 
 bench: install
 	$(BIN)/python benchmarks/bench_decode.py

@@ -160,6 +160,22 @@ def llm(model_session):
     return model_session.llm
 
 
+#: The one engine of the reference path (``kernels: paddle``, float32 weights and cache) that the
+#: tests comparing another path with it share: small pool, context of 1024.
+PADDLE_ENGINE = dict(kernels="paddle", num_kv_blocks=96, max_model_len=1024, progress=False)
+
+
+@pytest.fixture(scope="session")
+def paddle_llm():
+    """A :class:`specdec.LLM` on the ``paddle`` reference path (:data:`PADDLE_ENGINE`), loaded
+    once for the session (tensor-parallel, Triton and hand-off tests). Users set their own
+    speculative config before each run."""
+    _require_model()
+    import specdec
+
+    return specdec.LLM(**PADDLE_ENGINE)
+
+
 @pytest.fixture(scope="session")
 def real_checkpoint():
     """``(ModelConfig, HF-named float32 weights, Tokenizer)`` of the real GGUF, loaded once."""

@@ -128,10 +128,10 @@ class Instance:
                 self.process.wait(10)
 
 
-def start_instance(redis_url: str, directory: Path, name: str, *, role: str = "mixed",
-                   speculative: Optional[dict] = None, extra: tuple = ()) -> Instance:
-    """Start ``specdec serve`` on a free port, joined to the cluster at ``redis_url``; returns
-    once it listens (its stderr goes to ``directory/name.log``)."""
+def launch_instance(redis_url: str, directory: Path, name: str, *, role: str = "mixed",
+                    speculative: Optional[dict] = None, extra: tuple = ()) -> tuple:
+    """Start ``specdec serve`` on a free port, joined to the cluster at ``redis_url``, without
+    waiting for it (its stderr goes to ``directory/name.log``); ``ready`` waits."""
     log = directory / f"{name}.log"
     command = [sys.executable, "-m", "specdec.cli", "serve", "--port", "0", "--scheduler", redis_url,
                "--role", role, "--instance-id", name, "--served-model-name", MODEL_NAME, "--no-progress",
@@ -141,6 +141,12 @@ def start_instance(redis_url: str, directory: Path, name: str, *, role: str = "m
     env = {**os.environ, "SPECDEC_API_KEY": API_KEY}
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return name, process, log
+
+
+def ready(launched: tuple) -> Instance:
+    """Wait until a :func:`launch_instance` listens; returns it."""
+    name, process, log = launched
     deadline = time.monotonic() + 180
     while True:
         match = re.search(r"listening on (http://\S+)", log.read_text(errors="replace"))
@@ -150,6 +156,29 @@ def start_instance(redis_url: str, directory: Path, name: str, *, role: str = "m
             process.kill()
             pytest.fail(f"instance {name} did not start:\n{log.read_text(errors='replace')[-3000:]}")
         time.sleep(0.1)
+
+
+def start_instance(redis_url: str, directory: Path, name: str, **options) -> Instance:
+    """Start ``specdec serve`` (see :func:`launch_instance`); returns once it listens."""
+    return ready(launch_instance(redis_url, directory, name, **options))
+
+
+def start_instances(redis_url: str, directory: Path, *named: tuple) -> list[Instance]:
+    """Start several instances at once, ``(name, options)`` each (their imports and model
+    loads overlap); returns them once all listen. If one fails to start, the others stop."""
+    launched = [launch_instance(redis_url, directory, name, **options) for name, options in named]
+    instances = []
+    try:
+        for item in launched:
+            instances.append(ready(item))
+    except BaseException:
+        for instance in instances:
+            instance.stop()
+        for _, process, _ in launched:
+            if process.poll() is None:
+                process.kill()
+        raise
+    return instances
 
 
 def wait_for_instances(instance: Instance, count: int, timeout: float = 20.0) -> dict:
@@ -173,18 +202,26 @@ def cluster_directory() -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+#: The in-process engines of :func:`solo_outputs`, one per speculative config (loaded once).
+_SOLO_ENGINES: dict = {}
+
+
 def solo_outputs(prompts: list[str], max_tokens: int, speculative: Optional[dict] = None,
                  ignore_eos: bool = False) -> list[str]:
     """Each prompt's greedy completion (no chat template), run alone on one engine in this
-    process: what every cluster run must return."""
+    process: what every cluster run must return. The engine is loaded once per speculative
+    config and shared by every test of the session."""
     from specdec.config import build_engine_config
     from specdec.engine import Engine
     from specdec.plugin_manager import get_plugins
     from specdec.sampling import SamplingParams
 
-    plugins = get_plugins()
-    config = build_engine_config(None, {"max_num_seqs": 16}, speculative or {"method": "naive"}, plugins)
-    engine = Engine(config, plugins=plugins, progress=False)
+    key = json.dumps(speculative or {"method": "naive"}, sort_keys=True)
+    engine = _SOLO_ENGINES.get(key)
+    if engine is None:
+        plugins = get_plugins()
+        config = build_engine_config(None, {"max_num_seqs": 16}, speculative or {"method": "naive"}, plugins)
+        engine = _SOLO_ENGINES[key] = Engine(config, plugins=plugins, progress=False)
     texts = []
     for prompt in prompts:
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)

@@ -18,7 +18,7 @@ import openai
 import pytest
 import redis
 from cluster_harness import (MODEL_NAME, RedisServer, cluster_directory, solo_outputs, start_instance,
-                             wait_for_instances)
+                             start_instances, wait_for_instances)
 
 from specdec.workloads import code_edit_prompts
 
@@ -93,8 +93,8 @@ async def _disrupted_run(instances, prompts, max_tokens: int, watched, disrupt) 
 
 
 def test_two_mixed_instances_spread_32_requests_and_match_solo_outputs(directory, redis_server, solo):
-    a = start_instance(redis_server.url, directory, "mix-a", speculative=NGRAM)
-    b = start_instance(redis_server.url, directory, "mix-b", speculative=NGRAM)
+    a, b = start_instances(redis_server.url, directory, ("mix-a", {"speculative": NGRAM}),
+                           ("mix-b", {"speculative": NGRAM}))
     try:
         wait_for_instances(a, 2)
         wait_for_instances(b, 2)
@@ -161,8 +161,8 @@ def test_an_instance_killed_mid_run_loses_no_request_silently(directory, redis_s
     prompts = PROMPTS[:16]
     max_tokens = 64
     expected = solo_outputs(prompts, max_tokens)
-    a = start_instance(redis_server.url, directory, "kill-a", speculative=NGRAM)
-    b = start_instance(redis_server.url, directory, "kill-b", speculative=NGRAM)
+    a, b = start_instances(redis_server.url, directory, ("kill-a", {"speculative": NGRAM}),
+                           ("kill-b", {"speculative": NGRAM}))
     try:
         wait_for_instances(a, 2)
 
@@ -196,10 +196,9 @@ def test_an_instance_killed_mid_run_loses_no_request_silently(directory, redis_s
 @pytest.mark.parametrize("method", ["ngram", "suffix", "mtp"])
 def test_prefill_and_decode_instances_match_a_single_instance(directory, redis_server, solo, method):
     prompts = PROMPTS[:8]
-    prefill = start_instance(redis_server.url, directory, f"prefill-{method}", role="prefill",
-                             speculative={"method": method})
-    decode = start_instance(redis_server.url, directory, f"decode-{method}", role="decode",
-                            speculative={"method": method})
+    prefill, decode = start_instances(
+        redis_server.url, directory, (f"prefill-{method}", {"role": "prefill", "speculative": {"method": method}}),
+        (f"decode-{method}", {"role": "decode", "speculative": {"method": method}}))
     try:
         wait_for_instances(prefill, 2)
         wait_for_instances(decode, 2)
@@ -223,8 +222,8 @@ def test_redis_restarted_mid_run_instances_reconnect_and_requests_finish_or_fail
     prompts = PROMPTS[16:32]
     max_tokens = 48
     expected = solo_outputs(prompts, max_tokens)
-    a = start_instance(redis_server.url, directory, "restart-a", speculative=NGRAM)
-    b = start_instance(redis_server.url, directory, "restart-b", speculative=NGRAM)
+    a, b = start_instances(redis_server.url, directory, ("restart-a", {"speculative": NGRAM}),
+                           ("restart-b", {"speculative": NGRAM}))
     try:
         wait_for_instances(a, 2)
         wait_for_instances(b, 2)

@@ -69,9 +69,11 @@ def cpu_pair():
 
 
 @pytest.fixture(scope="module")
-def paddle_pair():
-    """``(prefill, decode)`` LLMs on the reference path (``paddle`` attention, float32 cache)."""
-    prefill, decode = _engines(kernels="paddle")
+def paddle_pair(paddle_llm):
+    """``(prefill, decode)`` LLMs on the reference path (``paddle`` attention, float32 cache):
+    the prefill engine is the session's ``paddle`` engine (tests/conftest.py; a longer context
+    than ENGINE's, which the KV layout does not include)."""
+    prefill, decode = paddle_llm, specdec.LLM(**ENGINE, kernels="paddle")
     assert prefill.engine.attention.NAME == "paddle" and prefill.engine.kv_cache_dtype == "float32"
     return prefill, decode
 

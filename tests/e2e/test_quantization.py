@@ -54,7 +54,11 @@ def engine(quantization: str) -> specdec.LLM:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _release_engines():
+def _release_engines(llm):
+    # ``gguf`` is the default (``quantization: auto`` on the CPU kernels with a GGUF file): the
+    # session's engine (tests/conftest.py) is that engine, loaded once.
+    assert llm.engine.quantization == "gguf"
+    _ENGINES["gguf"] = llm
     yield
     _ENGINES.clear()
 
@@ -91,7 +95,11 @@ def test_quantized_logits_are_close_to_the_float_path(quantization):
     assert np.sqrt((error ** 2).mean()) > 0.01, message
 
 
-@pytest.mark.parametrize("quantization", ["gguf", "wint8", "wint4"])
+#: ``gguf`` is not repeated here: it is the default engine's quantization, on which every method
+#: is already checked against plain greedy decoding, alone and batched (tests/e2e/test_lossless.py:
+#: ngram with each verify strategy; test_suffix.py, test_mtp.py, test_hybrid.py; and through the
+#: server with default settings, tests/server/test_default_lossless.py).
+@pytest.mark.parametrize("quantization", ["wint8", "wint4"])
 def test_speculation_keeps_the_quantized_greedy_output(quantization):
     llm = engine(quantization)
     assert llm.engine.quantization == quantization

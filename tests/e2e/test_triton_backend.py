@@ -30,8 +30,10 @@ def triton_llm():
 
 
 @pytest.fixture(scope="module")
-def reference_llm():
-    return specdec.LLM(kernels="paddle", **ENGINE)
+def reference_llm(paddle_llm):
+    """The session's ``paddle`` path engine (tests/conftest.py)."""
+    assert paddle_llm.engine.kernels == "paddle"
+    return paddle_llm
 
 
 def _outputs(llm, prompts, sampling, speculative=None):
