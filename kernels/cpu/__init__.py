@@ -9,6 +9,7 @@ Each operator has a numpy twin in :mod:`specdec.kernels.cpu.reference`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -55,15 +56,31 @@ def _cpu_flags() -> set[str]:
 
 def kernel_build_dir(*sources: Path) -> Path:
     """Where native code made of ``sources`` (default: the engine's kernels) is built: one
-    folder per version of those files (a hash of them all) under ``$SPECDEC_KERNEL_CACHE``,
-    else ~/.cache/specdec/kernels, so that checkouts with different kernels never share a
-    build."""
+    folder per version of those files (a hash of them all, and of where they are) under
+    ``$SPECDEC_KERNEL_CACHE``, else ~/.cache/specdec/kernels. Two checkouts never share a build:
+    paddle's build records the source paths, and would rebuild in turn for each."""
     inputs = sources or BUILD_INPUTS
     root = Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
     digest = hashlib.sha256(" ".join(CXX_FLAGS).encode())
     for path in inputs:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        digest.update(str(path.resolve()).encode() + b"\0" + path.read_bytes())
     return root / digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold an exclusive lock on ``build_dir`` (``fcntl.flock``; released if the process dies):
+    processes starting at once on an empty cache build one after the other, and none loads a
+    half-written library."""
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,17 +92,15 @@ def load_cpu_ops():
     from specdec.errors import require_paddle
 
     require_paddle()
-    import contextlib
     import io
     import logging
     import warnings
 
     build_dir = kernel_build_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
     saved_warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with build_lock(build_dir), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             from paddle.utils.cpp_extension import load
 

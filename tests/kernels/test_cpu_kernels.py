@@ -161,3 +161,36 @@ def test_cpu_attention_backend_equals_paddle_backend(ops):
         backend.prepare(meta)
         outputs.append(backend.forward(0, paddle.to_tensor(step), meta).numpy())
     np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+
+
+#: One process of the concurrent-build test: load the kernels from the cache the environment
+#: names, then check one of them against its twin.
+_LOAD_AND_CHECK = """
+import numpy as np, paddle
+from specdec.kernels.cpu import load_cpu_ops, packing, reference
+ops = load_cpu_ops()
+rng = np.random.default_rng(0)
+weight, x = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((3, 64)).astype(np.float32)
+panels = packing.pack_panels(weight, np.float32)
+got = ops.specdec_skinny_matmul(paddle.to_tensor(x), paddle.to_tensor(panels)).numpy()
+np.testing.assert_allclose(got, reference.skinny_matmul(x, panels), rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+
+
+def test_processes_starting_at_once_on_an_empty_cache_all_load_the_kernels(tmp_path):
+    """Four processes (say, serve instances started together on a fresh machine) build into
+    one empty cache at once: the build lock makes one build and the others wait, so each
+    loads a whole library and computes right."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECDEC_KERNEL_CACHE": str(tmp_path / "cache"), "MKL_DEBUG_CPU_TYPE": "5"}
+    processes = [subprocess.Popen([sys.executable, "-c", _LOAD_AND_CHECK], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [process.communicate(timeout=900) for process in processes]
+    assert [(process.returncode, out.strip()) for process, (out, _) in zip(processes, results)] == [(0, "ok")] * 4, \
+        [err[-2000:] for _, err in results]
+    libraries = list((tmp_path / "cache").rglob("specdec_cpu_ops*.so"))
+    assert libraries, "no library was built into the given cache"
