@@ -155,6 +155,12 @@ def _add_cluster_flags(serve: argparse.ArgumentParser) -> None:
                             "address when --host is 0.0.0.0)")
     group.add_argument("--kv-transfer-port", type=int, default=0, metavar="PORT",
                        help="a decode instance's port for KV hand-offs (default 0: any free port)")
+    group.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                       help="a file whose first line is the secret the instances share (signs hand-offs, "
+                            "registrations and jobs; required for prefill/decode roles off loopback)")
+    group.add_argument("--cluster-secret", default=None, metavar="SECRET",
+                       help="the cluster secret itself (default: $SPECDEC_CLUSTER_SECRET; prefer that or "
+                            "--cluster-secret-file: a flag is visible to every user in ps)")
 
 
 # -- shared helpers --------------------------------------------------------------------------
@@ -351,10 +357,18 @@ def _cluster_options(args, api_key):
         return None
     from .cluster import ClusterOptions
     from .cluster.redis_link import ping
+    from .cluster.secret import resolve_cluster_secret, secret_required
 
+    if args.cluster_secret:
+        print("warning: --cluster-secret: the secret is visible to every user of this machine (ps, /proc); "
+              "use --cluster-secret-file or $SPECDEC_CLUSTER_SECRET instead", file=sys.stderr)
+    cluster_secret = resolve_cluster_secret(args.cluster_secret, args.cluster_secret_file)
+    if cluster_secret is None and secret_required(args.role, args.advertise_host or args.host):
+        raise SpecdecError(f"--role {args.role}: on {args.advertise_host or args.host} (not loopback) the instances "
+                           "need a shared secret: --cluster-secret-file PATH or $SPECDEC_CLUSTER_SECRET")
     options = ClusterOptions(scheduler_url=args.scheduler, role=args.role, instance_id=args.instance_id,
                              advertise_host=args.advertise_host, kv_transfer_port=args.kv_transfer_port,
-                             api_key=api_key)
+                             api_key=api_key, cluster_secret=cluster_secret)
     ping(options.scheduler_url)
     return options
 

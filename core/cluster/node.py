@@ -43,6 +43,8 @@ class ClusterOptions:
         (default: ``--host``, or this machine's address when that is a wildcard).
     :ivar kv_transfer_port: ``--kv-transfer-port`` of a decode instance (0: any free port).
     :ivar api_key: the server's API key; hand-offs between instances must carry it too.
+    :ivar cluster_secret: the secret the instances share (:mod:`.secret`), or None (allowed
+        only for ``mixed`` instances and on loopback).
     """
 
     scheduler_url: str
@@ -51,6 +53,7 @@ class ClusterOptions:
     advertise_host: Optional[str] = None
     kv_transfer_port: int = 0
     api_key: Optional[str] = None
+    cluster_secret: Optional[bytes] = attrs.field(default=None, repr=False)
 
     def __attrs_post_init__(self):
         parse_scheduler_url(self.scheduler_url)
