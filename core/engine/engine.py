@@ -29,6 +29,7 @@ from specdec.kernels.cpu import release_free_heap
 
 from ..config import EngineConfig, SpeculativeConfig
 from ..errors import SpecdecError
+from ..model.resolve import known_model_name
 from ..proposer import Drafts, ProposalBatch, ProposalRequest, valid_draft_classes
 from ..proposer_context import ProposerContext, TargetModel
 from ..sampling import SamplingParams
@@ -199,7 +200,7 @@ class Engine:
 
     def _proposer_context(self, create_proposer: Callable) -> ProposerContext:
         """What a proposer's ``setup`` gets: the target, its tokenizer and the cache geometry."""
-        return ProposerContext(model_name=self.config.model, model_config=self.model_config,
+        return ProposerContext(model_name=known_model_name(self.config.model), model_config=self.model_config,
                                tokenizer=self.tokenizer, target=TargetModel(self.model), block_size=self.block_size,
                                num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers,
                                create_proposer=create_proposer)

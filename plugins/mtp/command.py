@@ -42,7 +42,7 @@ def add_train_command(subcommands) -> None:
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint and data in --output")
     train.add_argument("--init", default=None, help="start from this head (weights and draft vocabulary), "
                                                       "e.g. to train more substeps of a trained head")
-    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     train.set_defaults(func=run_train_mtp)
 
 

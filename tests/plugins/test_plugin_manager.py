@@ -216,7 +216,7 @@ def test_load_plugins_empty_string_loads_builtins_only(site, monkeypatch):
     assert "goodprop_b" not in plugins.proposers
     builtin_names = {name for name, _ in DEFAULT_PLUGINS}
     assert {info.name for info in plugins.infos} == builtin_names
-    assert all(info.builtin and info.distribution == "specdec" for info in plugins.infos)
+    assert all(info.builtin and info.distribution == "paddle-specdec" for info in plugins.infos)
 
 
 def test_load_plugins_by_name_loads_only_that_one(site, monkeypatch):

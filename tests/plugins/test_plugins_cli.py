@@ -51,7 +51,7 @@ def test_json_listing_shape_and_warnings(site):
     }
     assert by_name["broken"]["error"].startswith(
         "plugin 'broken' (specdec-plugin-broken 0.1.0) failed to load: ModuleNotFoundError")
-    assert by_name["ngram"]["builtin"] is True and by_name["ngram"]["distribution"] == "specdec"
+    assert by_name["ngram"]["builtin"] is True and by_name["ngram"]["distribution"] == "paddle-specdec"
     assert ("warning: plugin 'broken' (specdec-plugin-broken 0.1.0) failed to load: "
             "ModuleNotFoundError: No module named 'specdec_missing_dependency_xyz'") in result.stderr.splitlines()
 
