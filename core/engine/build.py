@@ -211,7 +211,7 @@ def build_spec_plugins(spec: SpeculativeConfig, plugins,
         proposer.setup(context)
     except SpecdecError as exc:
         raise SpecdecError(f"speculative_config.method: proposer '{spec.method}': {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - a plugin's failure, reported in one line
+    except (Exception, SystemExit, GeneratorExit) as exc:  # noqa: BLE001 - a plugin's failure, in one line
         raise SpecdecError(f"speculative_config.method: proposer '{spec.method}' setup failed: "
                            f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
     return SpecPlugins(spec=spec, proposer=proposer, verifier=verify_cls(spec.verify_config, spec),
