@@ -16,8 +16,9 @@ import time
 from typing import Callable, Optional
 
 #: ``--step-timeout``: seconds one engine step may run before the server counts as stalled.
-#: Far above any real step (a full 2048-row prefill chunk of the default model takes about a
-#: second on two CPU cores), so that only a plugin that hangs reaches it.
+#: Far above any real step, so that only a plugin that hangs reaches it: a step feeds at most
+#: ``max_num_batched_tokens`` rows (2048), and a full 2048-row prefill chunk of the default
+#: model took about 10 s on two CPU cores that five other jobs shared.
 DEFAULT_STEP_TIMEOUT = 300.0
 
 
