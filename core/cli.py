@@ -169,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
                        help="how long a client may take to send a request head, and pause while sending a "
                             "body; then 408 and the connection closes (default 10)")
+    serve.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long one engine step may run; past it (a plugin that hangs) the requests in "
+                            "flight fail and /health answers 503 until the step returns; 0 turns the "
+                            "watchdog off (default 300)")
     serve.add_argument("--enable-docs", action="store_true",
                        help="serve /docs, /redoc and /openapi.json (default: off, 404)")
     serve.add_argument("--metrics-require-key", action="store_true",
@@ -358,6 +362,8 @@ def run_serve(args) -> int:
     _check_range("--port", args.port, 0, 65535)
     _check_range("--max-pending-requests", args.max_pending_requests, 1)
     _check_range("--shutdown-timeout", args.shutdown_timeout, 0)
+    if args.step_timeout is not None and not args.step_timeout >= 0:  # NaN too
+        raise SpecdecError(f"--step-timeout: must be >= 0 (0: no watchdog), got {args.step_timeout:g}")
     limits = _server_limits(args)
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     if args.metrics_require_key and not api_key:
@@ -380,6 +386,7 @@ def run_serve(args) -> int:
             api_key=api_key,
             max_pending=args.max_pending_requests or serve.DEFAULT_MAX_PENDING,
             shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
+            step_timeout=serve.DEFAULT_STEP_TIMEOUT if args.step_timeout is None else args.step_timeout,
             limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
             log_level=args.log_level,
             join_cluster=_cluster_joiner(cluster_options, args.served_model_name or config.model),

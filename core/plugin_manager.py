@@ -9,7 +9,10 @@ built-ins only (the way out when a broken plugin gets in the way).
 
 Loading never crashes on a bad plugin: a plugin that fails to import, a hook that raises, a
 name registered twice, or a hook name with a typo each become one line in
-:attr:`Plugins.errors`. The engine raises them only where they matter: looking up a name that
+:attr:`Plugins.errors`. "Fails" includes ``BaseException``: a plugin that calls ``sys.exit()``
+or raises ``KeyboardInterrupt`` while it imports or registers is reported like any other
+failure instead of ending the process (``specdec serve`` would otherwise exit before it
+listens, with no word about which plugin did it). The engine raises them only where they matter: looking up a name that
 two plugins registered raises the duplicate error, and :meth:`Plugins.check` refuses any error.
 """
 
@@ -265,7 +268,7 @@ def _import_and_register(pm: pluggy.PluginManager, info: PluginInfo, loader, plu
     try:
         module = loader()
         pm.register(module, name=info.name)
-    except Exception as exc:  # any failure of a plugin must not take down the others
+    except BaseException as exc:  # noqa: BLE001 - even sys.exit() in a plugin must not end the process
         plugins.record_error(info, f"{info.provider} failed to load: {exception_line(exc)}")
         return None
     return module
@@ -319,7 +322,7 @@ def _call_hooks(pm: pluggy.PluginManager, loaded: list[tuple[PluginInfo, object]
             caller = pm.subset_hook_caller(kind.hook, remove_plugins=others)
             try:
                 caller(register=_register_callable(kind, info, plugins))
-            except Exception as exc:  # a plugin's hook raising must not take down the others
+            except BaseException as exc:  # noqa: BLE001 - a hook, even sys.exit(), must not take down the others
                 plugins.record_error(info, f"{info.provider} failed in {kind.hook}: {exception_line(exc)}")
 
 
@@ -373,7 +376,7 @@ def register_commands(plugins: Plugins, subcommands) -> None:
         caller = plugins.manager.subset_hook_caller(COMMANDS_HOOK, remove_plugins=others)
         try:
             caller(subcommands=subcommands)
-        except Exception as exc:  # noqa: BLE001 - a plugin's failure must not take the CLI down
+        except BaseException as exc:  # noqa: BLE001 - a plugin's failure (even sys.exit()) must not take the CLI down
             provider = info.provider if info is not None else f"plugin '{name}'"
             message = f"{provider} failed in {COMMANDS_HOOK}: {exception_line(exc)}"
             if message not in plugins.errors:  # the parser may be built more than once

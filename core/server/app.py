@@ -138,12 +138,16 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 with the engine state while the engine loop runs, else 503."""
-        snapshot = engine_loop.snapshot()
-        body = {"status": "ok" if engine_loop.running else "stopped", **dataclasses.asdict(snapshot)}
+        """200 with the engine state while the engine loop can serve; else 503, with the
+        reason (the engine thread died, a step stalled past --step-timeout, the loop stopped)
+        for the orchestrator that restarts the process."""
+        problem = engine_loop.problem
+        body = {"status": "ok" if problem is None else "unhealthy", **dataclasses.asdict(engine_loop.snapshot())}
+        if problem is not None:
+            body["reason"] = problem
         if cluster is not None:
             body["cluster"] = cluster.status()
-        return JSONResponse(body, status_code=200 if engine_loop.running else 503)
+        return JSONResponse(body, status_code=200 if problem is None else 503)
 
     @app.get("/version")
     async def version() -> dict:

@@ -24,6 +24,7 @@ from .app import build_app
 from .engine_loop import EngineLoop
 from .limits import ServerLimits, limited_protocol
 from .metrics import ServerMetrics
+from .watchdog import DEFAULT_STEP_TIMEOUT
 
 #: ``--max-pending-requests``: requests in flight (running or waiting) before 503.
 DEFAULT_MAX_PENDING = 1024
@@ -137,18 +138,20 @@ def _graceful_exit() -> Iterator[None]:
 def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: Optional[str] = None,
                max_pending: int = DEFAULT_MAX_PENDING, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                limits: Optional[ServerLimits] = None, enable_docs: bool = False, metrics_require_key: bool = False,
-               log_level: str = "info", join_cluster=None) -> None:
+               log_level: str = "info", join_cluster=None, step_timeout: float = DEFAULT_STEP_TIMEOUT) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
 
     ``limits``, ``enable_docs`` and ``metrics_require_key`` are those of
     :func:`~specdec.server.app.build_app`. ``join_cluster(engine_loop, host, port)``, when
     given, returns the :class:`specdec.cluster.Cluster` this server joins (the command line
-    builds it: the cluster stands above the server)."""
+    builds it: the cluster stands above the server). ``step_timeout`` is the engine loop's
+    (0: no step watchdog)."""
     limits = limits or ServerLimits()
     warning = raise_open_file_limit(limits.max_connections)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    engine_loop = EngineLoop(engine, max_pending=max_pending, metrics=ServerMetrics(served_model_name))
+    engine_loop = EngineLoop(engine, max_pending=max_pending, metrics=ServerMetrics(served_model_name),
+                             step_timeout=step_timeout or None)
     host, port = sock.getsockname()[:2]
     cluster = None if join_cluster is None else join_cluster(engine_loop, host, port)
 

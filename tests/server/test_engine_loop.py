@@ -4,6 +4,7 @@ the bound, engine failures and shutdown."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Optional
 
@@ -172,4 +173,92 @@ def test_stop_ends_the_requests_in_flight():
 
     final, engine_loop = run(main, ScriptedEngine(["a"] * 10))
     assert final.finish_reason == "abort" and final.error is None
+    assert not engine_loop.running
+
+
+# -- plugin code that misbehaves on the engine thread ------------------------------------------
+
+
+class MisbehavingEngine(ScriptedEngine):
+    """A scripted engine whose step ``n`` runs ``action()`` first: what a plugin called inside
+    the step would do (raise SystemExit, block)."""
+
+    def __init__(self, pieces: list[str], actions: dict):
+        super().__init__(pieces)
+        self.actions = actions
+
+    def step(self):
+        action = self.actions.get(self.steps + 1)
+        if action is not None:
+            self.steps += 1
+            action()
+        return super().step()
+
+
+@pytest.mark.parametrize("escape", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()],
+                         ids=lambda exc: type(exc).__name__)
+def test_a_base_exception_in_a_step_fails_its_requests_and_the_thread_serves_on(escape):
+    """What a plugin's ``sys.exit()`` inside a step did: end the engine thread, leaving a server
+    that answered 503 forever."""
+    async def main(engine_loop):
+        _, failed = await collect(engine_loop.submit([1], SamplingParams(max_tokens=5)))
+        problem = engine_loop.problem
+        deltas, after = await collect(engine_loop.submit([1], SamplingParams(max_tokens=2)))
+        return failed, problem, "".join(d.text for d in deltas) + after.text, after
+
+    def raise_it():
+        raise escape
+
+    (failed, problem, text, after), engine_loop = run(main, MisbehavingEngine(["a"] * 10, {2: raise_it}))
+    assert (failed.finish_reason, failed.error) == ("error", ENGINE_ERROR_MESSAGE)
+    assert problem is None
+    assert (after.finish_reason, after.error, text) == ("length", None, "aa")
+    assert engine_loop.snapshot().num_pending == 0
+
+
+def test_a_stalled_step_fails_its_requests_at_the_deadline_and_the_loop_recovers_when_it_returns():
+    release = threading.Event()
+
+    async def main(engine_loop):
+        started = time.monotonic()
+        stalled = engine_loop.submit([1], SamplingParams(max_tokens=5))
+        _, failed = await collect(stalled)
+        waited = time.monotonic() - started
+        problem = engine_loop.problem
+        with pytest.raises(EngineStopped) as refused:
+            engine_loop.submit([1], SamplingParams(max_tokens=1))
+        release.set()  # the hung step returns
+        while engine_loop.problem is not None:
+            await asyncio.sleep(0.01)
+        _, after = await collect(engine_loop.submit([1], SamplingParams(max_tokens=2)))
+        return failed, waited, problem, str(refused.value), after
+
+    engine = MisbehavingEngine(["a"] * 10, {2: lambda: release.wait(30)})
+    (failed, waited, problem, refused, after), engine_loop = run(main, engine, step_timeout=0.3)
+    assert failed.finish_reason == "error"
+    assert failed.error == problem == refused == (
+        "the engine stalled: a step has run for more than the step timeout of 0.3 s (--step-timeout); "
+        "the requests in flight were ended")
+    assert waited < 5, "the request waited for the hung step instead of the deadline"
+    assert (after.finish_reason, after.error) == ("length", None)
+    assert engine_loop.snapshot().num_pending == 0 and engine_loop.snapshot().num_free_kv_blocks == 2
+
+
+def test_an_engine_thread_that_dies_fails_its_requests_and_says_why():
+    class DyingEngine(ScriptedEngine):
+        def has_unfinished(self):  # the loop's own code, not a step: nothing guards it
+            if self.steps >= 2:
+                raise SystemExit(3)
+            return super().has_unfinished()
+
+    async def main(engine_loop):
+        _, final = await collect(engine_loop.submit([1], SamplingParams(max_tokens=5)))
+        with pytest.raises(EngineStopped) as refused:
+            engine_loop.submit([1], SamplingParams())
+        return final, str(refused.value)
+
+    (final, refused), engine_loop = run(main, DyingEngine(["a"] * 10))
+    message = "the engine thread died (SystemExit: 3); restart the server"
+    assert (final.finish_reason, final.error) == ("error", message)
+    assert refused == engine_loop.problem == message
     assert not engine_loop.running
