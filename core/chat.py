@@ -47,18 +47,25 @@ class LocalChat:
         """Speculate with method ``name`` from now on (its demo settings where it has some)."""
         from .demo import demo_methods
 
-        spec = demo_methods(self.llm.engine.plugins).get(name, {"method": name})
-        self.llm.set_speculative_config(spec)
+        plugins = self.llm.engine.plugins
+        if name not in plugins.proposers.names():
+            raise SpecdecError(f"/method: unknown method {name!r}; installed: "
+                               f"{', '.join(sorted(plugins.proposers.names()))}")
+        self.llm.set_speculative_config(demo_methods(plugins).get(name, {"method": name}))
 
     def answer(self, messages: list[dict], sampling: SamplingParams, on_text: OnText) -> Reply:
         engine = self.llm.engine
         request = engine.add_request(self.llm.tokenizer.encode_chat(messages), sampling)
         shown = 0
-        while not request.finished:
-            engine.step()
-            if len(request.text) > shown:
-                on_text(request.text[shown:])
-                shown = len(request.text)
+        try:
+            while not request.finished:
+                engine.step()
+                if len(request.text) > shown:
+                    on_text(request.text[shown:])
+                    shown = len(request.text)
+        except KeyboardInterrupt:  # Ctrl-C stops this answer; the engine stays usable
+            engine.abort_request(request.request_id)
+            raise
         output = request.output()
         if len(output.text) > shown:
             on_text(output.text[shown:])

@@ -3,7 +3,8 @@ server, ``--base-url``). It reads one message a line from stdin, so a script of 
 piped in; at a terminal, lines have history (readline: the arrow keys).
 
 Commands: ``/reset`` forgets the conversation, ``/method NAME`` switches the speculative method
-(in-process), ``/help``, ``/quit`` (or end of input). After each answer one line says its
+(in-process), ``/help``, ``/quit`` (or end of input). Ctrl-C stops an answer; at the prompt it
+ends the chat. After each answer one line says its
 tokens, tokens/s and what speculation did (``n/a`` when a server does not report it).
 """
 
@@ -88,6 +89,10 @@ def run_chat(args, engine_config_of) -> int:
         except (RequestError, SpecdecError) as exc:  # the context is full, say: the chat goes on
             messages.pop()
             print(f"error: {exc}")
+            continue
+        except KeyboardInterrupt:  # Ctrl-C during an answer drops it; at the prompt it ends the chat
+            messages.pop()
+            print("\n(interrupted)")
             continue
         print()
         print(stats_line(reply, backend.method), flush=True)
