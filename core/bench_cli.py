@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import sys
 from pathlib import Path
 
 from .errors import SpecdecError
@@ -76,6 +75,8 @@ def _check_args(args) -> list[int]:
         raise SpecdecError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
     if not args.temperature >= 0:
         raise SpecdecError(f"--temperature: must be >= 0, got {args.temperature:g}")
+    if args.methods and args.speculative_config:
+        raise SpecdecError("--methods: give --methods or --speculative-config, not both")
     if args.base_url is not None and (args.methods or args.speculative_config):
         raise SpecdecError("--methods/--speculative-config: against --base-url the method is the server's")
     if args.plots:

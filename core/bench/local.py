@@ -39,7 +39,9 @@ def run_local(llm, methods: dict[str, object], conversations: list[Conversation]
     for name, spec in methods.items():  # first calls of each method's code paths
         _use(llm, name, spec)
         llm.generate([prompt_ids[0]], warm_up)
-    with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not progress, leave=False) as bar:
+    # disable=None: no bar when stderr is no terminal (a log file)
+    with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, leave=False,
+              disable=None if progress else True) as bar:
         for size in batch_sizes:
             for batch in plan[size]:
                 ids = [prompt_ids[index] for index, _ in batch]

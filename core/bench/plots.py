@@ -89,4 +89,5 @@ def _batch_scaling(axes, summaries: list[Summary]) -> None:
     axes.set_xticks(sizes, [str(size) for size in sizes])
     axes.set_xlabel("batch size (requests at once)")
     axes.set_ylabel("throughput, tokens/s")
+    axes.set_ylim(bottom=0)
     axes.legend()

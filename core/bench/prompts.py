@@ -47,7 +47,8 @@ def _parse_json(text: str, path: Path) -> list[Conversation]:
     try:
         records = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecdecError(f"--workload: {path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+        raise SpecdecError(f"--workload: {path}: invalid JSON at line {exc.lineno}, column {exc.colno}: "
+                           f"{exc.msg}") from None
     conversations = []
     for number, record in enumerate(records, 1):
         if isinstance(record, str):
@@ -71,7 +72,8 @@ def _parse_jsonl(text: str, path: Path) -> list[Conversation]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise SpecdecError(f"--workload: {path}: line {number}: invalid JSON at column {exc.colno}: {exc.msg}") from None
+            raise SpecdecError(f"--workload: {path}: line {number}: invalid JSON at column {exc.colno}: "
+                               f"{exc.msg}") from None
         if isinstance(record, dict) and isinstance(record.get("prompt"), str):
             conversations.append(user_message(record["prompt"]))
         elif isinstance(record, dict) and _is_conversation(record.get("messages")):

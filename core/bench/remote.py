@@ -81,7 +81,14 @@ class OpenAIServer:
                     payload = line[5:].strip()
                     if payload == "[DONE]":
                         break
-                    chunk = json.loads(payload)
+                    try:
+                        chunk = json.loads(payload)
+                    except json.JSONDecodeError:
+                        raise SpecdecError(f"--base-url: the stream sent something that is not JSON: "
+                                           f"{payload[:200]!r}") from None
+                    if chunk.get("error"):  # an error event mid-stream (vLLM, llama-server, specdec)
+                        error = json.dumps(chunk["error"])[:300]
+                        raise SpecdecError(f"--base-url: the server failed the request: {error}")
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or ():
                         text = (choice.get("delta") or {}).get("content")
@@ -107,6 +114,7 @@ def sample_of(method: str, batch_size: int, index: int, result: dict) -> Sample:
                     completion_tokens=result["completion_tokens"], ttft_s=result["ttft_s"],
                     elapsed_s=result["elapsed_s"])
     if isinstance(spec, dict) and isinstance(spec.get("accepted_per_position"), list):
+        # usage.speculative has no step count: tokens / (tokens per step) gives it back
         length = spec.get("mean_acceptance_length") or 0
         sample.num_steps = round(sample.completion_tokens / length) if length else 0
         sample.num_drafts = spec.get("num_drafts", 0)
@@ -124,7 +132,9 @@ def run_remote(server: OpenAIServer, label: str, request_body: dict, conversatio
     server.stream_chat({**request_body, "messages": conversations[0], "max_tokens": 4})  # warm-up
     samples, walls = [], {}
     total = sum(max(len(conversations), size) for size in batch_sizes)
-    with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not progress, leave=False) as bar:
+    # disable=None: no bar when stderr is no terminal (a log file)
+    with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, leave=False,
+              disable=None if progress else True) as bar:
         for size in batch_sizes:
             todo: queue.Queue = queue.Queue()
             for i in range(max(len(conversations), size)):
@@ -132,7 +142,7 @@ def run_remote(server: OpenAIServer, label: str, request_body: dict, conversatio
             done, failures = [], []
 
             def client():
-                while True:
+                while not failures:  # one failed request ends the run
                     try:
                         index = todo.get_nowait()
                     except queue.Empty:

@@ -112,14 +112,16 @@ def cpu_name() -> str:
 
 def format_table(summaries: list[Summary]) -> str:
     """The summaries as a plain-text table, one row per method and batch size."""
-    header = (f"{'method':<14}{'batch':>6}{'reqs':>6}{'tokens':>8}{'thru tok/s':>12}{'tok/s':>8}"
+    width = max([12, *(len(s.method) + 2 for s in summaries)])
+    header = (f"{'method':<{width}}{'batch':>6}{'reqs':>6}{'tokens':>8}{'thru tok/s':>12}{'tok/s':>8}"
               f"{'decode tok/s':>14}{'TTFT s':>8}{'accept len':>12}  accepted per position")
     lines = [header, "-" * len(header)]
     for s in summaries:
         length = "n/a" if s.mean_acceptance_length is None else f"{s.mean_acceptance_length:.2f}"
         per_position = ("n/a" if s.acceptance_per_position is None
                         else " ".join(f"{p:.2f}" for p in s.acceptance_per_position) or "-")
-        lines.append(f"{s.method:<14}{s.batch_size:>6}{s.requests:>6}{s.tokens:>8}{s.throughput_tokens_per_s:>12.1f}"
+        lines.append(f"{s.method:<{width}}{s.batch_size:>6}{s.requests:>6}{s.tokens:>8}"
+                     f"{s.throughput_tokens_per_s:>12.1f}"
                      f"{s.median_tokens_per_s:>8.1f}{s.median_decode_tokens_per_s:>14.1f}{s.median_ttft_s:>8.2f}"
                      f"{length:>12}  {per_position}")
     lines.append("thru: all tokens / wall time of the batch size; tok/s (end to end, prefill included), decode "

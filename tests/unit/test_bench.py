@@ -19,7 +19,6 @@ import pytest
 from specdec.bench.prompts import load_workload
 from specdec.bench_cli import parse_batch_sizes
 from specdec.cli import main
-from specdec.errors import SpecdecError
 
 #: The request fields of OpenAI's chat completions API that the bench may send (ignore_eos
 #: only with --ignore-eos).
@@ -132,6 +131,7 @@ def test_a_bad_workload_file_is_one_line_and_exit_2(tmp_path, capsys, content, m
     (["--num-prompts", "0"], "--num-prompts: must be >= 1"),
     (["--base-url", "http://127.0.0.1:9", "--methods", "ngram"], "against --base-url the method is the server's"),
     (["--base-url", "http://127.0.0.1:9", "--no-plots"], "cannot reach http://127.0.0.1:9/v1/models"),
+    (["--methods", "ngram", "--speculative-config", '{"method": "suffix"}'], "not both"),
 ])
 def test_bad_bench_flags_are_one_line_and_exit_2(capsys, flags, message):
     assert main(["bench", *flags]) == 2
