@@ -11,6 +11,7 @@ It also checks that the client sends only standard OpenAI fields.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -143,3 +144,10 @@ def test_an_unknown_method_fails_before_the_model_loads(capsys):
     assert main(["bench", "--methods", "naive,nosuchmethod", "--no-plots"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --methods: unknown method 'nosuchmethod'; installed:"), err
+
+
+def test_without_matplotlib_the_plots_say_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert main(["bench", "--base-url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the plots need matplotlib: pip install 'paddle-specdec[bench]' (or --no-plots)"]
