@@ -5,9 +5,8 @@ tokens and timings per request, and the acceptance per draft position from specd
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import subprocess
 import sys
 
 from server_harness import API_KEY, MODEL_NAME
@@ -37,17 +36,16 @@ def test_bench_against_specdec_serve_reads_usage_speculative(server, tmp_path, c
     server.wait_idle()
 
 
-def test_chat_against_specdec_serve(server):
-    """The chat's remote end: answers stream in, the stats line shows the server's acceptance,
-    and /method says that a server's method is fixed."""
-    script = "hello\n/method naive\n/reset\nWhat is 2+2?\n"
-    result = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--base-url", server.url,
-                             "--max-tokens", "8"], input=script, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "SPECDEC_API_KEY": API_KEY}, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    stats = [line for line in result.stdout.splitlines() if line.startswith("[")]
-    assert len(stats) == 2, result.stdout
+def test_chat_against_specdec_serve(server, monkeypatch, capsys):
+    """The chat's remote end, fed a script of lines on stdin: answers stream in, the stats line
+    shows the server's acceptance, and /method says that a server's method is fixed."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/method naive\n/reset\nWhat is 2+2?\n"))
+    monkeypatch.setenv("SPECDEC_API_KEY", API_KEY)
+    assert main(["chat", "--base-url", server.url, "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    stats = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(stats) == 2, out
     assert all("tokens/s" in line and "acceptance length n/a" not in line and MODEL_NAME in line for line in stats)
-    assert "error: /method: a server's method is set when it starts" in result.stdout
-    assert "(conversation reset)" in result.stdout
+    assert "error: /method: a server's method is set when it starts" in out
+    assert "(conversation reset)" in out
     server.wait_idle()
