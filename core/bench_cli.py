@@ -83,7 +83,19 @@ def _check_args(args) -> list[int]:
         from .bench.plots import require_matplotlib
 
         require_matplotlib()
-    return parse_batch_sizes(args.batch_sizes)
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    _prepare_output_dir(Path(args.output_dir))
+    return batch_sizes
+
+
+def _prepare_output_dir(output_dir: Path) -> None:
+    """Create ``--output-dir`` before the run, so that a path that cannot be written fails now."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecdecError(f"--output-dir: cannot create {output_dir}: {exc.strerror}") from None
+    if not os.access(output_dir, os.W_OK):
+        raise SpecdecError(f"--output-dir: cannot write into {output_dir}")
 
 
 def run_bench(args, engine_config_of) -> int:
@@ -107,9 +119,8 @@ def run_bench(args, engine_config_of) -> int:
     print(title)
     print(format_table(summaries))
     output_dir = Path(args.output_dir)
+    results = output_dir / "results.json"
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        results = output_dir / "results.json"
         results.write_text(json.dumps(results_document(summaries, samples, setup), indent=2) + "\n")
     except OSError as exc:
         raise SpecdecError(f"--output-dir: cannot write {output_dir}: {exc.strerror}") from None

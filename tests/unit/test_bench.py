@@ -122,7 +122,8 @@ def test_workloads_from_sharegpt_and_jsonl(tmp_path):
 def test_a_bad_workload_file_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     path = tmp_path / "workload.jsonl"
     path.write_text(content)
-    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--workload", str(path), "--no-plots"]) == 2
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--workload", str(path), "--no-plots",
+                 "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --workload:") and message in err[0]
 
@@ -133,21 +134,22 @@ def test_a_bad_workload_file_is_one_line_and_exit_2(tmp_path, capsys, content, m
     (["--base-url", "http://127.0.0.1:9", "--methods", "ngram"], "against --base-url the method is the server's"),
     (["--base-url", "http://127.0.0.1:9", "--no-plots"], "cannot reach http://127.0.0.1:9/v1/models"),
     (["--methods", "ngram", "--speculative-config", '{"method": "suffix"}'], "not both"),
+    (["--base-url", "http://127.0.0.1:9", "--output-dir", "/proc/no-such-dir"], "--output-dir: cannot create"),
 ])
-def test_bad_bench_flags_are_one_line_and_exit_2(capsys, flags, message):
-    assert main(["bench", *flags]) == 2
+def test_bad_bench_flags_are_one_line_and_exit_2(capsys, tmp_path, flags, message):
+    assert main(["bench", "--output-dir", str(tmp_path), *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
 
 
-def test_an_unknown_method_fails_before_the_model_loads(capsys):
-    assert main(["bench", "--methods", "naive,nosuchmethod", "--no-plots"]) == 2
+def test_an_unknown_method_fails_before_the_model_loads(capsys, tmp_path):
+    assert main(["bench", "--methods", "naive,nosuchmethod", "--no-plots", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --methods: unknown method 'nosuchmethod'; installed:"), err
 
 
-def test_without_matplotlib_the_plots_say_how_to_install_it(monkeypatch, capsys):
+def test_without_matplotlib_the_plots_say_how_to_install_it(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    assert main(["bench", "--base-url", "http://127.0.0.1:9"]) == 2
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: the plots need matplotlib: pip install 'paddle-specdec[bench]' (or --no-plots)"]
