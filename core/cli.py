@@ -329,7 +329,9 @@ def run_serve(args) -> int:
     if _run_as_worker(config):
         return 0
     sock = serve.bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
-    metrics_sock = None if args.metrics_port is None else serve.bind_socket(args.host, args.metrics_port, "--metrics-port")
+    metrics_sock = None
+    if args.metrics_port is not None:
+        metrics_sock = serve.bind_socket(args.host, args.metrics_port, "--metrics-port")
     engine = Engine(config, plugins=plugins, progress=args.progress)
     try:
         serve.run_server(

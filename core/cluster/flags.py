@@ -24,7 +24,7 @@ import urllib.parse
 from typing import Optional
 
 from ..errors import SpecdecError
-from .redis_link import DEFAULT_RECORDS_TTL_S, DEFAULT_TOPIC, SchedulerConfig, parse_scheduler_url
+from .redis_link import DEFAULT_RECORDS_TTL_S, DEFAULT_TOPIC, SchedulerConfig, parse_scheduler_url, redacted
 
 #: The environment variable that holds Redis's password.
 PASSWORD_ENV = "SPECDEC_SCHEDULER_PASSWORD"
@@ -155,8 +155,6 @@ def argv_without_password(argv: list[str], args: argparse.Namespace) -> Optional
     url_password = url is not None and urllib.parse.urlsplit(url).password is not None
     if flag_password is None and not url_password:
         return None
-    from .redis_link import redacted
-
     kept, skip_next = [], False
     for index, token in enumerate(argv):
         if skip_next:

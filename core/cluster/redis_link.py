@@ -263,10 +263,10 @@ def ping(config: SchedulerConfig, timeout: float = 5.0) -> None:
     try:
         client.ping()
     except redis.exceptions.AuthenticationError as exc:
+        if config.password is None:
+            raise SpecdecError(f"--scheduler: {config.url} needs a password: --scheduler-password-file PATH or "
+                               "$SPECDEC_SCHEDULER_PASSWORD") from None
         raise SpecdecError(f"--scheduler: {config.url} refused the password: {_one_line(exc)}") from None
-    except redis.exceptions.ResponseError as exc:  # NOAUTH: Redis wants a password and got none
-        raise SpecdecError(f"--scheduler: {config.url} answered: {_one_line(exc)} (the password: "
-                           "--scheduler-password-file or $SPECDEC_SCHEDULER_PASSWORD)") from None
     except (redis.exceptions.RedisError, OSError) as exc:
         raise SpecdecError(f"--scheduler: cannot reach {config.url}: {_one_line(exc)}") from None
     finally:

@@ -110,9 +110,6 @@ class InstanceInfo:
         """The share of its capacity in use."""
         return self.num_pending / max(1, self.max_pending)
 
-    def to_json(self) -> bytes:
-        return json.dumps(attrs.asdict(self)).encode()
-
     @classmethod
     def from_dict(cls, fields: dict) -> "InstanceInfo":
         """From a registration's fields (unknown ones ignored, for newer versions); raises

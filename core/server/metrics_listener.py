@@ -53,7 +53,8 @@ class MetricsListener:
         self.server.socket.close()
         self.server.socket = sock
         self.server.server_activate()
-        self._thread = threading.Thread(target=self.server.serve_forever, name="specdec-metrics", daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="specdec-metrics", daemon=True)
         self._thread.start()
 
     def close(self) -> None:

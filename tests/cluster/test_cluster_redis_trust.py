@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -157,7 +158,7 @@ def test_bad_registrations_are_skipped_counted_once_and_requests_still_complete(
         [sys.executable, "-m", "specdec.cli", "cluster", "status", "--scheduler",
          f"rediss://127.0.0.1:{redis_server.tls_port}/0", "--scheduler-ca-file", str(redis_server.tls[0]),
          "--output", "json"], capture_output=True, text=True, timeout=60,
-        env={**__import__("os").environ, "SPECDEC_SCHEDULER_PASSWORD": PASSWORD, "SPECDEC_CLUSTER_SECRET": SECRET})
+        env={**os.environ, "SPECDEC_SCHEDULER_PASSWORD": PASSWORD, "SPECDEC_CLUSTER_SECRET": SECRET})
     assert status.returncode == 0, status.stderr
     listed = json.loads(status.stdout)
     assert [i["instance_id"] for i in listed["instances"]] == ["trust-a", "trust-b"]
