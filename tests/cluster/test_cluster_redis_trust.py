@@ -1,13 +1,15 @@
 """The cluster's Redis as an attacker sees it: one real ``redis-server`` with a password and a TLS
-port, three real instances reaching it three ways, and records written into it by hand.
+port, two real instances of one cluster reaching it two ways, and records written into it by hand.
 
-* ``trust-a``: ``--scheduler rediss://`` (TLS, ``--scheduler-ca-file``), the password from
-  ``$SPECDEC_SCHEDULER_PASSWORD``, a cluster secret;
-* ``trust-b``: FastDeploy's ``--scheduler-name global --scheduler-host ... --scheduler-port ...``,
-  the password from ``--scheduler-password-file``, the same secret;
 * ``fd-prefill``: FastDeploy's PD command line as its documentation writes it (``--splitwise-role
-  prefill --scheduler-name splitwise ... --scheduler-topic mtp --scheduler-password scheduler_mtp
-  --metrics-port``), its own topic, so a cluster of its own in the same Redis.
+  prefill --scheduler-name splitwise --scheduler-host ... --scheduler-topic mtp --scheduler-password
+  scheduler_mtp --metrics-port``);
+* ``mix``: ``--scheduler rediss://`` (TLS, ``--scheduler-ca-file``) in the same topic, the password
+  from ``--scheduler-password-file``.
+
+Both share a cluster secret (``$SPECDEC_CLUSTER_SECRET``, so that FastDeploy's line stays as
+written). A prefill instance hands whole requests to the mixed one (there is no decode instance),
+so every request sent to it crosses the cluster.
 """
 
 from __future__ import annotations
@@ -58,22 +60,18 @@ def redis_server(directory):
 
 @pytest.fixture(scope="module")
 def cluster(directory, redis_server):
-    """``{name: Instance}`` of the three instances (see the module docstring)."""
-    (directory / "secret").write_text(SECRET + "\n")
+    """``{name: Instance}`` of the two instances (see the module docstring)."""
     (directory / "password").write_text(PASSWORD + "\n")
-    secret = ("--cluster-secret-file", str(directory / "secret"))
+    env = {"SPECDEC_CLUSTER_SECRET": SECRET}
     metrics_port = free_port()
     launched = [
-        launch_instance(f"rediss://127.0.0.1:{redis_server.tls_port}/0", directory, "trust-a",
-                        extra=("--scheduler-ca-file", str(redis_server.tls[0]), *secret),
-                        env={"SPECDEC_SCHEDULER_PASSWORD": PASSWORD}),
-        launch_instance(None, directory, "trust-b", extra=(
-            "--scheduler-name", "global", "--scheduler-host", "127.0.0.1", "--scheduler-port", str(redis_server.port),
-            "--scheduler-password-file", str(directory / "password"), *secret)),
-        launch_instance(None, directory, "fd-prefill", role=None, extra=(
+        launch_instance(None, directory, "fd-prefill", role=None, env=env, extra=(
             "--splitwise-role", "prefill", "--scheduler-name", "splitwise", "--scheduler-host", "127.0.0.1",
             "--scheduler-port", str(redis_server.port), "--scheduler-ttl", "9000", "--scheduler-topic", "mtp",
             "--scheduler-password", PASSWORD, "--metrics-port", str(metrics_port))),
+        launch_instance(f"rediss://127.0.0.1:{redis_server.tls_port}/0", directory, "mix", env=env, extra=(
+            "--scheduler-ca-file", str(redis_server.tls[0]), "--scheduler-topic", "mtp",
+            "--scheduler-password-file", str(directory / "password"))),
     ]
     instances = {}
     try:
@@ -120,62 +118,75 @@ def _bad_records(instance) -> dict:
 
 
 def test_bad_registrations_are_skipped_counted_once_and_requests_still_complete(cluster, redis_server):
-    a, b = cluster["trust-a"], cluster["trust-b"]
-    wait_for_instances(a, 2)
-    wait_for_instances(b, 2)
+    prefill, mix = cluster["fd-prefill"], cluster["mix"]
+    wait_for_instances(prefill, 2)
+    wait_for_instances(mix, 2)
     store = redis_server.client()
     # Each would black-hole requests (an idle instance at a dead address) or, before the fix, make
     # every heartbeat raise. Signed ones are what a holder of the secret, or a buggy instance, writes.
     forged = {
         "garbage": (b"\xff{not json", 3000),
-        "mistyped": (_signed("specdec:instance:mistyped", _registration("mistyped", num_pending="x")), 3000),
-        "negative": (_signed("specdec:instance:negative", _registration("negative", num_pending=-1000)), 3000),
-        "forever": (_signed("specdec:instance:forever", _registration("forever")), None),  # no TTL
+        "mistyped": (_signed("mtp:instance:mistyped", _registration("mistyped", num_pending="x")), 3000),
+        "negative": (_signed("mtp:instance:negative", _registration("negative", num_pending=-1000)), 3000),
+        "forever": (_signed("mtp:instance:forever", _registration("forever")), None),  # no TTL
         "unsigned": (json.dumps(_registration("unsigned")).encode(), 3000),
-        "moved": (_signed("specdec:instance:trust-a", _registration("moved")), 3000),  # a signature for another key
+        "moved": (_signed("mtp:instance:mix", _registration("moved")), 3000),  # a signature for another key
     }
     for name, (value, ttl_ms) in forged.items():
-        store.set(f"specdec:instance:{name}", value, px=ttl_ms)
+        store.set(f"mtp:instance:{name}", value, px=ttl_ms)
     expected = {"malformed": 1, "field": 2, "expiry": 1, "signature": 2}
     deadline = time.monotonic() + 10
-    while _bad_records(a) != expected and time.monotonic() < deadline:
+    while _bad_records(prefill) != expected and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _bad_records(a) == expected
-    assert a.health()["cluster"]["instances"] == b.health()["cluster"]["instances"] == 2
+    assert _bad_records(prefill) == expected
+    assert prefill.health()["cluster"]["instances"] == mix.health()["cluster"]["instances"] == 2
 
     async def run():
-        return await asyncio.gather(*[_complete(a if i % 2 else b, prompt) for i, prompt in enumerate(PROMPTS * 2)])
+        return await asyncio.gather(*[_complete(prefill if i % 2 else mix, prompt)
+                                      for i, prompt in enumerate(PROMPTS * 2)])
 
     texts = asyncio.run(run())
-    assert texts[:4] == texts[4:]  # the same prompt, either instance, the same greedy text
-    assert sum(i.metric("specdec_cluster_requests_routed_total", route="run") for i in (a, b)) > 0
+    assert texts[:4] == texts[4:]  # the same prompt, either way in, the same greedy text
+    assert prefill.metric("specdec_cluster_requests_routed_total", route="run") == 4
     # Read at every heartbeat since, each bad record was counted, and logged, once.
-    assert _bad_records(a) == expected == _bad_records(b)
-    log = a.log.read_text(errors="replace")
-    assert log.count("skipped a bad registration in Redis, specdec:instance:garbage") == 1
-    # The operator's view: the same two instances, and the bad ones counted (over TLS, password from the env).
+    assert _bad_records(prefill) == expected == _bad_records(mix)
+    log = mix.log.read_text(errors="replace")
+    assert log.count("skipped a bad registration in Redis, mtp:instance:garbage") == 1
+    # The operator's view: the same two instances, the bad ones counted (over TLS, secrets from the env).
     status = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "cluster", "status", "--scheduler",
          f"rediss://127.0.0.1:{redis_server.tls_port}/0", "--scheduler-ca-file", str(redis_server.tls[0]),
-         "--output", "json"], capture_output=True, text=True, timeout=60,
+         "--scheduler-topic", "mtp", "--output", "json"], capture_output=True, text=True, timeout=60,
         env={**os.environ, "SPECDEC_SCHEDULER_PASSWORD": PASSWORD, "SPECDEC_CLUSTER_SECRET": SECRET})
     assert status.returncode == 0, status.stderr
     listed = json.loads(status.stdout)
-    assert [i["instance_id"] for i in listed["instances"]] == ["trust-a", "trust-b"]
+    assert [i["instance_id"] for i in listed["instances"]] == ["fd-prefill", "mix"]
     assert listed["bad_registrations"] >= 1  # "forever"; the others may have expired by now
 
 
-def test_two_topics_in_one_redis_do_not_see_each_other(cluster, redis_server):
-    a, prefill = cluster["trust-a"], cluster["fd-prefill"]
-    wait_for_instances(prefill, 1)
-    assert a.health()["cluster"]["instances"] == 2
+def _wait_for_heartbeats(store, key: str, after: float, count: int = 2) -> None:
+    """Wait until the instance registered under ``key`` has registered ``count`` times since
+    ``after`` (a Unix time): by then it has read the registry at least once since."""
+    seen, deadline = set(), time.monotonic() + 10
+    while len(seen) < count:
+        assert time.monotonic() < deadline, f"{key}: no heartbeat"
+        heartbeat = json.loads(json.loads(store.get(key))["p"])["heartbeat_at"]
+        if heartbeat > after:
+            seen.add(heartbeat)
+        time.sleep(0.1)
+
+
+def test_a_cluster_does_not_see_another_topics_instances(cluster, redis_server):
+    prefill = cluster["fd-prefill"]
     store = redis_server.client()
-    assert store.exists("mtp:instance:fd-prefill") and not store.exists("specdec:instance:fd-prefill")
-    assert sorted(store.scan_iter(match="specdec:instance:trust-*")) == [b"specdec:instance:trust-a",
-                                                                        b"specdec:instance:trust-b"]
-    # Alone in its topic, the prefill instance has no decode instance to hand requests to.
-    with pytest.raises(Exception, match="no instance of the cluster can run this request"):
-        prefill.openai().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+    bad_before = _bad_records(prefill)
+    key = "specdec:instance:stranger"  # a sane, signed, live registration of an idle instance, in the default topic
+    store.set(key, _signed(key, _registration("stranger")), px=60_000)
+    _wait_for_heartbeats(store, "mtp:instance:fd-prefill", after=time.time())
+    assert prefill.health()["cluster"]["instances"] == 2
+    assert _bad_records(prefill) == bad_before  # not even read
+    assert store.exists("mtp:instance:fd-prefill", "mtp:instance:mix") == 2
+    assert not store.exists("specdec:instance:fd-prefill", "specdec:instance:mix")
 
 
 def test_the_fastdeploy_pd_command_line_runs_without_its_password_in_ps(cluster):
