@@ -1,4 +1,4 @@
-"""Every relative link in README.md, CONTRIBUTING.md and docs/*.md resolves: the file exists and,
+"""Every relative link in README.md, CONTRIBUTING.md and docs/**/*.md resolves: the file exists and,
 for ``file#anchor`` or ``#anchor``, the file has a heading with that GitHub-style anchor."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
