@@ -18,7 +18,7 @@ test: install-test docs
 # The documentation site into site/ (mkdocs.yml). --strict: a broken link or anchor, or a page
 # left out of the nav, fails the build. `python -m mkdocs`, not the script: see mkdocs.yml.
 docs: install-test
-	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict  # (not --quiet: it hides the warnings from --strict too)
 
 bench: install
 	$(BIN)/python benchmarks/bench_decode.py

@@ -1,0 +1,31 @@
+"""The docs site's hook (docs/hooks.py): a link from a page to the repository's source becomes its
+text on the site, which holds docs/ only; any other link stays, for ``mkdocs build --strict``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+hooks = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hooks)
+
+
+def render(markdown: str, page: str = "config.md") -> str:
+    docs = ROOT / "docs"
+    return hooks.on_page_markdown(markdown, page=SimpleNamespace(file=SimpleNamespace(abs_src_path=str(docs / page))),
+                                  config={"docs_dir": str(docs)}, files=None)
+
+
+def test_source_links_become_their_text():
+    assert render("in [`core/config.py`](../core/config.py) and [README](../README.md#glossary).") == \
+        "in `core/config.py` and README."
+    assert render("[the cluster](../../core/cluster/)", page="benchmarks/serving.md") == "the cluster"
+
+
+def test_other_links_stay():
+    kept = ("[gone](../core/no_such_file.py) [page](methods.md#ngram) [up](../benchmarks.md) "
+            "![plot](../core/config.py) [web](https://example.com/x.py)")
+    assert render(kept, page="benchmarks/decode.md") == kept
