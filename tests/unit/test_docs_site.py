@@ -29,3 +29,11 @@ def test_other_links_stay():
     kept = ("[gone](../core/no_such_file.py) [page](methods.md#ngram) [up](../benchmarks.md) "
             "![plot](../core/config.py) [web](https://example.com/x.py)")
     assert render(kept, page="benchmarks/decode.md") == kept
+
+
+def test_sphinx_roles_become_code():
+    spec = importlib.util.spec_from_file_location("sphinx_roles", ROOT / "docs" / "sphinx_roles.py")
+    roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roles)
+    assert roles.plain("a :class:`~specdec.errors.RequestError` from :func:`specdec.sdk.one_hot`, ``x``") == \
+        "a `RequestError` from `specdec.sdk.one_hot`, ``x``"
