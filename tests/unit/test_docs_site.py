@@ -37,3 +37,15 @@ def test_sphinx_roles_become_code():
     spec.loader.exec_module(roles)
     assert roles.plain("a :class:`~specdec.errors.RequestError` from :func:`specdec.sdk.one_hot`, ``x``") == \
         "a `RequestError` from `specdec.sdk.one_hot`, ``x``"
+
+
+def test_the_api_page_covers_the_public_api():
+    """docs/api.md renders all of ``specdec.sdk`` and ``specdec.tools``; every other name of
+    ``specdec.__all__`` needs its own ``:::`` entry there."""
+    import specdec
+    import specdec.sdk
+
+    entries = {line.split()[1].rsplit(".", 1)[-1] for line in (ROOT / "docs" / "api.md").read_text().splitlines()
+               if line.startswith("::: ")}
+    assert {"sdk", "tools"} <= entries
+    assert sorted(set(specdec.__all__) - set(specdec.sdk.__all__) - entries) == []
