@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
+from unittest.mock import MagicMock
 
 import pytest
 
@@ -24,8 +24,7 @@ def exported_families() -> dict[str, str]:
     """Family name -> type, for every metric on a real server's registry with the cluster's added
     (``Cluster._metrics`` registers them there when ``--scheduler`` is given)."""
     metrics = ServerMetrics("m")
-    cluster = SimpleNamespace(model_name="m", view=SimpleNamespace(instances=[]), link=SimpleNamespace(reconnects=0))
-    Cluster._metrics(cluster, metrics)
+    Cluster._metrics(MagicMock(model_name="m"), metrics)  # the cluster's state is read only at scrape time
     return {family.name: family.type for family in metrics.registry.collect()}
 
 
