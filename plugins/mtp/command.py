@@ -1,4 +1,4 @@
-"""``specdec train-mtp``: the mtp plugin's command (docs/methods.md#training-a-head), added to
+"""``specdec train-mtp``: the mtp plugin's command (docs/methods.md#specdec-train-mtp), added to
 the command line through the ``specdec_register_commands`` hook."""
 
 from __future__ import annotations
