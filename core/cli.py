@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/metrics needs the API key too (default: open, like /health)")
     serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                        help="also serve /metrics on this port of --host, alone (FastDeploy's flag; default: none)")
+    serve.add_argument("--hide-speculative-usage", action="store_true",
+                       help="leave usage.speculative out of responses (acceptance figures tell how much a "
+                            "request matched earlier ones; docs/deployment.md#security)")
     serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                        help="the server's log level")
     _add_cluster_flags(serve)
@@ -402,7 +405,7 @@ def run_serve(args) -> int:
             shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
             step_timeout=serve.DEFAULT_STEP_TIMEOUT if args.step_timeout is None else args.step_timeout,
             limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
-            log_level=args.log_level, metrics_sock=metrics_sock,
+            log_level=args.log_level, metrics_sock=metrics_sock, hide_speculative_usage=args.hide_speculative_usage,
             join_cluster=_cluster_joiner(cluster_options, args.served_model_name or config.model),
         )
     finally:

@@ -141,11 +141,11 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
                max_pending: int = DEFAULT_MAX_PENDING, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                limits: Optional[ServerLimits] = None, enable_docs: bool = False, metrics_require_key: bool = False,
                log_level: str = "info", metrics_sock: Optional[socket.socket] = None, join_cluster=None,
-               step_timeout: float = DEFAULT_STEP_TIMEOUT) -> None:
+               step_timeout: float = DEFAULT_STEP_TIMEOUT, hide_speculative_usage: bool = False) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
 
-    ``limits``, ``enable_docs`` and ``metrics_require_key`` are those of
-    :func:`~specdec.server.app.build_app`. ``metrics_sock``, when given, serves ``/metrics``
+    ``limits``, ``enable_docs``, ``metrics_require_key`` and ``hide_speculative_usage`` are those
+    of :func:`~specdec.server.app.build_app`. ``metrics_sock``, when given, serves ``/metrics``
     alone (:mod:`~specdec.server.metrics_listener`). ``join_cluster(engine_loop, host, port)``, when
     given, returns the :class:`specdec.cluster.Cluster` this server joins (the command line
     builds it: the cluster stands above the server). ``step_timeout`` is the engine loop's
@@ -165,7 +165,8 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
 
     engine.set_fatal_handler(engine_lost)
     app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key, limits=limits,
-                    enable_docs=enable_docs, metrics_require_key=metrics_require_key, cluster=cluster)
+                    enable_docs=enable_docs, metrics_require_key=metrics_require_key, cluster=cluster,
+                    hide_speculative_usage=hide_speculative_usage)
     # uvicorn's own timeout is the last resort: by then the engine loop has ended every request.
     config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5.0)
     shown = f"[{host}]" if ":" in host else host
