@@ -1,0 +1,176 @@
+"""The process group's rendezvous store, served by rank 0 on the address it is given.
+
+paddle.distributed's own store server binds every interface (``0.0.0.0``) whatever address the
+ranks are told (``TCPServer::create`` listens on ``""``; its libuv variant on ``0.0.0.0``), on
+a port chosen beforehand and released until paddle binds it. This module serves the same
+store instead: it binds the configured address, port 0 letting the OS choose when no port is
+given, and keeps the socket it bound, so that no other process can take the port in between.
+Every rank, rank 0 too, joins as a client of it (:func:`connect_as_client`), which paddle's
+store supports: only its rank-0 client would have started a server. Each rank opens one
+connection, so once ``clients`` have connected the store stops listening: it serves them until
+the process ends, and nobody else can connect afterwards.
+
+The wire protocol is paddle's ``TCPStore`` client's (``paddle/phi/core/distributed/store``):
+a command (int32), a key (uint64 length, bytes), and per command an int64 or a uint64-length
+byte vector; replies the same way. Keys and values are kept as bytes, never interpreted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+
+#: paddle's ``Command`` and ``ReplyType`` (``tcp_store.h``).
+ADD, GET, CHECK, SET, WAIT, STOP = range(6)
+STOP_WAIT, READY, NOT_READY = 1, 2, 3
+#: Bounds on what a client may send (paddle's libuv store has the same two).
+MAX_KEY_BYTES = 16 * 1024
+MAX_VALUE_BYTES = 16 * 1024 * 1024
+#: Connections served at once: each rank opens one or two; more is not a rank.
+MAX_CONNECTIONS = 64
+
+
+class ProtocolError(Exception):
+    """A client sent something the store protocol does not allow."""
+
+
+class RendezvousStore:
+    """A store server on ``host:port`` (``port`` 0: one the OS picks), bound and listening
+    from construction on until ``clients`` have connected (None: until :meth:`close`);
+    :attr:`port` is the bound one."""
+
+    def __init__(self, host: str, port: int = 0, clients: int | None = None):
+        self._listener = socket.create_server((host, port))
+        self._clients_left = clients
+        #: Seconds a rank waits at the rendezvous for the others (paddle's own store's bound).
+        self.wait_timeout = float(os.environ.get("FLAGS_stop_check_timeout", "900"))
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._values: dict[bytes, bytes] = {}
+        self._changed = threading.Condition()
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._closed = False
+        threading.Thread(target=self._accept, name="specdec-tp-store", daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop listening and serving."""
+        self._closed = True
+        self.stop_listening()
+        with self._changed:
+            self._changed.notify_all()
+
+    def stop_listening(self) -> None:
+        """Accept no more connections (those accepted are still served)."""
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._connections.acquire(blocking=False):
+                connection.close()
+                continue
+            threading.Thread(target=self._serve, args=(connection,), name="specdec-tp-store-client",
+                             daemon=True).start()
+            if self._clients_left is not None:
+                self._clients_left -= 1
+                if self._clients_left == 0:
+                    self.stop_listening()
+                    return
+
+    def _serve(self, connection: socket.socket) -> None:
+        try:
+            with connection:
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while not self._closed and self._command(connection):
+                    pass
+        except (OSError, ProtocolError):
+            pass  # a client gone, or one that broke the protocol: drop it
+        finally:
+            self._connections.release()
+
+    def _command(self, connection: socket.socket) -> bool:
+        """Serve one command; False when the client is done."""
+        header = _receive(connection, 4, allow_eof=True)
+        if header is None:
+            return False
+        (command,) = struct.unpack("<i", header)
+        if command == STOP:
+            return False
+        if command not in (ADD, GET, CHECK, SET, WAIT):
+            raise ProtocolError(f"unknown command {command}")
+        key = _receive_bytes(connection, MAX_KEY_BYTES)
+        if command == ADD:
+            (amount,) = struct.unpack("<q", _receive(connection, 8))
+            with self._changed:
+                value = int(self._values.get(key, b"0")) + amount
+                self._values[key] = str(value).encode()
+                self._changed.notify_all()
+            connection.sendall(struct.pack("<q", value))
+        elif command == SET:
+            value = _receive_bytes(connection, MAX_VALUE_BYTES)
+            with self._changed:
+                self._values[key] = value
+                self._changed.notify_all()
+        elif command == GET:
+            with self._changed:
+                value = self._values.get(key)
+            if value is None:
+                raise ProtocolError("get of a missing key")  # paddle's client waits first
+            connection.sendall(struct.pack("<Q", len(value)) + value)
+        elif command == CHECK:
+            with self._changed:
+                present = key in self._values
+            connection.sendall(struct.pack("<i", READY if present else NOT_READY))
+        else:  # WAIT: answer once the key is set; paddle's client waits as long as it takes
+            with self._changed:
+                if not self._changed.wait_for(lambda: key in self._values or self._closed, self.wait_timeout):
+                    raise ProtocolError("a rank never came")  # dropped: the waiting rank's join fails
+            connection.sendall(struct.pack("<i", STOP_WAIT))
+        return True
+
+
+def _receive(connection: socket.socket, size: int, allow_eof: bool = False):
+    data = bytearray()
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            if allow_eof and not data:
+                return None
+            raise ProtocolError("connection closed mid-message")
+        data += chunk
+    return bytes(data)
+
+
+def _receive_bytes(connection: socket.socket, limit: int) -> bytes:
+    (size,) = struct.unpack("<Q", _receive(connection, 8))
+    if size > limit:
+        raise ProtocolError(f"{size} bytes, more than {limit}")
+    return _receive(connection, size)
+
+
+def connect_as_client(paddle) -> None:
+    """Make this process's paddle store a client of the store its environment names
+    (``PADDLE_MASTER``, else the first of ``PADDLE_TRAINER_ENDPOINTS``), whatever its rank.
+
+    paddle keeps one store per process, made by its first use (``init_parallel_env`` asks for
+    it, and would make rank 0's start paddle's own server on every interface); made here first
+    under a nonzero rank, rank 0's is a client too, and ``init_parallel_env`` then uses it."""
+    saved = os.environ.get("PADDLE_TRAINER_ID")
+    os.environ["PADDLE_TRAINER_ID"] = "1"  # any rank but 0: the store's role only
+    try:
+        paddle.base.core.create_or_get_global_tcp_store()
+    finally:
+        if saved is None:
+            os.environ.pop("PADDLE_TRAINER_ID", None)
+        else:
+            os.environ["PADDLE_TRAINER_ID"] = saved
