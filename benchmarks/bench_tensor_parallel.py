@@ -129,12 +129,12 @@ def _collectives_rank(environment: dict, hidden: int, vocab_per_rank: int, reps:
 
 
 def measure_collectives(hidden: int, vocab_per_rank: int, reps: int, gather_reps: int) -> dict:
-    from specdec.engine.rendezvous_store import RendezvousStore
+    from specdec.engine.rendezvous_store import StoreProcess
     from specdec.engine.tensor_parallel import rank_environments
 
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    store = RendezvousStore("127.0.0.1", clients=2)  # the ranks' rendezvous, served from here
+    store = StoreProcess("127.0.0.1", clients=2)  # the ranks' rendezvous, served from here
     processes = [context.Process(target=_collectives_rank,
                                  args=(environment, hidden, vocab_per_rank, reps, gather_reps, queue))
                  for environment in rank_environments(2, "gloo", store.endpoint)]

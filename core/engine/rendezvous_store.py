@@ -8,7 +8,11 @@ given, and keeps the socket it bound, so that no other process can take the port
 Every rank, rank 0 too, joins as a client of it (:func:`connect_as_client`), which paddle's
 store supports: only its rank-0 client would have started a server. Each rank opens one
 connection, so once ``clients`` have connected the store stops listening: it serves them until
-the process ends, and nobody else can connect afterwards.
+they leave, and nobody else can connect afterwards.
+
+The store runs in a small process of its own (:func:`start_store_process`: this file, run by
+path, standard library only), which inherits the bound socket: rank 0's paddle holds the GIL
+while it waits for the store, so a thread of rank 0 could not answer it.
 
 The wire protocol is paddle's ``TCPStore`` client's (``paddle/phi/core/distributed/store``):
 a command (int32), a key (uint64 length, bytes), and per command an int64 or a uint64-length
@@ -21,7 +25,10 @@ import contextlib
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
+import time
 
 #: paddle's ``Command`` and ``ReplyType`` (``tcp_store.h``).
 ADD, GET, CHECK, SET, WAIT, STOP = range(6)
@@ -38,25 +45,35 @@ class ProtocolError(Exception):
 
 
 class RendezvousStore:
-    """A store server on ``host:port`` (``port`` 0: one the OS picks), bound and listening
-    from construction on until ``clients`` have connected (None: until :meth:`close`);
-    :attr:`port` is the bound one."""
+    """A store server on ``listener`` (a bound, listening socket), until ``clients`` have
+    connected (None: until :meth:`close`); serves in threads of this process."""
 
-    def __init__(self, host: str, port: int = 0, clients: int | None = None):
-        self._listener = socket.create_server((host, port))
+    def __init__(self, listener: socket.socket, clients: int | None = None):
+        self._listener = listener
+        self.host, self.port = listener.getsockname()[:2]
+        self._open_connections = 0
         self._clients_left = clients
         #: Seconds a rank waits at the rendezvous for the others (paddle's own store's bound).
         self.wait_timeout = float(os.environ.get("FLAGS_stop_check_timeout", "900"))
-        self.host, self.port = self._listener.getsockname()[:2]
         self._values: dict[bytes, bytes] = {}
         self._changed = threading.Condition()
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = False
         threading.Thread(target=self._accept, name="specdec-tp-store", daemon=True).start()
 
+    @classmethod
+    def bind(cls, host: str, port: int = 0, clients: int | None = None) -> "RendezvousStore":
+        """A store on ``host:port`` (``port`` 0: one the OS picks), listening from now on."""
+        return cls(socket.create_server((host, port)), clients)
+
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def done(self) -> bool:
+        """Every expected client has come and gone."""
+        return self._clients_left == 0 and self._open_connections == 0
 
     def close(self) -> None:
         """Stop listening and serving."""
@@ -79,6 +96,8 @@ class RendezvousStore:
             if not self._connections.acquire(blocking=False):
                 connection.close()
                 continue
+            with self._changed:
+                self._open_connections += 1
             threading.Thread(target=self._serve, args=(connection,), name="specdec-tp-store-client",
                              daemon=True).start()
             if self._clients_left is not None:
@@ -96,6 +115,8 @@ class RendezvousStore:
         except (OSError, ProtocolError):
             pass  # a client gone, or one that broke the protocol: drop it
         finally:
+            with self._changed:
+                self._open_connections -= 1
             self._connections.release()
 
     def _command(self, connection: socket.socket) -> bool:
@@ -158,6 +179,39 @@ def _receive_bytes(connection: socket.socket, limit: int) -> bytes:
     return _receive(connection, size)
 
 
+class StoreProcess:
+    """A :class:`RendezvousStore` in a process of its own, on ``host:port`` (``port`` 0: one
+    the OS picks). The socket is bound here, before the process starts, and handed to it:
+    the port is held from the first moment. The process ends once ``clients`` have come and
+    gone, or when this process ends."""
+
+    def __init__(self, host: str, port: int = 0, clients: int = 1):
+        with socket.create_server((host, port)) as listener:
+            self.host, self.port = listener.getsockname()[:2]
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", __file__, str(listener.fileno()), str(clients), str(os.getpid())],
+                pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL)
+        # This process's copy of the socket is closed: the store's process alone listens.
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def _serve_inherited(fd: int, clients: int, parent: int) -> None:
+    """The store process: serve on the inherited socket ``fd`` until ``clients`` have come
+    and gone, or the process ``parent`` (rank 0) has ended."""
+    store = RendezvousStore(socket.socket(fileno=fd), clients)
+    while not store.done and os.getppid() == parent:
+        time.sleep(0.5)
+    store.close()
+
+
 def connect_as_client(paddle) -> None:
     """Make this process's paddle store a client of the store its environment names
     (``PADDLE_MASTER``, else the first of ``PADDLE_TRAINER_ENDPOINTS``), whatever its rank.
@@ -174,3 +228,7 @@ def connect_as_client(paddle) -> None:
             os.environ.pop("PADDLE_TRAINER_ID", None)
         else:
             os.environ["PADDLE_TRAINER_ID"] = saved
+
+
+if __name__ == "__main__":  # run by path by StoreProcess: imports nothing of specdec
+    _serve_inherited(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

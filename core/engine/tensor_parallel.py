@@ -15,9 +15,9 @@ one process each, with paddle.distributed's environment for that rank, the same 
 the engine sees it (:func:`launched_rank`) and rank 0 runs the command while the others run
 :func:`worker_loop` (docs/deployment.md).
 
-Trust. Rank 0 serves the group's rendezvous store itself, on the address the ranks are given
-(loopback on one machine), from a socket it keeps bound (:mod:`.rendezvous_store`), and
-listens only until every rank has connected; local ranks' gloo (or NCCL) sockets use the
+Trust. Rank 0 starts the group's rendezvous store itself (:mod:`.rendezvous_store`), on the
+address the ranks are given (loopback on one machine), from a socket it binds first and keeps
+bound; the store listens only until every rank has connected; local ranks' gloo (or NCCL) sockets use the
 loopback interface. Steps travel as fixed-layout int64 tensors (:mod:`.tensor_parallel_messages`),
 checked before use: a rank never unpickles what it receives.
 
@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Callable, NamedTuple, Optional
 
-from .rendezvous_store import RendezvousStore, connect_as_client
+from .rendezvous_store import StoreProcess, connect_as_client
 from .tensor_parallel_messages import (HEADER_SIZE, Forward, InitCache, Limits, Message, MessageError, Ping, Stop,
                                        decode, encode, payload_length)
 
@@ -77,7 +77,7 @@ def loopback_interface() -> str:
 
 def rank_environments(world_size: int, backend: str, store_endpoint: str) -> list[dict]:
     """paddle.distributed's environment for each rank of a group on this machine, whose
-    rendezvous store serves at ``store_endpoint`` (a :class:`RendezvousStore` on loopback).
+    rendezvous store serves at ``store_endpoint`` (a :class:`StoreProcess` on loopback).
     gloo and NCCL open their sockets on the loopback interface: nothing listens beyond it.
     (paddle reads only the first trainer endpoint, as the store's address, when it joins.)"""
     interface = loopback_interface()
@@ -125,8 +125,8 @@ def use_rank_device(paddle, environment: Optional[dict] = None) -> None:
 
 def init_process_group(paddle, environment: Optional[dict] = None) -> None:
     """Join the process group that ``environment`` (else this process's environment)
-    describes, as a client of its rendezvous store (:class:`RendezvousStore`, which rank 0
-    serves). Every rank joins only once its model is built: the rendezvous waits as long as
+    describes, as a client of its rendezvous store (:class:`StoreProcess`, which rank 0
+    starts). Every rank joins only once its model is built: the rendezvous waits as long as
     loading takes, while a rank waiting inside a collective gives up after 30 s (gloo)."""
     with _environment(environment):
         connect_as_client(paddle)
@@ -174,7 +174,7 @@ class RankZero(NamedTuple):
     watchdog: "Watchdog"
     environment: Optional[dict]
     workers: list
-    store: Optional[RendezvousStore] = None
+    store: Optional[StoreProcess] = None
 
 
 def start_rank_zero(config, on_fatal: Callable[[str], None]) -> RankZero:
@@ -192,14 +192,14 @@ def start_rank_zero(config, on_fatal: Callable[[str], None]) -> RankZero:
     workers, environment = [], None
     if launched is None:
         # Port 0: the OS picks one, and the bound socket keeps it (no pick-then-bind race).
-        store = RendezvousStore("127.0.0.1", clients=world_size)
+        store = StoreProcess("127.0.0.1", clients=world_size)
         workers, environment = start_local_workers(config, world_size, "nccl" if on_gpu() else "gloo",
                                                    store.endpoint)
     elif launched[1] != world_size:
         raise SpecdecError(f"tensor_parallel_size: {world_size}, but paddle.distributed.launch "
                            f"started {launched[1]} ranks")
     else:  # at the address and port the launchers agreed on (host 0's)
-        store = RendezvousStore(*master_endpoint(), clients=world_size)
+        store = StoreProcess(*master_endpoint(), clients=world_size)
     watchdog = Watchdog(workers, config.tensor_parallel_timeout, on_fatal)
     use_rank_device(paddle, environment)
     return RankZero((CollectiveGroup(paddle, 0, world_size), 0, world_size), watchdog, environment, workers, store)

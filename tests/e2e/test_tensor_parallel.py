@@ -103,15 +103,19 @@ def _tcp_sockets(pid: int) -> list[tuple[str, int, str]]:
 
 def test_the_ranks_listen_and_talk_on_loopback_only(parallel):
     """The rendezvous store and the collectives' sockets of a group on one machine: paddle
-    would serve the store on every interface, and gloo would use the hostname's address."""
-    ranks = {"rank 0": os.getpid(), "rank 1": parallel.engine.tensor_parallel_workers[0].pid}
+    would serve the store on every interface, and gloo would use the hostname's address.
+    (The store's process is rank 0's child while its ranks are connected.)"""
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    store = [int(pid) for pid in children if b"rendezvous_store" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    ranks = {"rank 0": os.getpid(), "rank 1": parallel.engine.tensor_parallel_workers[0].pid, "store": store[0]}
     sockets = {rank: _tcp_sockets(pid) for rank, pid in ranks.items()}
-    assert sockets["rank 1"], "rank 1 holds no TCP socket: not a group?"
+    assert sockets["store"] and sockets["rank 1"], "the store's process holds its ranks' connections"
     loopback = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
     for rank, held in sockets.items():
         assert [entry for entry in held if entry[0] not in loopback] == [], rank
-    # Once the group is joined, nothing of it listens: rank 1 holds no listening socket.
-    assert [entry for entry in sockets["rank 1"] if entry[2] == "0A"] == []
+    # Once the group is joined, nothing of it listens any more.
+    for rank in ("rank 1", "store"):
+        assert [entry for entry in sockets[rank] if entry[2] == "0A"] == [], rank
 
 
 #: The prompts also run one at a time: the short one and a code edit (drafts are accepted on

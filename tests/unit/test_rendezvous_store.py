@@ -13,7 +13,7 @@ import struct
 
 import pytest
 
-from specdec.engine.rendezvous_store import MAX_KEY_BYTES, SET, WAIT, RendezvousStore
+from specdec.engine.rendezvous_store import MAX_KEY_BYTES, SET, WAIT, RendezvousStore, StoreProcess
 
 
 def _listening(port: int) -> list[str]:
@@ -29,7 +29,7 @@ def _listening(port: int) -> list[str]:
 
 def test_it_listens_on_loopback_only_from_the_start_then_stops_after_its_clients():
     paddle = pytest.importorskip("paddle")
-    store = RendezvousStore("127.0.0.1", clients=1)
+    store = RendezvousStore.bind("127.0.0.1", clients=1)
     try:
         assert store.host == "127.0.0.1" and store.port > 0
         assert _listening(store.port) == ["127.0.0.1"]  # bound already: nobody can take the port
@@ -46,8 +46,25 @@ def test_it_listens_on_loopback_only_from_the_start_then_stops_after_its_clients
         store.close()
 
 
+def test_the_store_process_holds_its_port_before_it_starts_and_ends_after_its_clients():
+    """What rank 0 runs: the socket is bound before the store's process starts (no moment
+    when the port is free), and the process ends once its clients have come and gone."""
+    paddle = pytest.importorskip("paddle")
+    store = StoreProcess("127.0.0.1", clients=1)
+    try:
+        assert _listening(store.port) == ["127.0.0.1"]
+        client = paddle.base.core.TCPStore("127.0.0.1", store.port, False, 1, 30)
+        client.set("rank", "0")
+        assert client.get("rank") == b"0"
+        del client  # the rank leaves
+        assert store.process.wait(timeout=10) == 0
+        assert _listening(store.port) == []
+    finally:
+        store.stop()
+
+
 def test_a_client_that_sends_an_oversized_key_is_dropped():
-    store = RendezvousStore("127.0.0.1")
+    store = RendezvousStore.bind("127.0.0.1")
     try:
         with socket.create_connection(("127.0.0.1", store.port), timeout=5) as attacker:
             attacker.sendall(struct.pack("<iQ", SET, MAX_KEY_BYTES + 1))
@@ -57,7 +74,7 @@ def test_a_client_that_sends_an_oversized_key_is_dropped():
 
 
 def test_a_rank_waiting_for_one_that_never_comes_is_dropped_after_the_timeout():
-    store = RendezvousStore("127.0.0.1")
+    store = RendezvousStore.bind("127.0.0.1")
     store.wait_timeout = 0.2
     try:
         with socket.create_connection(("127.0.0.1", store.port), timeout=5) as rank:
