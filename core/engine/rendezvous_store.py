@@ -36,6 +36,8 @@ STOP_WAIT, READY, NOT_READY = 1, 2, 3
 #: Bounds on what a client may send (paddle's libuv store has the same two).
 MAX_KEY_BYTES = 16 * 1024
 MAX_VALUE_BYTES = 16 * 1024 * 1024
+#: All values together (gloo's rendezvous stores a few hundred bytes per rank).
+MAX_STORED_BYTES = 64 * 1024 * 1024
 #: Connections served at once: each rank opens one or two; more is not a rank.
 MAX_CONNECTIONS = 64
 
@@ -112,8 +114,8 @@ class RendezvousStore:
                 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 while not self._closed and self._command(connection):
                     pass
-        except (OSError, ProtocolError):
-            pass  # a client gone, or one that broke the protocol: drop it
+        except (OSError, ProtocolError, ValueError, struct.error):
+            pass  # a client gone, or one that broke the protocol (e.g. an add to a non-number): drop it
         finally:
             with self._changed:
                 self._open_connections -= 1
@@ -140,6 +142,9 @@ class RendezvousStore:
         elif command == SET:
             value = _receive_bytes(connection, MAX_VALUE_BYTES)
             with self._changed:
+                stored = sum(map(len, self._values.values())) - len(self._values.get(key, b""))
+                if stored + len(value) > MAX_STORED_BYTES:
+                    raise ProtocolError("the store is full")
                 self._values[key] = value
                 self._changed.notify_all()
         elif command == GET:
