@@ -131,6 +131,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
 def build_parser() -> argparse.ArgumentParser:
     from .bench_cli import add_bench_flags
     from .chat_cli import add_chat_flags
+    from .cluster.flags import add_scheduler_flags
     from .plugin_manager import get_plugins, register_commands
     from .plugins_cli import add_plugins_subcommand
 
@@ -179,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve /docs, /redoc and /openapi.json (default: off, 404)")
     serve.add_argument("--metrics-require-key", action="store_true",
                        help="/metrics needs the API key too (default: open, like /health)")
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="also serve /metrics on this port of --host, alone (FastDeploy's flag; default: none)")
+    serve.add_argument("--hide-speculative-usage", action="store_true",
+                       help="leave usage.speculative out of responses (acceptance figures tell how much a "
+                            "request matched earlier ones; docs/deployment.md#security)")
     serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                        help="the server's log level")
     _add_cluster_flags(serve)
@@ -205,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, parser_class=ArgumentParser)
     status = cluster_sub.add_parser("status", help="the instances of a cluster, their roles and load")
     status.add_argument("--scheduler", required=True, metavar="redis://HOST:PORT/DB", help="the cluster's Redis")
+    add_scheduler_flags(status, fastdeploy=False)
+    status.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                        help="check the registrations' signatures with this secret (default: "
+                             "$SPECDEC_CLUSTER_SECRET; without one, they are shown unchecked)")
     status.add_argument("--output", choices=("text", "json"), default="text", help="text, or JSON")
     status.set_defaults(func=run_cluster_status)
 
@@ -214,9 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_cluster_flags(serve: argparse.ArgumentParser) -> None:
+    from .cluster.flags import add_scheduler_flags
+
     group = serve.add_argument_group("cluster (docs/deployment.md)")
     group.add_argument("--scheduler", default=None, metavar="redis://HOST:PORT/DB",
-                       help="join the cluster this Redis coordinates (default: serve alone)")
+                       help="join the cluster this Redis coordinates (rediss:// for TLS; default: serve alone)")
+    add_scheduler_flags(group)
     group.add_argument("--role", "--splitwise-role", dest="role", default="mixed",
                        help="mixed (whole requests, default), prefill (prompts, then hand-off) or decode "
                             "(continues handed-off requests)")
@@ -378,6 +391,7 @@ def run_serve(args) -> int:
     _check_range("--shutdown-timeout", args.shutdown_timeout, 0)
     if args.step_timeout is not None and not args.step_timeout >= 0:  # NaN too
         raise SpecdecError(f"--step-timeout: must be >= 0 (0: no watchdog), got {args.step_timeout:g}")
+    _check_range("--metrics-port", args.metrics_port, 1, 65535)
     limits = _server_limits(args)
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     if args.metrics_require_key and not api_key:
@@ -392,6 +406,9 @@ def run_serve(args) -> int:
     if _run_as_worker(config):
         return 0
     sock = serve.bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
+    metrics_sock = None
+    if args.metrics_port is not None:
+        metrics_sock = serve.bind_socket(args.host, args.metrics_port, "--metrics-port")
     engine = Engine(config, plugins=plugins, progress=args.progress)
     try:
         serve.run_server(
@@ -402,7 +419,7 @@ def run_serve(args) -> int:
             shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
             step_timeout=serve.DEFAULT_STEP_TIMEOUT if args.step_timeout is None else args.step_timeout,
             limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
-            log_level=args.log_level,
+            log_level=args.log_level, metrics_sock=metrics_sock, hide_speculative_usage=args.hide_speculative_usage,
             join_cluster=_cluster_joiner(cluster_options, args.served_model_name or config.model),
         )
     finally:
@@ -424,9 +441,12 @@ def _cluster_joiner(cluster_options, served_model_name: str):
 
 
 def _cluster_options(args, api_key):
-    """The ``ClusterOptions`` of the cluster flags (None without ``--scheduler``); Redis is
+    """The ``ClusterOptions`` of the cluster flags (None without a scheduler); Redis is
     reached once here, before the model loads, so that a wrong address fails at once."""
-    if args.scheduler is None:
+    from .cluster.flags import scheduler_config
+
+    scheduler = scheduler_config(args)
+    if scheduler is None:
         if args.role != "mixed":
             raise SpecdecError(f"--role {args.role}: needs --scheduler (a cluster)")
         return None
@@ -441,17 +461,24 @@ def _cluster_options(args, api_key):
     if cluster_secret is None and secret_required(args.role, args.advertise_host or args.host):
         raise SpecdecError(f"--role {args.role}: on {args.advertise_host or args.host} (not loopback) the instances "
                            "need a shared secret: --cluster-secret-file PATH or $SPECDEC_CLUSTER_SECRET")
-    options = ClusterOptions(scheduler_url=args.scheduler, role=args.role, instance_id=args.instance_id,
+    options = ClusterOptions(scheduler=scheduler, role=args.role, instance_id=args.instance_id,
                              advertise_host=args.advertise_host, kv_transfer_port=args.kv_transfer_port,
                              api_key=api_key, cluster_secret=cluster_secret)
-    ping(options.scheduler_url)
+    ping(options.scheduler)
+    if getattr(args, "process_argv", None) is not None:  # the checks passed: now take the password off ps's listing
+        from .cluster.flags import hide_password_and_restart
+
+        hide_password_and_restart(args.process_argv, args)  # returns when there is no password to hide
     return options
 
 
 def run_cluster_status(args) -> int:
+    from .cluster.flags import scheduler_config
+    from .cluster.secret import resolve_cluster_secret
     from .cluster.status import cluster_status
 
-    return cluster_status(args.scheduler, args.output)
+    return cluster_status(scheduler_config(args), args.output,
+                          cluster_secret=resolve_cluster_secret(file=args.cluster_secret_file))
 
 
 def _run_as_worker(config) -> bool:
@@ -503,6 +530,7 @@ def run_chat(args) -> int:
 
 
 def main(argv=None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -512,6 +540,7 @@ def main(argv=None) -> int:
             parser.exit(EXIT_USAGE, f"error: specdec: the model is named twice: '{positional}' and --model "
                                     f"'{args.model}'\n")
         args.model = positional
+    args.process_argv = sys.orig_argv if from_command_line else None  # this process's own command line
     debug = getattr(args, "debug", False) or os.environ.get("SPECDEC_DEBUG") == "1"
     if debug:  # also what the engine decided: kernels, attention backend, weights, cache
         logging.basicConfig(format="%(name)s: %(message)s")

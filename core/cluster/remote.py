@@ -30,7 +30,7 @@ from typing import Callable, Optional
 from ..metrics import SpecMetrics
 from ..server.engine_loop import Admitted, Delta, Finished, RequestStream
 from .messages import Job, decode_event, sampling_to_dict, to_loop_event
-from .redis_link import Keys, RedisLink, RedisUnavailable
+from .redis_link import RedisLink, RedisUnavailable
 from .registry import ClusterView
 from .router import NoRoute, Route
 
@@ -134,8 +134,8 @@ class RemoteRequestStream(RequestStream):
         job = self._job(route)
         target = route.target.instance_id
         job_bytes = job.to_json()
-        await link.call(lambda: client.rpush(Keys.jobs(target), job_bytes))
-        events_key = Keys.events(self.request_id)
+        await link.call(lambda: client.rpush(link.keys.jobs(target), job_bytes))
+        events_key = link.keys.events(self.request_id)
         last_id, expected = b"0-0", 0
         last_check, misses = time.monotonic(), 0
         while not self._aborted:
@@ -164,7 +164,7 @@ class RemoteRequestStream(RequestStream):
     async def _check(self, target: str, job_bytes: bytes, misses: int) -> int:
         """A quiet request: is it still running, queued, or lost? Returns the new miss count."""
         client = self._link.client
-        claim = await self._link.call(lambda: client.get(Keys.claim(self.request_id)))
+        claim = await self._link.call(lambda: client.get(self._link.keys.claim(self.request_id)))
         if claim is not None:
             holder, _, attempt = claim.decode().rpartition(" ")
             if attempt == str(self._attempt):
@@ -172,10 +172,10 @@ class RemoteRequestStream(RequestStream):
                     raise _Lost(f"instance {holder} stopped while running this request, after "
                                 f"{self._num_generated} tokens", holder)
                 return 0
-        queued = await self._link.call(lambda: client.lpos(Keys.jobs(target), job_bytes))
+        queued = await self._link.call(lambda: client.lpos(self._link.keys.jobs(target), job_bytes))
         if queued is not None:
             if self._view.is_dead(target) and await self._link.call(
-                    lambda: client.lrem(Keys.jobs(target), 1, job_bytes)):
+                    lambda: client.lrem(self._link.keys.jobs(target), 1, job_bytes)):
                 raise _Lost(f"instance {target} stopped before it took this request", target)
             return 0
         misses += 1
@@ -218,7 +218,7 @@ class RemoteRequestStream(RequestStream):
 
     async def _cancel_attempt(self) -> None:
         try:
-            await self._link.call(lambda: self._link.client.set(Keys.cancel(self.request_id, self._attempt), 1,
-                                                                ex=60), give_up_after=2.0)
+            await self._link.call(lambda: self._link.client.set(self._link.keys.cancel(self.request_id, self._attempt),
+                                                                1, ex=60), give_up_after=2.0)
         except RedisUnavailable:
             pass

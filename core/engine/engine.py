@@ -236,7 +236,7 @@ class Engine:
 
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     prompt: Optional[str] = None, request_id: Optional[str] = None, *,
-                    handoff: bool = False, capture_hidden: bool = False) -> Request:
+                    handoff: bool = False, capture_hidden: bool = False, tenant: Optional[str] = None) -> Request:
         """Queue a request; it joins the running batch at the next step that has room.
 
         :param handoff: run the prompt and the first output token only, without drafts, then
@@ -249,6 +249,8 @@ class Engine:
             computed positions into the state (for a decode engine whose proposer reads them,
             :attr:`needs_hidden_states`). The request then computes its whole prompt (it takes
             nothing from the prefix cache). Ignored without ``handoff``.
+        :param tenant: who sent the request (the server's id of its API key), passed to the
+            proposer as ``ProposalRequest.tenant``.
         :raises RequestError: for a prompt or sampling values the engine cannot take.
         :raises SpecdecError: for ``handoff`` with tensor parallelism.
         """
@@ -259,6 +261,7 @@ class Engine:
         request = self.new_request(prompt_ids, sampling, prompt, request_id)
         request.handoff = handoff
         request.capture_hidden = handoff and capture_hidden
+        request.tenant = tenant
         if request.capture_hidden:
             request.prefix_keys = []  # every position's hidden state must be computed here
         self.scheduler.waiting.append(request)
@@ -446,7 +449,7 @@ class Engine:
         """What the proposer sees of ``request`` this step (with the hidden states kept for
         it, handed over once, when the proposer reads them)."""
         proposal = ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len,
-                                   sampling=request.sampling, rng=request.rng)
+                                   sampling=request.sampling, rng=request.rng, tenant=request.tenant)
         if self.proposer.NEEDS_HIDDEN_STATES:
             proposal.hidden_states, proposal.hidden_positions = self.hidden_states.take(request)
             proposal.block_table = np.asarray(request.block_table, dtype=np.int32)
@@ -459,10 +462,11 @@ class Engine:
         request.started = True
         prompt = request.tokens[: request.num_prompt_tokens]
         try:
-            self.proposer.on_request_start(ProposalRequest(request.request_id, prompt, request.num_prompt_tokens, 0))
+            self.proposer.on_request_start(ProposalRequest(request.request_id, prompt, request.num_prompt_tokens, 0,
+                                                           tenant=request.tenant))
             if request.num_generated:
                 before = ProposalRequest(request.request_id, prompt, request.num_prompt_tokens, 0,
-                                         sampling=request.sampling, rng=request.rng)
+                                         sampling=request.sampling, rng=request.rng, tenant=request.tenant)
                 if self.proposer.NEEDS_HIDDEN_STATES:
                     before.block_table = np.asarray(request.block_table, dtype=np.int32)
                 self.proposer.on_step(ProposalBatch([before]), [request.generated_ids.copy()])

@@ -201,6 +201,7 @@ class _Tracked:
     submitted_at: float
     handoff: bool = False
     capture_hidden: bool = False
+    tenant: Optional[str] = None  # who sent it: the engine's add_request(tenant=...)
     imported: Optional["HandoffState"] = None  # submit_imported's state
     request: object = None  # the engine's Request once added
     emitted_chars: int = 0
@@ -337,18 +338,19 @@ class EngineLoop:
 
     def submit(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                request_id: Optional[str] = None, *, handoff: bool = False,
-               capture_hidden: bool = False) -> RequestStream:
+               capture_hidden: bool = False, tenant: Optional[str] = None) -> RequestStream:
         """Queue a request; call from the event loop. Returns its :class:`RequestStream`.
 
         ``handoff`` and ``capture_hidden`` go to the engine's ``add_request``: the request
         then ends after its first token with a :class:`Finished` of finish reason ``handoff``
         whose ``handoff`` holds the state to continue elsewhere (unless that token ended it).
+        ``tenant`` (who sent it) goes to ``add_request`` too.
 
         Raises :class:`QueueFull` when ``max_pending`` requests are already in the loop, and
         :class:`EngineStopped` when the loop is not running.
         """
         tracked = self._track(request_id, prompt_token_ids, sampling)
-        tracked.handoff, tracked.capture_hidden = handoff, capture_hidden
+        tracked.handoff, tracked.capture_hidden, tracked.tenant = handoff, capture_hidden, tenant
         self._commands.put(("add", tracked))
         return tracked.stream
 
@@ -484,8 +486,9 @@ class EngineLoop:
             return self.engine.import_request(tracked.imported, request_id=request_id)
         if tracked.handoff:
             return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
-                                           handoff=True, capture_hidden=tracked.capture_hidden)
-        return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id)
+                                           handoff=True, capture_hidden=tracked.capture_hidden, tenant=tracked.tenant)
+        return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
+                                       tenant=tracked.tenant)
 
     def _abort(self, request_id: str) -> None:
         if request_id not in self._tracked:
