@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="leave usage.speculative out of responses (acceptance figures tell how much a "
                             "request matched earlier ones; docs/deployment.md#security)")
     serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                       help="the server's log level")
+                       help="the log level of the server and of specdec's own loggers (engine, cluster, "
+                            "plugins; a stats line every 10 s while busy at info)")
     _add_cluster_flags(serve)
     serve.set_defaults(func=run_serve)
 

@@ -25,6 +25,7 @@ from .engine_loop import EngineLoop
 from .limits import ServerLimits, limited_protocol
 from .metrics import ServerMetrics
 from .metrics_listener import MetricsListener
+from .stats_log import StatsLogger, configure_logging
 from .watchdog import DEFAULT_STEP_TIMEOUT
 
 #: ``--max-pending-requests``: requests in flight (running or waiting) before 503.
@@ -151,6 +152,7 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
     builds it: the cluster stands above the server). ``step_timeout`` is the engine loop's
     (0: no step watchdog)."""
     limits = limits or ServerLimits()
+    configure_logging(log_level)
     warning = raise_open_file_limit(limits.max_connections)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -177,10 +179,12 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
     server = Server(config, engine_loop, drain_timeout=shutdown_timeout, ready_line=ready, cluster=cluster)
     listener = None if metrics_sock is None else MetricsListener(
         metrics_sock, engine_loop.metrics, api_key=api_key if metrics_require_key else None)
+    stats = StatsLogger(engine_loop.metrics, engine_loop.snapshot)
     try:
         with _graceful_exit():
             server.run(sockets=[sock])
     finally:
+        stats.close()
         if listener is not None:
             listener.close()
     if not server.started:

@@ -45,7 +45,7 @@ class ScriptedEngine:
     def num_free_kv_blocks(self) -> int:
         return self.num_kv_blocks - len(self.running)
 
-    def add_request(self, prompt_token_ids, sampling, prompt=None, request_id=None):
+    def add_request(self, prompt_token_ids, sampling, prompt=None, request_id=None, tenant=None):
         if list(prompt_token_ids) == [666]:
             raise ValueError("an engine bug")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -262,3 +262,49 @@ def test_an_engine_thread_that_dies_fails_its_requests_and_says_why():
     assert (final.finish_reason, final.error) == ("error", message)
     assert refused == engine_loop.problem == message
     assert not engine_loop.running
+
+
+def test_a_stats_line_while_busy_and_none_while_idle(caplog):
+    """The periodic stats line (``specdec serve`` logs one every 10 s): live figures from the
+    metrics while requests run, silence once the server is idle."""
+    from specdec.server.metrics import ServerMetrics
+    from specdec.server.stats_log import StatsLogger
+
+    metrics = ServerMetrics("scripted")
+    engine = ScriptedEngine(["tok"] * 400)
+
+    async def main(engine_loop):
+        stats = StatsLogger(metrics, engine_loop.snapshot, interval=0.05)
+        try:
+            await collect(engine_loop.submit([1, 2, 3], SamplingParams(max_tokens=40)))
+            lines_busy = [r.getMessage() for r in caplog.records if r.name == "specdec.stats"]
+            await asyncio.sleep(0.3)  # idle: several intervals pass
+            return lines_busy, [r.getMessage() for r in caplog.records if r.name == "specdec.stats"]
+        finally:
+            stats.close()
+
+    with caplog.at_level("INFO", logger="specdec.stats"):
+        (busy, after_idle), _ = run(main, engine, metrics=metrics)
+    assert busy, "no stats line while a request ran"
+    assert all("requests in flight" in line and "generation" in line and "KV cache" in line for line in busy)
+    assert any(float(line.split("generation ")[1].split(" tok/s")[0]) > 0 for line in busy)
+    assert len(after_idle) <= len(busy) + 1  # at most the interval that saw the end
+
+
+def test_log_level_covers_specdecs_own_loggers():
+    import logging
+
+    from specdec.server.stats_log import configure_logging
+
+    root = logging.getLogger("specdec")
+    saved = (root.level, list(root.handlers), root.propagate)
+    try:
+        root.handlers = []
+        configure_logging("warning")
+        assert logging.getLogger("specdec.cluster").getEffectiveLevel() == logging.WARNING
+        assert not logging.getLogger("specdec.stats").isEnabledFor(logging.INFO)
+        assert len(root.handlers) == 1
+        configure_logging("debug")
+        assert logging.getLogger("specdec.engine").isEnabledFor(logging.DEBUG) and len(root.handlers) == 1
+    finally:
+        root.level, root.handlers, root.propagate = saved
