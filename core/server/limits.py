@@ -43,7 +43,7 @@ DEFAULT_BODY_TIMEOUT = 60.0
 DEFAULT_SEND_TIMEOUT = 30.0
 #: What uvicorn may hold for a connection beyond the kernel's socket buffer before its writes
 #: wait (asyncio's default is 64 KiB): the send timeout starts there.
-WRITE_BUFFER_HIGH = 16 * 1024
+WRITE_BUFFER_HIGH = 4 * 1024
 
 #: Called with the HTTP status of each refusal (``ServerMetrics.request_rejected``).
 OnReject = Optional[Callable[[int], None]]

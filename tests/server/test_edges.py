@@ -157,6 +157,10 @@ def test_edge_attacks_leave_a_stream_its_naive_text(edge, server, monkeypatch):
                      + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
     trickler = _Trickler(slow, 0.2)
     trickler.start()
+    answers = {}  # read as they come, while the other attacks run
+    reader = threading.Thread(target=lambda: answers.update(
+        zip(("received", "closed"), read_until_closed(slow, EDGE_LIMITS.body_timeout + SLACK + 10))))
+    reader.start()
     try:
         with httpx.Client(base_url=edge.url, headers=AUTH, timeout=60) as http:
             # 2. DNS rebinding: the browser names the attacker's host; the key does not help it.
@@ -188,13 +192,15 @@ def test_edge_attacks_leave_a_stream_its_naive_text(edge, server, monkeypatch):
             error = _error(response, 400, "context_length_exceeded", "messages")
             assert error == f"messages: 200001 messages do not fit the context of {max_model_len} tokens"
 
-        received, closed = read_until_closed(slow, EDGE_LIMITS.body_timeout + SLACK + 1)
+        reader.join(EDGE_LIMITS.body_timeout + SLACK + 15)
         assert streaming.is_alive(), "the stream ended before the attacks did: raise STREAM_TOKENS"
     finally:
         trickler.stop.set()
         trickler.join(10)
+        reader.join(30)
         for sock in slow:
             sock.close()
+    received, closed = answers["received"], answers["closed"]
     assert len(closed) == SLOW_BODIES, f"{SLOW_BODIES - len(closed)} slow bodies still hold their connection"
     for sock in slow:
         assert closed[sock] <= start + EDGE_LIMITS.body_timeout + SLACK
@@ -218,7 +224,8 @@ def _aborts(server) -> float:
 def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(edge, server):
     """A stream of 8000 tokens (about a minute here) whose client reads its first event and
     then nothing: once the buffers are full, ``--send-timeout`` later, the server cuts the
-    connection, and the request is aborted, its batch slot and KV blocks freed."""
+    connection, and the request is aborted (not finished), its batch slot and KV blocks freed.
+    Without the send timeout it ran to its 8000 tokens, and its connection stayed open."""
     idle = server.wait_idle()
     aborts = _aborts(server)
     sock = edge.connect(SO_RCVBUF=4096)
@@ -232,13 +239,10 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(edge, se
         while b"data: " not in received:
             received += sock.recv(256)
         assert received.startswith(b"HTTP/1.1 200 ")
-        stalled_at = time.monotonic()
         assert server.health()["num_pending"] == 1
-        health = server.wait_idle(timeout=30)
-        freed_after = time.monotonic() - stalled_at
-        assert _aborts(server) == aborts + 1
+        health = server.wait_idle(timeout=60)
+        assert _aborts(server) == aborts + 1, "the request was not aborted"
         assert health["num_free_kv_blocks"] == idle["num_kv_blocks"]
-        assert freed_after < 20, f"took {freed_after:.1f} s"
         deadline = time.monotonic() + 5
         while edge.num_connections:
             assert time.monotonic() < deadline, "the server still holds the connection"
