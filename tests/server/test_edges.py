@@ -192,6 +192,7 @@ def test_edge_attacks_leave_a_stream_its_naive_text(edge, server, monkeypatch):
             error = _error(response, 400, "context_length_exceeded", "messages")
             assert error == f"messages: 200001 messages do not fit the context of {max_model_len} tokens"
 
+        attacks_done = time.monotonic()  # the big bodies above hold the event loop (for seconds on a busy box)
         reader.join(EDGE_LIMITS.body_timeout + SLACK + 15)
         assert streaming.is_alive(), "the stream ended before the attacks did: raise STREAM_TOKENS"
     finally:
@@ -203,7 +204,8 @@ def test_edge_attacks_leave_a_stream_its_naive_text(edge, server, monkeypatch):
     received, closed = answers["received"], answers["closed"]
     assert len(closed) == SLOW_BODIES, f"{SLOW_BODIES - len(closed)} slow bodies still hold their connection"
     for sock in slow:
-        assert closed[sock] <= start + EDGE_LIMITS.body_timeout + SLACK
+        assert start + EDGE_LIMITS.body_timeout * 0.9 <= closed[sock] <= max(start + EDGE_LIMITS.body_timeout,
+                                                                                 attacks_done) + SLACK
         error = raw_error(received[sock], 408, "request_timeout")
     assert error["message"] == "the request body: not complete within 1.5 s (--body-timeout)"
 
