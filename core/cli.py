@@ -176,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long one engine step may run; past it (a plugin that hangs) the requests in "
                             "flight fail and /health answers 503 until the step returns; 0 turns the "
                             "watchdog off (default 300)")
+    serve.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long after its head a request's whole body may take to arrive, however "
+                            "steadily it trickles; then 408 (default 60)")
+    serve.add_argument("--send-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long a client may leave its response unread (the socket's buffers full); then "
+                            "the connection is cut and its request aborted (default 30)")
+    serve.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                       help="comma-separated names the Host header may give (any port; '*.example.com', '*' "
+                            "for any); others get 421, which stops DNS rebinding (default: on loopback "
+                            "localhost,127.0.0.1,[::1]; elsewhere *)")
     serve.add_argument("--enable-docs", action="store_true",
                        help="serve /docs, /redoc and /openapi.json (default: off, 404)")
     serve.add_argument("--metrics-require-key", action="store_true",
@@ -394,6 +404,11 @@ def run_serve(args) -> int:
         raise SpecdecError(f"--step-timeout: must be >= 0 (0: no watchdog), got {args.step_timeout:g}")
     _check_range("--metrics-port", args.metrics_port, 1, 65535)
     limits = _server_limits(args)
+    allowed_hosts = None
+    if args.allowed_hosts is not None:
+        from .server.hosts import parse_allowed_hosts
+
+        allowed_hosts = parse_allowed_hosts(args.allowed_hosts)
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     if args.metrics_require_key and not api_key:
         raise SpecdecError("--metrics-require-key: needs an API key (--api-key, or $SPECDEC_API_KEY)")
@@ -420,7 +435,8 @@ def run_serve(args) -> int:
             shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
             step_timeout=serve.DEFAULT_STEP_TIMEOUT if args.step_timeout is None else args.step_timeout,
             limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
-            log_level=args.log_level, metrics_sock=metrics_sock, hide_speculative_usage=args.hide_speculative_usage,
+            allowed_hosts=allowed_hosts, log_level=args.log_level, metrics_sock=metrics_sock,
+            hide_speculative_usage=args.hide_speculative_usage,
             join_cluster=_cluster_joiner(cluster_options, args.served_model_name or config.model),
         )
     finally:
@@ -502,10 +518,13 @@ def _server_limits(args):
     _check_range("--max-body-bytes", args.max_body_bytes, 1)
     _check_range("--max-prompt-chars", args.max_prompt_chars, 1)
     _check_range("--max-connections", args.max_connections, 1)
-    if args.read_timeout is not None and not args.read_timeout > 0:
-        raise SpecdecError(f"--read-timeout: must be > 0, got {args.read_timeout:g}")
+    for flag, value in (("--read-timeout", args.read_timeout), ("--body-timeout", args.body_timeout),
+                        ("--send-timeout", args.send_timeout)):
+        if value is not None and not value > 0:
+            raise SpecdecError(f"{flag}: must be > 0, got {value:g}")
     given = {"max_body_bytes": args.max_body_bytes, "max_prompt_chars": args.max_prompt_chars,
-             "max_connections": args.max_connections, "read_timeout": args.read_timeout}
+             "max_connections": args.max_connections, "read_timeout": args.read_timeout,
+             "body_timeout": args.body_timeout, "send_timeout": args.send_timeout}
     return limits.ServerLimits(**{name: value for name, value in given.items() if value is not None})
 
 

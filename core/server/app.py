@@ -6,8 +6,10 @@ thread, submit to the engine loop, and wait on the request's queue: the event lo
 the model. A client that disconnects cancels its request, which frees its KV cache.
 
 The app enforces the limits of :class:`~specdec.server.limits.ServerLimits` that an app can
-see (the request body, the prompt's characters, the capacity before tokenizing); the
-connection limits are uvicorn's part (``specdec.server.serve.uvicorn_config``).
+see (the request body, the prompt's characters, the capacity before tokenizing) and
+``--allowed-hosts`` (:mod:`~specdec.server.hosts`); the connection limits are uvicorn's part
+(``specdec.server.serve.uvicorn_config``). Every size check of a request runs before the
+request reaches the engine thread, which runs every stream's steps.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import secrets
 import time
 import typing
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +34,7 @@ from ..errors import SpecdecError
 from ..model.tokenizer import TooManyTokens
 from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
 from .errors import APIError, validation_error
+from .hosts import AllowedHostsMiddleware
 from .limits import BodyLimitMiddleware, ServerLimits, default_max_prompt_chars
 from .metrics import ServerMetrics
 from .protocol import (
@@ -59,7 +62,8 @@ _BIG_PROMPTS = 2
 
 def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optional[str] = None,
               limits: Optional[ServerLimits] = None, enable_docs: bool = False,
-              metrics_require_key: bool = False, cluster=None, hide_speculative_usage: bool = False) -> FastAPI:
+              metrics_require_key: bool = False, allowed_hosts: Optional[Sequence[str]] = None,
+              cluster=None, hide_speculative_usage: bool = False) -> FastAPI:
     """The server's FastAPI app.
 
     :param engine_loop: runs the engine; the app's lifespan starts and stops it. Its
@@ -70,6 +74,9 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
         for the connection limits of ``serve.uvicorn_config``.
     :param enable_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json`` (off: 404).
     :param metrics_require_key: ``/metrics`` needs the API key too (``api_key`` must be set).
+    :param allowed_hosts: the host patterns a request's ``Host`` may name (see
+        :mod:`~specdec.server.hosts`; ``serve`` passes ``--allowed-hosts`` or its default);
+        None: any.
     :param cluster: a :class:`specdec.cluster.Cluster` built over ``engine_loop``, or None. The
         lifespan starts and stops it, and requests are routed through it.
     :param hide_speculative_usage: leave ``usage.speculative`` out of responses: how many
@@ -111,12 +118,14 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     app.state.engine_loop = engine_loop
     app.state.limits = limits
     app.state.max_prompt_chars = max_prompt_chars
-    # The last added runs first: the key is checked before the body is read.
+    # The last added runs first: the Host, then the key are checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes, read_timeout=limits.read_timeout,
-                       on_reject=metrics.request_rejected)
+                       body_timeout=limits.body_timeout, on_reject=metrics.request_rejected)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=metrics.request_rejected,
                            also=("/metrics",) if metrics_require_key else ())
+    if allowed_hosts is not None:
+        app.add_middleware(AllowedHostsMiddleware, allowed_hosts=allowed_hosts, on_reject=metrics.request_rejected)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -215,7 +224,10 @@ class _Handlers:
         self._check_model(body.model)
         body.resolve_max_tokens()
         messages = [message.to_template() for message in body.messages]
-        num_chars = sum(len(message["content"]) for message in messages)
+        self._check_num_messages(len(messages))
+        # Every string the template writes counts: a role or a name is prompt text too.
+        num_chars = sum(len(message["role"]) + len(message["content"]) + len(message.get("name") or "")
+                        for message in messages)
         prompt_ids = await self._tokenize_prompt(self.engine_loop.tokenizer.encode_chat, messages, num_chars,
                                                  "messages")
         # Without max_tokens the answer may run to the end of the context.
@@ -238,7 +250,7 @@ class _Handlers:
         """
         loop = self.engine_loop
         if num_chars > self.max_prompt_chars:
-            what = "characters" if param == "prompt" else "characters in all contents"
+            what = "characters" if param == "prompt" else "characters in all messages (roles, names, contents)"
             raise APIError(400, f"{param}: {num_chars} {what} is more than this server takes ({self.max_prompt_chars}, "
                                 f"--max-prompt-chars; the context holds {loop.max_model_len} tokens)",
                            param=param, code="context_length_exceeded")
@@ -255,6 +267,14 @@ class _Handlers:
             self._tokenizing -= 1
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _check_num_messages(self, num_messages: int) -> None:
+        """More messages than the context has tokens cannot fit (each renders to a token at
+        least); refused before the chat template renders them all, holding the GIL."""
+        max_model_len = self.engine_loop.max_model_len
+        if num_messages >= max_model_len:
+            raise APIError(400, f"messages: {num_messages} messages do not fit the context of {max_model_len} tokens",
+                           param="messages", code="context_length_exceeded")
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
@@ -275,10 +295,16 @@ class _Handlers:
 
     async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str,
                       streaming: bool, tenant: Optional[str] = None) -> RequestStream:
-        """Hand the request to the engine loop (or the cluster) and wait until an engine has
-        taken it."""
+        """Check the request against the engine, hand it to the engine loop (or the cluster)
+        and wait until an engine has taken it.
+
+        The checks run here, on the event loop, so that nothing oversized reaches the engine
+        thread: converting a prompt of millions of ids there would pause every stream."""
         try:
+            self.engine_loop.check_request(prompt_ids, sampling)
             stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant)
+        except RequestRejected as exc:
+            raise _rejected(exc, prompt_param) from None
         except QueueFull as exc:
             raise APIError(503, str(exc), code="queue_full") from None
         except EngineStopped as exc:
@@ -286,17 +312,22 @@ class _Handlers:
         try:
             await stream.admitted()
         except RequestRejected as exc:
-            param = exc.param or "prompt"
-            message = str(exc)
-            if param == "prompt" and prompt_param != "prompt":  # a chat's prompt is its messages
-                param, message = prompt_param, prompt_param + message[len("prompt"):]
-            raise APIError(400, message, param=param, code=exc.code or "invalid_value") from None
+            raise _rejected(exc, prompt_param) from None
         except EngineStopped as exc:
             raise APIError(503, str(exc), code="unavailable") from None
         except asyncio.CancelledError:
             stream.abort()
             raise
         return stream
+
+
+def _rejected(exc: RequestRejected, prompt_param: str) -> APIError:
+    """The 400 of a request the engine refuses, naming the field."""
+    param = exc.param or "prompt"
+    message = str(exc)
+    if param == "prompt" and prompt_param != "prompt":  # a chat's prompt is its messages
+        param, message = prompt_param, prompt_param + message[len("prompt"):]
+    return APIError(400, message, param=param, code=exc.code or "invalid_value")
 
 
 async def _tokenize(param: str, encode, text, max_model_len: int):

@@ -5,13 +5,15 @@ Two layers, because neither sees everything:
 - The app (any ASGI server): :class:`BodyLimitMiddleware` reads each request body before the
   app sees it, counting bytes as they arrive (a ``Content-Length`` over the limit is refused
   before a byte of the body is read; a chunked body is refused as soon as it grows past the
-  limit), and refuses a body that stalls. The prompt-character limit and the capacity check
-  before tokenizing are in ``app._Handlers``.
+  limit), and refuses a body that stalls or that is not complete by its deadline (a body sent
+  a byte every few seconds would otherwise hold its connection for days). The prompt limits
+  and the capacity check before tokenizing are in ``app._Handlers``.
 - The connection (uvicorn): :class:`LimitedH11Protocol` is uvicorn's h11 protocol with a
   request-head timeout (uvicorn itself never closes a connection that sends half a request
-  head, or nothing, and then waits: slowloris), a connection limit answered with a 503 in the
-  error schema, and a lingering close after a refusal, so the client reads the refusal instead
-  of a reset while it is still sending its body.
+  head, or nothing, and then waits: slowloris), a send timeout (a client that stops reading
+  its response is cut off), a connection limit answered with a 503 in the error schema, and a
+  lingering close after a refusal, so the client reads the refusal instead of a reset while it
+  is still sending its body.
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ DEFAULT_MAX_CONNECTIONS = 2048
 #: ``--read-timeout``: seconds a client may take to send a request head, and may pause while
 #: sending a body.
 DEFAULT_READ_TIMEOUT = 10.0
+#: ``--body-timeout``: seconds from the end of a request's head until its whole body must have
+#: arrived (a 4 MiB body then needs about 70 KB/s).
+DEFAULT_BODY_TIMEOUT = 60.0
+#: ``--send-timeout``: seconds a client may leave the server's response unread (the socket's
+#: buffers full) before the connection is cut and its request aborted.
+DEFAULT_SEND_TIMEOUT = 30.0
+#: What uvicorn may hold for a connection beyond the kernel's socket buffer before its writes
+#: wait (asyncio's default is 64 KiB): the send timeout starts there.
+WRITE_BUFFER_HIGH = 4 * 1024
 
 #: Called with the HTTP status of each refusal (``ServerMetrics.request_rejected``).
 OnReject = Optional[Callable[[int], None]]
@@ -53,20 +64,30 @@ class ServerLimits:
         connection's next request) until the request head is complete, and the longest pause
         while a body is sent. A head that is late gets 408 ``request_timeout`` (a connection
         that sent nothing is just closed); so does a body that stalls.
+    :ivar body_timeout: seconds from the end of the request head until the whole body has
+        arrived, however steadily it trickles; a body still incomplete then gets 408
+        ``request_timeout``. With ``read_timeout`` it bounds how long one request can hold a
+        connection before the app answers.
+    :ivar send_timeout: seconds the server may wait for a client to read its response: once
+        the socket's buffers are full, a client that takes nothing for this long is
+        disconnected, which aborts its request (its batch slot and KV blocks are freed).
     """
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_chars: Optional[int] = None
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     read_timeout: float = DEFAULT_READ_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    send_timeout: float = DEFAULT_SEND_TIMEOUT
 
     def __post_init__(self):
         for name, low in (("max_body_bytes", 1), ("max_prompt_chars", 1), ("max_connections", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        if not self.read_timeout > 0:
-            raise ValueError(f"read_timeout must be > 0, got {self.read_timeout}")
+        for name in ("read_timeout", "body_timeout", "send_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -92,20 +113,23 @@ def default_max_prompt_chars(max_model_len: int, tokenizer) -> int:
 
 
 class BodyLimitMiddleware:
-    """Reads the whole request body, within ``max_body_bytes`` and ``read_timeout``, before the
-    app runs; then hands it to the app in one message.
+    """Reads the whole request body, within ``max_body_bytes``, ``read_timeout`` and
+    ``body_timeout``, before the app runs; then hands it to the app in one message.
 
     A ``Content-Length`` over the limit is refused at once, before the body is read; a body
     without one (chunked) is counted as it arrives and refused as soon as it passes the limit,
     so the server never holds more than ``max_body_bytes`` of it. 413 ``request_too_large``;
-    a body that pauses longer than ``read_timeout`` gets 408 ``request_timeout``. Both close
-    the connection (``Connection: close``).
+    a body that pauses longer than ``read_timeout``, or is not complete ``body_timeout``
+    seconds after the head, gets 408 ``request_timeout``. Both close the connection
+    (``Connection: close``).
     """
 
-    def __init__(self, app, *, max_body_bytes: int, read_timeout: float, on_reject: OnReject = None):
+    def __init__(self, app, *, max_body_bytes: int, read_timeout: float,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, on_reject: OnReject = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.read_timeout = read_timeout
+        self.body_timeout = body_timeout
         self.on_reject = on_reject
 
     async def __call__(self, scope, receive, send):
@@ -119,12 +143,19 @@ class BodyLimitMiddleware:
                                scope, receive, send)
             return
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
         while True:
+            left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                message = await asyncio.wait_for(receive(), min(self.read_timeout, max(left, 0.0)))
             except asyncio.TimeoutError:
-                await self._refuse(408, f"the request body: nothing arrived for {self.read_timeout:g} s "
-                                        f"(--read-timeout)", "request_timeout", scope, receive, send)
+                if left <= self.read_timeout:
+                    problem, flag = f"not complete within {self.body_timeout:g} s", "--body-timeout"
+                else:
+                    problem, flag = f"nothing arrived for {self.read_timeout:g} s", "--read-timeout"
+                await self._refuse(408, f"the request body: {problem} ({flag})", "request_timeout",
+                                   scope, receive, send)
                 return
             if message["type"] != "http.request":  # the client has gone: nobody to answer
                 return
@@ -173,7 +204,7 @@ def _content_length(headers) -> Optional[int]:
 
 
 class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with four additions (:func:`limited_protocol` makes the class
+    """uvicorn's h11 protocol, with five additions (:func:`limited_protocol` makes the class
     for given limits; pass it to ``uvicorn.Config(http=...)``):
 
     - **Request-head timeout.** A timer starts when the connection opens, and when the first
@@ -182,6 +213,11 @@ class LimitedH11Protocol(H11Protocol):
       ``request_timeout`` and is closed; one that sent nothing is closed. The timer counts the
       whole head, so a client trickling a byte at a time is closed too. (Idle keep-alive
       connections are closed by uvicorn's own keep-alive timeout, 5 s.)
+    - **Send timeout.** When the client stops reading, the kernel's socket buffers fill, then
+      uvicorn's own (``WRITE_BUFFER_HIGH``), and the response's writes wait. If nothing of that
+      drains for ``send_timeout`` seconds the connection is aborted: the app sees the client
+      gone, and the request is aborted as for any disconnect. (Without this, a stalled reader
+      kept its connection forever: even a finished response waits in the buffer to be sent.)
     - **Connection limit.** A connection opened while ``max_connections`` are open is served
       503 ``too_many_connections`` (with ``Connection: close``) for its first request.
     - **Lingering close.** When the server closes a connection while the client is still
@@ -194,6 +230,7 @@ class LimitedH11Protocol(H11Protocol):
     """
 
     read_timeout: float = DEFAULT_READ_TIMEOUT
+    send_timeout: float = DEFAULT_SEND_TIMEOUT
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     on_reject: OnReject = None
 
@@ -201,11 +238,15 @@ class LimitedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._head_timer: Optional[asyncio.TimerHandle] = None
         self._linger_timer: Optional[asyncio.TimerHandle] = None
+        self._send_timer: Optional[asyncio.TimerHandle] = None
         self._lost = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
+        # Low water 0: writing resumes (and the send timer stops) only once the client has
+        # taken everything buffered, so a client reading a byte now and then cannot keep it.
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH, low=0)
         super().connection_made(transport)
         self.transport = _LingeringTransport(transport, self)
         if len(self.connections) > self.max_connections:
@@ -215,6 +256,7 @@ class LimitedH11Protocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._lost = True
         self._stop_head_timer()
+        self._stop_send_timer()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
@@ -227,6 +269,15 @@ class LimitedH11Protocol(H11Protocol):
             self._start_head_timer()  # the first byte of a keep-alive connection's next request
         super().data_received(data)
         self._check_head()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None and not self._lost:
+            self._send_timer = self.loop.call_later(self.send_timeout, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        self._stop_send_timer()
+        super().resume_writing()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -284,6 +335,21 @@ class LimitedH11Protocol(H11Protocol):
             self.transport.write(_raw_response(408, "Request Timeout", body))
         self.transport.force_close()
 
+    # -- the send timer ------------------------------------------------------------------------
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        """The client has read nothing for ``send_timeout`` seconds: drop what waits for it
+        and close (``abort``: a plain close would wait for the buffer to drain, forever)."""
+        self._send_timer = None
+        self.logger.info("%s:%s - the client read nothing for %g s (--send-timeout): connection closed",
+                         *(self.client or ("?", 0)), self.send_timeout)
+        self.transport.abort()
+
     # -- over the connection limit -------------------------------------------------------------
 
     async def _too_many_connections(self, scope, receive, send) -> None:
@@ -298,7 +364,8 @@ class LimitedH11Protocol(H11Protocol):
 def limited_protocol(limits: ServerLimits, on_reject: OnReject = None) -> type[LimitedH11Protocol]:
     """The :class:`LimitedH11Protocol` class for ``limits``: ``uvicorn.Config(app, http=...)``."""
     return type("LimitedH11Protocol", (LimitedH11Protocol,), {
-        "read_timeout": limits.read_timeout, "max_connections": limits.max_connections,
+        "read_timeout": limits.read_timeout, "send_timeout": limits.send_timeout,
+        "max_connections": limits.max_connections,
         "on_reject": staticmethod(on_reject) if on_reject is not None else None,
     })
 

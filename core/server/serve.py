@@ -3,8 +3,8 @@
 The listening socket is bound before the model loads, so a port in use is a one-line error at
 once rather than after the load. SIGINT and SIGTERM stop the server gracefully (see
 :class:`Server`); the process then exits with code 0. :func:`uvicorn_config` runs the app on
-the h11 protocol of :mod:`~specdec.server.limits` (the request-head timeout, the connection
-limit).
+the h11 protocol of :mod:`~specdec.server.limits` (the request-head timeout, the send
+timeout, the connection limit).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import contextlib
 import signal
 import socket
 import sys
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import uvicorn
 
@@ -22,6 +22,7 @@ from ..engine.tensor_parallel import exit_after_failure
 from ..errors import SpecdecError
 from .app import build_app
 from .engine_loop import EngineLoop
+from .hosts import default_allowed_hosts
 from .limits import ServerLimits, limited_protocol
 from .metrics import ServerMetrics
 from .metrics_listener import MetricsListener
@@ -141,13 +142,16 @@ def _graceful_exit() -> Iterator[None]:
 def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: Optional[str] = None,
                max_pending: int = DEFAULT_MAX_PENDING, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                limits: Optional[ServerLimits] = None, enable_docs: bool = False, metrics_require_key: bool = False,
-               log_level: str = "info", metrics_sock: Optional[socket.socket] = None, join_cluster=None,
+               allowed_hosts: Optional[Sequence[str]] = None, log_level: str = "info",
+               metrics_sock: Optional[socket.socket] = None, join_cluster=None,
                step_timeout: float = DEFAULT_STEP_TIMEOUT, hide_speculative_usage: bool = False) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
 
-    ``limits``, ``enable_docs``, ``metrics_require_key`` and ``hide_speculative_usage`` are those
-    of :func:`~specdec.server.app.build_app`. ``metrics_sock``, when given, serves ``/metrics``
-    alone (:mod:`~specdec.server.metrics_listener`). ``join_cluster(engine_loop, host, port)``, when
+    ``limits``, ``enable_docs``, ``metrics_require_key``, ``allowed_hosts`` and
+    ``hide_speculative_usage`` are those of :func:`~specdec.server.app.build_app`;
+    ``allowed_hosts`` None is the default for the address ``sock`` is bound to
+    (:func:`~specdec.server.hosts.default_allowed_hosts`). ``metrics_sock``, when given, serves
+    ``/metrics`` alone (:mod:`~specdec.server.metrics_listener`). ``join_cluster(engine_loop, host, port)``, when
     given, returns the :class:`specdec.cluster.Cluster` this server joins (the command line
     builds it: the cluster stands above the server). ``step_timeout`` is the engine loop's
     (0: no step watchdog)."""
@@ -166,9 +170,11 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
         exit_after_failure(message)
 
     engine.set_fatal_handler(engine_lost)
+    if allowed_hosts is None:
+        allowed_hosts = default_allowed_hosts(host)
     app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key, limits=limits,
-                    enable_docs=enable_docs, metrics_require_key=metrics_require_key, cluster=cluster,
-                    hide_speculative_usage=hide_speculative_usage)
+                    enable_docs=enable_docs, metrics_require_key=metrics_require_key, allowed_hosts=allowed_hosts,
+                    cluster=cluster, hide_speculative_usage=hide_speculative_usage)
     # uvicorn's own timeout is the last resort: by then the engine loop has ended every request.
     config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5.0)
     shown = f"[{host}]" if ":" in host else host

@@ -17,8 +17,9 @@ from specdec.cli import main
 def test_bench_against_specdec_serve_reads_usage_speculative(server, tmp_path, capsys):
     code = main(["bench", "--base-url", server.url, "--api-key", API_KEY, "--workload", "chat", "--num-prompts", "2",
                  "--max-tokens", "8", "--batch-sizes", "1,2", "--output-dir", str(tmp_path), "--no-progress"])
-    out = capsys.readouterr().out
-    assert code == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, captured.err
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["setup"]["model"] == MODEL_NAME and results["setup"]["cpu"]
     assert [(s["batch_size"], s["requests"]) for s in results["summaries"]] == [(1, 2), (2, 2)]

@@ -1,32 +1,25 @@
 """The server's limits (docs/server.md, "Server limits"), against real servers on loopback.
 
-Each server here is built as ``specdec serve`` builds it (``build_app`` with its limits, run by
-uvicorn on ``uvicorn_config``'s protocol), with a short ``read_timeout`` where a test waits for
-it. They share the engine loop of the session's test server (conftest ``server``), and run
-without a lifespan, so that stopping one leaves that engine loop running. Clients are raw
-sockets (for half-sent requests) and httpx.
+Each server here is built as ``specdec serve`` builds it (``server_harness.serving``), with a
+short ``read_timeout`` where a test waits for it. They share the engine loop of the session's
+test server (conftest ``server``). Clients are raw sockets (for half-sent requests) and httpx.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import selectors
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
 
 import httpx
 import pytest
-import uvicorn
-from server_harness import API_KEY, MODEL_NAME
+from server_harness import API_KEY, ERROR_KEYS, MODEL_NAME, Served, raw_error, read_until_closed, serving
 
 from specdec.server import build_app
 from specdec.server.limits import DEFAULT_MAX_BODY_BYTES, ServerLimits
-from specdec.server.serve import bind_socket, uvicorn_config
 from specdec.workloads import code_edit_prompts
 
 pytestmark = pytest.mark.slow
@@ -35,47 +28,7 @@ pytestmark = pytest.mark.slow
 READ_TIMEOUT = 1.0
 SLACK = 2.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-ERROR_KEYS = {"message", "type", "param", "code"}
 HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl"
-
-
-class Served:
-    """A running test server: its ``url``, the uvicorn server, and the app."""
-
-    def __init__(self, url: str, uvicorn_server, app):
-        self.url, self.uvicorn_server, self.app = url, uvicorn_server, app
-        self.host, self.port = url.removeprefix("http://").split(":")
-        self.port = int(self.port)
-
-    @property
-    def num_connections(self) -> int:
-        return len(self.uvicorn_server.server_state.connections)
-
-    def connect(self) -> socket.socket:
-        return socket.create_connection((self.host, self.port), timeout=10)
-
-
-@contextlib.contextmanager
-def serving(engine_loop, **app_kwargs) -> Iterator[Served]:
-    """A server for ``build_app(engine_loop, **app_kwargs)`` on a free loopback port."""
-    app_kwargs.setdefault("api_key", API_KEY)
-    app = build_app(engine_loop, served_model_name=MODEL_NAME, **app_kwargs)
-    sock = bind_socket("127.0.0.1", 0)
-    host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn_config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-limits-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            pytest.fail("the test server did not start")
-        time.sleep(0.01)
-    try:
-        yield Served(f"http://{host}:{port}", server, app)
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "the test server did not shut down"
 
 
 @pytest.fixture(scope="module")
@@ -93,34 +46,6 @@ def _wait_connections(served: Served, count: int, timeout: float = 10.0) -> None
         time.sleep(0.01)
 
 
-def _read_until_closed(socks: list[socket.socket], timeout: float) -> tuple[dict, dict]:
-    """Read every socket until the server closes it (or ``timeout``); return what each got, and
-    when each was closed (time.monotonic())."""
-    selector = selectors.DefaultSelector()
-    for sock in socks:
-        sock.setblocking(False)
-        selector.register(sock, selectors.EVENT_READ)
-    received = {sock: b"" for sock in socks}
-    closed = {}
-    deadline = time.monotonic() + timeout
-    while len(closed) < len(socks) and time.monotonic() < deadline:
-        for key, _ in selector.select(timeout=max(0.0, deadline - time.monotonic())):
-            sock = key.fileobj
-            try:
-                chunk = sock.recv(65536)
-            except BlockingIOError:
-                continue
-            except ConnectionResetError:
-                chunk = b""
-            if chunk:
-                received[sock] += chunk
-            else:
-                closed[sock] = time.monotonic()
-                selector.unregister(sock)
-    selector.close()
-    return received, closed
-
-
 def _get_health(sock: socket.socket) -> bytes:
     """``GET /health`` on a raw socket, keeping it open; the whole response."""
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
@@ -132,16 +57,6 @@ def _get_health(sock: socket.socket) -> bytes:
     while len(body) < length:
         body += sock.recv(65536)
     return raw
-
-
-def _raw_error(raw: bytes, status: int, code: str) -> dict:
-    """The error object of a raw HTTP response read off a socket, checked."""
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 %d " % status), raw[:300]
-    assert b"\r\nconnection: close" in head.lower()
-    error = json.loads(body)["error"]
-    assert set(error) == ERROR_KEYS and error["code"] == code, error
-    return error
 
 
 def _assert_error(response: httpx.Response, status: int, code: str, param=None) -> dict:
@@ -205,7 +120,7 @@ def test_half_open_connections_are_closed_and_others_served(limited, server):
         assert limited.num_connections >= 203, "the real request was not served while they were all open"
 
         socks = [*half_open, silent, keep_alive, trickler]
-        received, closed = _read_until_closed(socks, READ_TIMEOUT + SLACK + 1)
+        received, closed = read_until_closed(socks, READ_TIMEOUT + SLACK + 1)
     finally:
         stop_trickling.set()
         trickling.join(10)
@@ -215,11 +130,11 @@ def test_half_open_connections_are_closed_and_others_served(limited, server):
     assert len(closed) == len(socks), f"{len(socks) - len(closed)} connections still open"
     for sock in half_open + [trickler]:
         assert start + READ_TIMEOUT * 0.9 <= closed[sock] <= start + READ_TIMEOUT + SLACK
-        error = _raw_error(received[sock], 408, "request_timeout")
+        error = raw_error(received[sock], 408, "request_timeout")
     assert error["message"] == "the request head did not arrive within 1 s (--read-timeout)"
     assert received[silent] == b""  # nothing sent, nothing said
     assert start + READ_TIMEOUT * 0.9 <= closed[silent] <= start + READ_TIMEOUT + SLACK
-    _raw_error(received[keep_alive], 408, "request_timeout")
+    raw_error(received[keep_alive], 408, "request_timeout")
     assert keep_alive_start + READ_TIMEOUT * 0.9 <= closed[keep_alive] <= keep_alive_start + READ_TIMEOUT + SLACK
     assert _rejected(server, 408) - rejected_before == 202  # the 200, the trickler, the keep-alive one
     deadline = time.monotonic() + 5
@@ -235,12 +150,12 @@ def test_a_stalled_body_gets_408(limited):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + API_KEY.encode()
                      + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
         start = time.monotonic()
-        received, closed = _read_until_closed([sock], READ_TIMEOUT + SLACK + 1)
+        received, closed = read_until_closed([sock], READ_TIMEOUT + SLACK + 1)
     finally:
         sock.close()
     assert sock in closed
     assert start + READ_TIMEOUT * 0.9 <= closed[sock] <= start + READ_TIMEOUT + SLACK
-    error = _raw_error(received[sock], 408, "request_timeout")
+    error = raw_error(received[sock], 408, "request_timeout")
     assert error["message"] == "the request body: nothing arrived for 1 s (--read-timeout)"
 
 
@@ -251,12 +166,12 @@ def test_unparsable_requests_get_400_in_the_error_schema(limited, server):
         garbage.sendall(b"HELLO THERE\r\n\r\n")
         # h11 refuses a head that grows past 16 KiB before it is complete.
         huge_head.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"x" * 20000)
-        received, closed = _read_until_closed([garbage, huge_head], SLACK)
+        received, closed = read_until_closed([garbage, huge_head], SLACK)
     finally:
         garbage.close()
         huge_head.close()
     for sock in (garbage, huge_head):
-        error = _raw_error(received[sock], 400, "invalid_http_request")
+        error = raw_error(received[sock], 400, "invalid_http_request")
         assert sock in closed
     assert error["message"] == "the request is not valid HTTP/1.1, or its head is larger than 16 KiB"
     assert _rejected(server, 400) - rejected_before == 2
@@ -309,10 +224,10 @@ def test_an_oversize_body_is_refused_without_reading_it(limited):
         chunk = b"x" * 65536
         for _ in range(DEFAULT_MAX_BODY_BYTES // len(chunk) + 2):
             chunked.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        received, half_closed = _read_until_closed([declared, chunked], SLACK)
+        received, half_closed = read_until_closed([declared, chunked], SLACK)
         answered = time.monotonic()
         for sock in (declared, chunked):
-            _raw_error(received[sock], 413, "request_too_large")
+            raw_error(received[sock], 413, "request_too_large")
             assert sock in half_closed
         assert b"100000000 bytes" in received[declared]
         declared.sendall(b"more of the body")  # still read: no reset
@@ -350,7 +265,9 @@ def test_an_oversize_prompt_gets_400_before_tokenizing(limited):
     response = httpx.post(limited.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
         "model": MODEL_NAME, "messages": [{"role": "system", "content": half}, {"role": "user", "content": half}]})
     error = _assert_error(response, 400, "context_length_exceeded", "messages")
-    assert error["message"].startswith(f"messages: {2 * len(half)} characters in all contents is more")
+    num_chars = 2 * len(half) + len("system") + len("user")  # the roles count too
+    assert error["message"].startswith(f"messages: {num_chars} characters in all messages (roles, names, contents) "
+                                       "is more")
 
     # At the limit the prompt is tokenized, and then found too long in tokens.
     response = _completion(limited.url, prompt=digits[:-1])

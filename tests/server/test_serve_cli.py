@@ -3,8 +3,8 @@
 Bad flags end with one ``error:`` line and exit code 2 before the model loads; a key given with
 ``--api-key`` is warned about (it shows in ``ps``). One real server (API key from
 ``SPECDEC_API_KEY``, ``--enable-docs``, ``--metrics-require-key``, a bound of one request in
-flight, batch of one) answers the openai client, refuses a request without the key (401) and
-one beyond its bound (503), serves its docs, keeps /metrics behind the key, and on SIGTERM ends
+flight, batch of one) answers the openai client, refuses a request without the key (401), one
+beyond its bound (503) and one naming another host (421, DNS rebinding), serves its docs, keeps /metrics behind the key, and on SIGTERM ends
 the stream in flight with its last chunk and exits 0 within seconds.
 """
 
@@ -53,6 +53,9 @@ def test_serve_flag_errors_are_one_line_and_fast():
         (["--max-connections", "0"], "--max-connections: must be >= 1, got 0"),
         (["--read-timeout", "0"], "--read-timeout: must be > 0, got 0"),
         (["--step-timeout", "nan"], "--step-timeout: must be >= 0 (0: no watchdog), got nan"),
+        (["--body-timeout", "0"], "--body-timeout: must be > 0, got 0"),
+        (["--allowed-hosts", "localhost,*evil"],
+         "--allowed-hosts: '*evil' is not a host name, an address, '*.domain' or '*'"),
         (["--metrics-require-key"], "--metrics-require-key: needs an API key (--api-key, or $SPECDEC_API_KEY)"),
     ]
 
@@ -138,6 +141,11 @@ def test_serve_subprocess(served, generate_reference):
     assert httpx.get(url + "/openapi.json").json()["info"]["title"] == "specdec"  # --enable-docs
     assert httpx.get(url + "/docs").status_code == 200
     assert "warning: --api-key" not in log.read_text()  # the key came from the environment
+    # DNS rebinding: bound to loopback, it answers only to loopback names (--allowed-hosts' default).
+    port = url.rsplit(":", 1)[1]
+    rebound = httpx.get(url + "/health", headers={"Host": f"attacker.example:{port}"})
+    assert rebound.status_code == 421 and rebound.json()["error"]["code"] == "host_not_allowed"
+    assert httpx.get(url + "/health", headers={"Host": f"localhost:{port}"}).status_code == 200
 
     # A long stream holds the one place; another request gets 503. Then SIGTERM mid-stream.
     chunks, started = [], threading.Event()
