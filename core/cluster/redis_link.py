@@ -80,6 +80,11 @@ class Keys:
         return f"{PREFIX}claim:{request_id}"
 
     @staticmethod
+    def taken(run_id: str) -> str:
+        """Set (``SET NX``) by the instance that takes a job's run id: a job is run once."""
+        return f"{PREFIX}taken:{run_id}"
+
+    @staticmethod
     def cancel(request_id: str, attempt: int) -> str:
         """Set when the instance the client is on gives up on that attempt."""
         return f"{PREFIX}cancel:{request_id}:{attempt}"
