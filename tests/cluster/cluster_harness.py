@@ -25,6 +25,8 @@ import pytest
 
 MODEL_NAME = "smollm2-cluster"
 API_KEY = "cluster-test-key"
+#: The cluster secret every test instance shares (hand-offs and jobs are signed with it).
+CLUSTER_SECRET = "cluster-test-secret-0123456789abcdef"
 
 
 def free_port() -> int:
@@ -138,7 +140,7 @@ def launch_instance(redis_url: str, directory: Path, name: str, *, role: str = "
                "--log-level", "warning", "--max-num-seqs", "16", *extra]
     if speculative is not None:
         command += ["--speculative-config", json.dumps(speculative)]
-    env = {**os.environ, "SPECDEC_API_KEY": API_KEY}
+    env = {**os.environ, "SPECDEC_API_KEY": API_KEY, "SPECDEC_CLUSTER_SECRET": CLUSTER_SECRET}
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     return name, process, log
