@@ -27,7 +27,7 @@ from .registry import HEARTBEAT_S, ROLES, ClusterView, InstanceInfo, deregister,
 from .remote import RemoteRequestStream
 from .router import NoRoute, Route, Router
 from .runner import JobRunner
-from .transfer import TicketBook, TransferServer, TransferStats
+from .transfer import TicketBook, TransferServer, TransferStats, TransferTLS
 
 logger = logging.getLogger("specdec.cluster")
 
@@ -46,6 +46,7 @@ class ClusterOptions:
         each other with the cluster secret instead).
     :ivar cluster_secret: the secret the instances share (:mod:`.secret`), or None (allowed
         only for ``mixed`` instances and on loopback).
+    :ivar transfer_tls: TLS on the KV transfer channel (``--kv-transfer-tls-*``), or None.
     """
 
     scheduler_url: str
@@ -55,6 +56,7 @@ class ClusterOptions:
     kv_transfer_port: int = 0
     api_key: Optional[str] = None
     cluster_secret: Optional[bytes] = attrs.field(default=None, repr=False)
+    transfer_tls: Optional[TransferTLS] = None
 
     def __attrs_post_init__(self):
         parse_scheduler_url(self.scheduler_url)
@@ -107,10 +109,12 @@ class Cluster:
             await self.link.call(self.link.check_run_id, give_up_after=10.0)
         except RedisUnavailable as exc:
             raise SpecdecError(f"--scheduler: {exc}") from None
+        server_tls, client_tls = _tls_contexts(options.transfer_tls)
         transfer = ""
         if options.role == "decode":
             self.transfer = TransferServer(http_host, options.kv_transfer_port, self._accept_handoff,
-                                           _handoff_byte_cap(engine), TicketBook(instance_id, options.cluster_secret))
+                                           _handoff_byte_cap(engine), TicketBook(instance_id, options.cluster_secret),
+                                           tls=server_tls)
             try:
                 _, port = await self.transfer.start()
             except OSError as exc:
@@ -123,7 +127,7 @@ class Cluster:
                                method=engine.spec.method, pid=os.getpid(), started_at=time.time())
         self.router = Router(self.me)
         self.runner = JobRunner(self.link, instance_id, self.engine_loop, self.view, options.cluster_secret,
-                                on_transfer=self._transferred)
+                                on_transfer=self._transferred, transfer_tls=client_tls)
         await self._heartbeat_once()
         self._tasks = [asyncio.ensure_future(self._heartbeat()), asyncio.ensure_future(self.runner.consume())]
         logger.info("joined the cluster at %s as %s (%s)", redacted(options.scheduler_url), instance_id, options.role)
@@ -240,6 +244,18 @@ class Cluster:
         self._transfers.labels(self.model_name, "sent").inc()
         self._transfer_bytes.labels(self.model_name, "sent").inc(stats.num_bytes)
         self._transfer_seconds.labels(self.model_name).inc(stats.seconds)
+
+
+def _tls_contexts(tls: Optional[TransferTLS]) -> tuple:
+    """``(server, client)`` SSL contexts of ``--kv-transfer-tls-*`` (None, None without);
+    a file that cannot be loaded is a one-line error."""
+    if tls is None:
+        return None, None
+    try:
+        return tls.server_context(), tls.client_context()
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise SpecdecError(f"--kv-transfer-tls-cert/-key/-ca: cannot load {tls.cert}, {tls.key}"
+                           f"{', ' + tls.ca if tls.ca else ''}: {' '.join(str(exc).split())}") from None
 
 
 def _handoff_byte_cap(engine):

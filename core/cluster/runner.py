@@ -73,16 +73,18 @@ class JobRunner:
     :param view: the cluster view, to tell an origin's death and find decode instances.
     :param secret: the cluster secret (jobs and hand-offs are signed with it), or None.
     :param on_transfer: ``on_transfer(stats)`` after each hand-off sent (metrics).
+    :param transfer_tls: the client SSL context hand-offs are sent with, or None.
     """
 
     def __init__(self, link: RedisLink, instance_id: str, engine_loop: EngineLoop, view: ClusterView,
-                 secret: Optional[bytes] = None, on_transfer=None):
+                 secret: Optional[bytes] = None, on_transfer=None, transfer_tls=None):
         self.link = link
         self.instance_id = instance_id
         self.engine_loop = engine_loop
         self.view = view
         self.secret = secret
         self.on_transfer = on_transfer
+        self.transfer_tls = transfer_tls
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
@@ -186,7 +188,7 @@ class JobRunner:
             if decode is None or decode.role != "decode" or not decode.transfer:
                 raise TransferError(f"{decode_id} is not a registered decode instance")
             stats = await send_handoff(decode.transfer, job.decode.get("ticket"), writer.seq, finished.handoff,
-                                       self.secret)
+                                       self.secret, tls=self.transfer_tls)
         except TransferError as exc:
             logger.warning("request %s: hand-off to %s failed: %s", job.request_id, decode_id, exc)
             await writer.busy(f"hand-off to decode instance {decode_id} failed: {exc}", decode_id)

@@ -45,6 +45,7 @@ import hashlib
 import hmac
 import json
 import logging
+import ssl
 import time
 from typing import Awaitable, Callable, Optional
 
@@ -83,6 +84,31 @@ class TransferStats:
 
     num_bytes: int
     seconds: float
+
+
+@attrs.frozen
+class TransferTLS:
+    """TLS on the transfer channel (``--kv-transfer-tls-cert/-key/-ca``): every instance of
+    the cluster uses the same flags. The decode side serves ``cert``; the prefill side checks it
+    against ``ca`` (the system's store without one) and the transfer address's host, and shows
+    ``cert`` in turn, which the decode side requires when ``ca`` is given (mutual TLS)."""
+
+    cert: str
+    key: str
+    ca: Optional[str] = None
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert, self.key)
+        if self.ca:
+            context.load_verify_locations(self.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca)
+        context.load_cert_chain(self.cert, self.key)
+        return context
 
 
 # -- tickets ---------------------------------------------------------------------------------
@@ -162,14 +188,16 @@ def frame_handoff(ticket: dict, seq: int, state: HandoffState, secret: Optional[
 
 
 async def send_handoff(address: str, ticket: dict, seq: int, state: HandoffState, secret: Optional[bytes] = None,
-                       timeout: float = TRANSFER_TIMEOUT_S) -> TransferStats:
+                       timeout: float = TRANSFER_TIMEOUT_S, tls: Optional[ssl.SSLContext] = None) -> TransferStats:
     """Send ``state`` with its ``ticket`` (from the job) and ``seq`` (the request's next event
-    number) to the transfer listener at ``HOST:PORT``; returns once the decode instance runs it."""
+    number) to the transfer listener at ``HOST:PORT`` (over TLS with ``tls``, a
+    :meth:`TransferTLS.client_context`); returns once the decode instance runs it."""
     host, _, port = address.rpartition(":")
     head, views, body_tag = frame_handoff(ticket, seq, state, secret)
     started = time.perf_counter()
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout=5.0)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, int(port), ssl=tls, server_hostname=host if tls else None), timeout=5.0)
     except (OSError, asyncio.TimeoutError, ValueError) as exc:
         raise TransferError(f"cannot connect to {address}: {exc or type(exc).__name__}") from None
     try:
@@ -211,11 +239,12 @@ class TransferServer:
     :param tickets: the :class:`TicketBook` of this instance (its secret authenticates hand-offs).
     :param max_connections: hand-offs read at once; one more is refused at once.
     :param header_timeout: seconds a sender has for its preamble and header.
+    :param tls: a :meth:`TransferTLS.server_context` to serve TLS, or None.
     """
 
     def __init__(self, host: str, port: int, handler: Handler, byte_cap: Callable[[int], int], tickets: TicketBook,
                  *, max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT_S,
-                 ssl=None):
+                 tls: Optional[ssl.SSLContext] = None):
         self.host, self.port = host, port
         self.handler = handler
         self.byte_cap = byte_cap
@@ -223,13 +252,14 @@ class TransferServer:
         self.secret = tickets.secret
         self.max_connections = max_connections
         self.header_timeout = header_timeout
-        self.ssl = ssl
+        self.tls = tls
         self._slots = asyncio.Semaphore(max_connections)
         self._server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> tuple[str, int]:
         """Listen; returns the bound address (port 0 picks a free one)."""
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, ssl=self.ssl)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, ssl=self.tls,
+                                                  ssl_handshake_timeout=self.header_timeout if self.tls else None)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.port = port
         return host, port

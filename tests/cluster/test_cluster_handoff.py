@@ -136,8 +136,8 @@ async def _attack(address: str, payload: bytes) -> dict:
         writer.write_eof()
         await writer.drain()
         return json.loads(await asyncio.wait_for(reader.readline(), 30) or b"{}")
-    except ConnectionError:
-        return {"ok": False, "error": "reset"}
+    except OSError:  # refused and closed before it had read everything: refused all the same
+        return {"ok": False, "error": "closed early"}
     finally:
         writer.close()
 

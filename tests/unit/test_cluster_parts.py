@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
+import subprocess
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from specdec.cluster.redis_link import parse_scheduler_url, redacted
 from specdec.cluster.registry import InstanceInfo
 from specdec.cluster.router import NoRoute, Router
 from specdec.cluster.transfer import (MAGIC, MAX_HEADER_BYTES, TicketBook, TransferError, TransferServer,
-                                      frame_handoff, issue_ticket, send_handoff)
+                                      TransferTLS, frame_handoff, issue_ticket, send_handoff)
 from specdec.engine.handoff import HandoffState, KVLayout
 from specdec.errors import SpecdecError
 from specdec.metrics import SpecMetrics
@@ -298,4 +300,32 @@ def test_idle_connections_cannot_exhaust_the_listener():
     extra, idle_answers = asyncio.run(_with_server(handler, check, max_connections=2, header_timeout=0.5))
     assert extra["ok"] is False and "busy: 2 hand-offs" in extra["error"]
     assert all("timed out" in answer["error"] for answer in idle_answers)
+    assert len(received) == 1
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl CLI."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return TransferTLS(str(cert), str(key), ca=str(cert))
+
+
+def test_over_tls_a_hand_off_arrives_and_a_plaintext_or_certificateless_sender_is_refused(tls_files):
+    received = []
+
+    async def handler(meta, state):
+        received.append(meta)
+        return None
+
+    async def check(address):
+        await send_handoff(address, _ticket(), 0, _state(), SECRET, tls=tls_files.client_context())
+        for tls in (None, ssl.create_default_context(cafile=tls_files.ca)):  # no TLS; TLS without a client cert
+            with pytest.raises(TransferError):
+                await send_handoff(address, _ticket(), 0, _state(), SECRET, tls=tls, timeout=5)
+
+    asyncio.run(_with_server(handler, check, tls=tls_files.server_context()))
     assert len(received) == 1
