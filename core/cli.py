@@ -378,8 +378,10 @@ def _cluster_options(args, api_key):
             args.kv_transfer_tls_ca and not args.kv_transfer_tls_cert):
         raise SpecdecError("--kv-transfer-tls-cert and --kv-transfer-tls-key go together (and --kv-transfer-tls-ca "
                            "with them)")
-    tls = TransferTLS(args.kv_transfer_tls_cert, args.kv_transfer_tls_key, args.kv_transfer_tls_ca) \
-        if args.kv_transfer_tls_cert else None
+    tls = None
+    if args.kv_transfer_tls_cert:
+        tls = TransferTLS(args.kv_transfer_tls_cert, args.kv_transfer_tls_key, args.kv_transfer_tls_ca)
+        tls.contexts()  # a bad file fails now, before the model loads
     options = ClusterOptions(scheduler_url=args.scheduler, role=args.role, instance_id=args.instance_id,
                              advertise_host=args.advertise_host, kv_transfer_port=args.kv_transfer_port,
                              api_key=api_key, cluster_secret=cluster_secret, transfer_tls=tls)

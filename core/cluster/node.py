@@ -109,7 +109,7 @@ class Cluster:
             await self.link.call(self.link.check_run_id, give_up_after=10.0)
         except RedisUnavailable as exc:
             raise SpecdecError(f"--scheduler: {exc}") from None
-        server_tls, client_tls = _tls_contexts(options.transfer_tls)
+        server_tls, client_tls = options.transfer_tls.contexts() if options.transfer_tls else (None, None)
         transfer = ""
         if options.role == "decode":
             self.transfer = TransferServer(http_host, options.kv_transfer_port, self._accept_handoff,
@@ -244,18 +244,6 @@ class Cluster:
         self._transfers.labels(self.model_name, "sent").inc()
         self._transfer_bytes.labels(self.model_name, "sent").inc(stats.num_bytes)
         self._transfer_seconds.labels(self.model_name).inc(stats.seconds)
-
-
-def _tls_contexts(tls: Optional[TransferTLS]) -> tuple:
-    """``(server, client)`` SSL contexts of ``--kv-transfer-tls-*`` (None, None without);
-    a file that cannot be loaded is a one-line error."""
-    if tls is None:
-        return None, None
-    try:
-        return tls.server_context(), tls.client_context()
-    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-        raise SpecdecError(f"--kv-transfer-tls-cert/-key/-ca: cannot load {tls.cert}, {tls.key}"
-                           f"{', ' + tls.ca if tls.ca else ''}: {' '.join(str(exc).split())}") from None
 
 
 def _handoff_byte_cap(engine):

@@ -52,6 +52,7 @@ from typing import Awaitable, Callable, Optional
 import attrs
 
 from ..engine.handoff import HandoffState
+from ..errors import SpecdecError
 from .secret import MAC_BYTES, check_mac, mac, new_nonce
 
 logger = logging.getLogger("specdec.cluster")
@@ -109,6 +110,15 @@ class TransferTLS:
         context = ssl.create_default_context(cafile=self.ca)
         context.load_cert_chain(self.cert, self.key)
         return context
+
+    def contexts(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        """``(server, client)`` contexts; a file that cannot be loaded is a one-line SpecdecError."""
+        try:
+            return self.server_context(), self.client_context()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            files = ", ".join(path for path in (self.cert, self.key, self.ca) if path)
+            raise SpecdecError(f"--kv-transfer-tls-cert/-key/-ca: cannot load {files}: "
+                               f"{' '.join(str(exc).split())}") from None
 
 
 # -- tickets ---------------------------------------------------------------------------------
