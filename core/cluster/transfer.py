@@ -170,6 +170,8 @@ class TicketBook:
             self._used.popitem(last=False)
         if expires < now:
             return "the ticket has expired"
+        if expires > now + TICKET_TTL_S + 60:  # 60 s for the clocks' skew; a later one would never leave _used
+            return "the ticket expires too late (are the instances' clocks set?)"
         nonce = str(ticket["nonce"])
         if nonce in self._used:
             return "the ticket was used already (a replayed hand-off)"
