@@ -34,7 +34,8 @@ that the body's length is what the state's positions need (:class:`TransferServe
 taken). A malformed, forged or oversized message gets an error answer and the connection
 closes; it touches no other request. At most ``max_connections`` hand-offs are read at once;
 one more is refused at once, and a sender that does not deliver its header within
-``header_timeout`` seconds is cut off.
+``header_timeout`` seconds is cut off. The channel may run over TLS (:class:`TransferTLS`),
+which hides the KV from the network; the MACs are what authenticate it either way.
 """
 
 from __future__ import annotations

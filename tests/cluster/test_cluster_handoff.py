@@ -178,7 +178,11 @@ def test_a_job_pushed_twice_runs_once_and_hands_off_only_to_a_registered_decode_
     trap_connections = []
 
     async def run():
-        trap = await asyncio.start_server(lambda r, w: trap_connections.append(w.close()), "127.0.0.1", 0)
+        def caught(reader, writer):
+            trap_connections.append(writer.get_extra_info("peername"))
+            writer.close()
+
+        trap = await asyncio.start_server(caught, "127.0.0.1", 0)
         trap_address = "127.0.0.1:%d" % trap.sockets[0].getsockname()[1]
         tokenizer = next(iter(_SOLO_ENGINES.values())).tokenizer
         ticket = issue_ticket(SECRET, request_id="pushed-twice", attempt=1, origin="prefill-ngram",
