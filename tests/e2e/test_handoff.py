@@ -297,6 +297,7 @@ def test_imported_prompt_blocks_are_shared_by_a_later_request(pair):
     other = long[: 5 * BLOCK] + prefill.tokenizer.encode(" Also add a docstring.")
     references = _reference(prefill, [long, other], GREEDY)
     [state] = _export(prefill, [long], GREEDY)
+    state.share_prefix = True  # as the transfer listener marks a hand-off it authenticated
     engine = decode.engine
     engine.reset_prefix_cache()
     imported = engine.import_request(state)
