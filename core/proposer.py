@@ -49,6 +49,10 @@ class ProposalRequest:
     :ivar rng: the request's own random generator (``None`` outside the engine). Draw the
         draft's randomness from it, never from a global one, so that a seeded request
         repeats its tokens.
+    :ivar tenant: who sent the request: an opaque id the server derives from the API key it
+        came with (None without one, and outside the server). A proposer that learns from
+        finished requests can keep tenants apart with it (``suffix``'s cache scope), so that
+        one tenant's text never drafts for another.
     """
 
     request_id: str
@@ -60,6 +64,7 @@ class ProposalRequest:
     block_table: Optional[np.ndarray] = None
     sampling: Any = None
     rng: Optional[np.random.Generator] = None
+    tenant: Optional[str] = None
 
     @property
     def temperature(self) -> float:

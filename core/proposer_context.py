@@ -61,8 +61,9 @@ class TargetModel:
 class ProposerContext:
     """What :meth:`specdec.Proposer.setup` receives.
 
-    :ivar model_name: the target as the engine config names it (``model``: a known name such as
-        ``smollm2-135m-instruct``, or a path), for a proposer that ships weights per target.
+    :ivar model_name: the target's known name (such as ``smollm2-135m-instruct``) when the
+        engine config names it by alias or by the path of that model's file, else the path, for
+        a proposer that ships weights per target.
     :ivar model_config: the target's shape (``hidden_size``, ``vocab_size``, ``num_layers``,
         ``num_heads``, ``num_kv_heads``, ``head_dim``, ``intermediate_size``, ``rms_norm_eps``,
         ``rope_theta``, ...).

@@ -10,6 +10,6 @@ generates the rest. :class:`Cluster` (:mod:`.node`) ties these together for the 
 """
 
 from .node import Cluster, ClusterOptions
-from .redis_link import parse_scheduler_url
+from .redis_link import SchedulerConfig, parse_scheduler_url
 
-__all__ = ["Cluster", "ClusterOptions", "parse_scheduler_url"]
+__all__ = ["Cluster", "ClusterOptions", "SchedulerConfig", "parse_scheduler_url"]

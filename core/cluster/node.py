@@ -1,5 +1,6 @@
 """One instance's membership of the cluster: :class:`Cluster`, which the server starts with
-``specdec serve --scheduler redis://HOST:PORT/DB --role mixed|prefill|decode``.
+``specdec serve --scheduler redis://HOST:PORT/DB --role mixed|prefill|decode`` (or FastDeploy's
+``--scheduler-name splitwise --scheduler-host HOST ...``, see :mod:`specdec.cluster.flags`).
 
 It runs three things on the server's event loop: the heartbeat (register this instance, read
 the others, notice a Redis restart), the job runner (:mod:`.runner`) and, on a decode
@@ -22,7 +23,8 @@ from prometheus_client import Counter, Gauge
 
 from ..errors import SpecdecError
 from ..server.engine_loop import EngineLoop, EngineStopped, RequestStream
-from .redis_link import RedisLink, RedisUnavailable, parse_scheduler_url, redacted
+from .records import REASONS
+from .redis_link import RedisLink, RedisUnavailable, SchedulerConfig
 from .registry import HEARTBEAT_S, ROLES, ClusterView, InstanceInfo, deregister, read_instances, register
 from .remote import RemoteRequestStream
 from .router import NoRoute, Route, Router
@@ -36,7 +38,7 @@ logger = logging.getLogger("specdec.cluster")
 class ClusterOptions:
     """The serve flags of a cluster instance.
 
-    :ivar scheduler_url: ``--scheduler``, ``redis://HOST:PORT/DB``.
+    :ivar scheduler: where the cluster's Redis is (``--scheduler`` and the ``--scheduler-*`` flags).
     :ivar role: ``--role``: ``mixed``, ``prefill`` or ``decode``.
     :ivar instance_id: ``--instance-id`` (default ``ADVERTISE_HOST:PORT``).
     :ivar advertise_host: ``--advertise-host``: how the other instances reach this one
@@ -49,7 +51,7 @@ class ClusterOptions:
     :ivar transfer_tls: TLS on the KV transfer channel (``--kv-transfer-tls-*``), or None.
     """
 
-    scheduler_url: str
+    scheduler: SchedulerConfig
     role: str = "mixed"
     instance_id: Optional[str] = None
     advertise_host: Optional[str] = None
@@ -59,7 +61,6 @@ class ClusterOptions:
     transfer_tls: Optional[TransferTLS] = None
 
     def __attrs_post_init__(self):
-        parse_scheduler_url(self.scheduler_url)
         if self.role not in ROLES:
             raise SpecdecError(f"--role: must be one of {', '.join(ROLES)}, got '{self.role}'")
         if not 0 <= self.kv_transfer_port <= 65535:
@@ -87,7 +88,7 @@ class Cluster:
         if options.role != "mixed" and engine.config.tensor_parallel_size > 1:
             raise SpecdecError(f"--role {options.role}: prefill/decode disaggregation does not work with "
                                "--tensor-parallel-size > 1 yet; use --role mixed")
-        self.link = RedisLink(options.scheduler_url)
+        self.link = RedisLink(options.scheduler)
         self.view = ClusterView(self.link)
         self.me: Optional[InstanceInfo] = None
         self.router: Optional[Router] = None
@@ -130,7 +131,7 @@ class Cluster:
                                 on_transfer=self._transferred, transfer_tls=client_tls)
         await self._heartbeat_once()
         self._tasks = [asyncio.ensure_future(self._heartbeat()), asyncio.ensure_future(self.runner.consume())]
-        logger.info("joined the cluster at %s as %s (%s)", redacted(options.scheduler_url), instance_id, options.role)
+        logger.info("joined the cluster at %s as %s (%s)", options.scheduler.shown, instance_id, options.role)
 
     async def leave(self) -> None:
         """Stop taking work from the cluster, as a graceful shutdown begins: no more jobs, no
@@ -215,8 +216,10 @@ class Cluster:
         self.me.num_free_kv_blocks = snapshot.num_free_kv_blocks
         self.me.num_kv_blocks = snapshot.num_kv_blocks
         await self.link.check_run_id()
-        await register(self.link, self.me)
-        self.view.update(await read_instances(self.link))
+        await register(self.link, self.me, self.options.cluster_secret)
+        others = [i for i in await read_instances(self.link, self.options.cluster_secret)
+                  if i.instance_id != self.me.instance_id]
+        self.view.update([self.me, *others])  # this instance as it is, whatever Redis holds under its name
         self.router.view_updated()
 
     # -- metrics -------------------------------------------------------------------------
@@ -239,6 +242,12 @@ class Cluster:
         reconnects = Gauge("specdec_cluster_redis_reconnects", "Times Redis came back after being unreachable.",
                            labels, registry=registry)
         reconnects.labels(self.model_name).set_function(lambda: self.link.reconnects)
+        bad_records = Counter("specdec_cluster_bad_records", "Records read from Redis and skipped (each distinct one "
+                              "once), by kind (registration, job) and reason (malformed, signature, field, expiry).",
+                              labels + ["kind", "reason"], registry=registry)
+        for reason in REASONS:  # present from the start, so that a scrape shows 0 rather than nothing
+            bad_records.labels(self.model_name, "registration", reason)
+        self.link.bad_records.on_count = lambda kind, reason: bad_records.labels(self.model_name, kind, reason).inc()
 
     def _transferred(self, stats: TransferStats) -> None:
         self._transfers.labels(self.model_name, "sent").inc()

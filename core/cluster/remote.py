@@ -37,7 +37,7 @@ from typing import Callable, Optional
 from ..metrics import SpecMetrics
 from ..server.engine_loop import Admitted, Delta, Finished, RequestStream
 from .messages import Job, decode_event, sampling_to_dict, to_loop_event
-from .redis_link import Keys, RedisLink, RedisUnavailable
+from .redis_link import RedisLink, RedisUnavailable
 from .registry import ClusterView
 from .router import NoRoute, Route
 from .transfer import issue_ticket
@@ -153,8 +153,8 @@ class RemoteRequestStream(RequestStream):
         job = self._job(route)
         target = route.target.instance_id
         job_bytes = job.to_json(self._secret)
-        await link.call(lambda: client.rpush(Keys.jobs(target), job_bytes))
-        events_key = Keys.events(self.request_id)
+        await link.call(lambda: client.rpush(link.keys.jobs(target), job_bytes))
+        events_key = link.keys.events(self.request_id)
         last_id, expected = b"0-0", 0
         last_check, misses = time.monotonic(), 0
         self._taken, self._last_event_at = False, time.monotonic()
@@ -186,7 +186,7 @@ class RemoteRequestStream(RequestStream):
         """A quiet request: is it still running, queued, or lost? Returns the new miss count."""
         client = self._link.client
         quiet = time.monotonic() - self._last_event_at
-        claim = await self._link.call(lambda: client.get(Keys.claim(self.request_id)))
+        claim = await self._link.call(lambda: client.get(self._link.keys.claim(self.request_id)))
         if claim is not None:
             holder, _, attempt = claim.decode().rpartition(" ")
             if attempt == str(self._attempt):
@@ -198,13 +198,13 @@ class RemoteRequestStream(RequestStream):
                     self._missed_deadline(f"instance {holder} sent nothing of this request for "
                                           f"{self._idle_deadline:g} s, after {self._num_generated} tokens", holder)
                 return 0
-        queued = await self._link.call(lambda: client.lpos(Keys.jobs(target), job_bytes))
+        queued = await self._link.call(lambda: client.lpos(self._link.keys.jobs(target), job_bytes))
         if queued is not None:
             if self._view.is_dead(target) and await self._link.call(
-                    lambda: client.lrem(Keys.jobs(target), 1, job_bytes)):
+                    lambda: client.lrem(self._link.keys.jobs(target), 1, job_bytes)):
                 raise _Lost(f"instance {target} stopped before it took this request", target)
             if not self._taken and quiet > self._dispatch_deadline and await self._link.call(
-                    lambda: client.lrem(Keys.jobs(target), 1, job_bytes)):
+                    lambda: client.lrem(self._link.keys.jobs(target), 1, job_bytes)):
                 self._missed_deadline(f"instance {target} did not take this request within "
                                       f"{self._dispatch_deadline:g} s", target)
             return 0
@@ -254,7 +254,7 @@ class RemoteRequestStream(RequestStream):
 
     async def _cancel_attempt(self) -> None:
         try:
-            await self._link.call(lambda: self._link.client.set(Keys.cancel(self.request_id, self._attempt), 1,
-                                                                ex=60), give_up_after=2.0)
+            await self._link.call(lambda: self._link.client.set(self._link.keys.cancel(self.request_id, self._attempt),
+                                                                1, ex=60), give_up_after=2.0)
         except RedisUnavailable:
             pass

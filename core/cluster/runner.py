@@ -25,15 +25,13 @@ from typing import Optional
 from ..server.engine_loop import (Admitted, EngineLoop, EngineStopped, Finished, QueueFull, Rejected,
                                   RequestRejected, RequestStream)
 from .messages import Job, busy_event, encode_event, sampling_from_dict
-from .redis_link import Keys, RedisLink, RedisUnavailable
+from .redis_link import RedisLink, RedisUnavailable
 from .registry import ClusterView
 from .secret import BadSignature
 from .transfer import TransferError, send_handoff
 
 logger = logging.getLogger("specdec.cluster")
 
-#: Seconds an abandoned event stream stays in Redis.
-EVENTS_TTL_S = 300
 #: Seconds a claim lives without renewal.
 CLAIM_TTL_S = 10
 #: Seconds between two renewals of a running job's claim (and checks of its origin).
@@ -45,7 +43,7 @@ class EventWriter:
 
     def __init__(self, link: RedisLink, request_id: str, attempt: int, seq: int = 0):
         self.link = link
-        self.key = Keys.events(request_id)
+        self.key = link.keys.events(request_id)
         self.attempt = attempt
         self.seq = seq
 
@@ -59,7 +57,7 @@ class EventWriter:
         async def add():
             async with self.link.client.pipeline(transaction=False) as pipe:
                 pipe.xadd(self.key, fields)
-                pipe.expire(self.key, EVENTS_TTL_S)
+                pipe.expire(self.key, self.link.records_ttl_s)
                 await pipe.execute()
 
         await self.link.call(add)
@@ -90,7 +88,7 @@ class JobRunner:
 
     async def consume(self) -> None:
         """Take jobs from this instance's list until :meth:`stop`."""
-        key = Keys.jobs(self.instance_id)
+        key = self.link.keys.jobs(self.instance_id)
         while not self._stopping:
             try:
                 item = await self.link.call(lambda: self.link.client.blpop([key], timeout=1), give_up_after=5.0)
@@ -231,15 +229,18 @@ class JobRunner:
 
     async def _take(self, run_id: str) -> bool:
         """Take ``run_id`` for this instance; False when someone took it before."""
-        return bool(await self.link.call(lambda: self.link.client.set(Keys.taken(run_id), self.instance_id, nx=True,
-                                                                      ex=EVENTS_TTL_S)))
+        key = self.link.keys.taken(run_id)
+        return bool(await self.link.call(lambda: self.link.client.set(key, self.instance_id, nx=True,
+                                                                      ex=self.link.records_ttl_s)))
 
     async def _claim(self, request_id: str, attempt: int) -> None:
         value = f"{self.instance_id} {attempt}"
-        await self.link.call(lambda: self.link.client.set(Keys.claim(request_id), value, ex=CLAIM_TTL_S))
+        key = self.link.keys.claim(request_id)
+        await self.link.call(lambda: self.link.client.set(key, value, ex=CLAIM_TTL_S))
 
     async def _cancelled(self, request_id: str, attempt: int) -> bool:
-        return bool(await self.link.call(lambda: self.link.client.exists(Keys.cancel(request_id, attempt))))
+        key = self.link.keys.cancel(request_id, attempt)
+        return bool(await self.link.call(lambda: self.link.client.exists(key)))
 
     async def _watch(self, request_id: str, attempt: int, origin: str, stream: RequestStream) -> None:
         """Every second: renew the claim; abort when the origin gave up or died."""

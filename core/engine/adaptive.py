@@ -11,7 +11,7 @@ the policy takes candidate rows best first while that holds (:func:`choose_draft
 At batch 1 ``c`` is a small fraction of ``F``, so drafts with a fair chance pass. In a large
 batch the rows already dominate the step time, the bar rises towards 1, and only drafts that
 are nearly certain remain: speculation never costs throughput by design
-(docs/benchmarks.md has the measured ``F`` and ``c``).
+(docs/benchmarks/batch.md has the measured ``F`` and ``c``).
 
 ``F`` and ``c`` are fitted online from the measured step times (a least-squares line over
 recent steps), starting from a prior measured on this machine class.
@@ -23,7 +23,7 @@ import numpy as np
 
 #: Cost of one extra row relative to the fixed cost of a step, before anything is measured,
 #: and for batches whose steps are all about one size: a batch-64 decode step's rows measured
-#: on a 2-core AVX2 machine (docs/benchmarks.md); the fit corrects it within a few steps.
+#: on a 2-core AVX2 machine (docs/benchmarks/batch.md); the fit corrects it within a few steps.
 PRIOR_ROW_COST = 0.16
 #: Conditional acceptance of a draft token assumed before anything is measured.
 PRIOR_ACCEPTANCE = 0.6

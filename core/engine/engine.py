@@ -29,6 +29,7 @@ from specdec.kernels.cpu import release_free_heap
 
 from ..config import EngineConfig, SpeculativeConfig
 from ..errors import SpecdecError
+from ..model.resolve import known_model_name
 from ..proposer import Drafts, ProposalBatch, ProposalRequest, valid_draft_classes
 from ..proposer_context import ProposerContext, TargetModel
 from ..sampling import SamplingParams
@@ -199,7 +200,7 @@ class Engine:
 
     def _proposer_context(self, create_proposer: Callable) -> ProposerContext:
         """What a proposer's ``setup`` gets: the target, its tokenizer and the cache geometry."""
-        return ProposerContext(model_name=self.config.model, model_config=self.model_config,
+        return ProposerContext(model_name=known_model_name(self.config.model), model_config=self.model_config,
                                tokenizer=self.tokenizer, target=TargetModel(self.model), block_size=self.block_size,
                                num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers,
                                create_proposer=create_proposer)
@@ -235,7 +236,7 @@ class Engine:
 
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     prompt: Optional[str] = None, request_id: Optional[str] = None, *,
-                    handoff: bool = False, capture_hidden: bool = False) -> Request:
+                    handoff: bool = False, capture_hidden: bool = False, tenant: Optional[str] = None) -> Request:
         """Queue a request; it joins the running batch at the next step that has room.
 
         :param handoff: run the prompt and the first output token only, without drafts, then
@@ -248,6 +249,8 @@ class Engine:
             computed positions into the state (for a decode engine whose proposer reads them,
             :attr:`needs_hidden_states`). The request then computes its whole prompt (it takes
             nothing from the prefix cache). Ignored without ``handoff``.
+        :param tenant: who sent the request (the server's id of its API key), passed to the
+            proposer as ``ProposalRequest.tenant``.
         :raises RequestError: for a prompt or sampling values the engine cannot take.
         :raises SpecdecError: for ``handoff`` with tensor parallelism.
         """
@@ -258,6 +261,7 @@ class Engine:
         request = self.new_request(prompt_ids, sampling, prompt, request_id)
         request.handoff = handoff
         request.capture_hidden = handoff and capture_hidden
+        request.tenant = tenant
         if request.capture_hidden:
             request.prefix_keys = []  # every position's hidden state must be computed here
         self.scheduler.waiting.append(request)
@@ -445,7 +449,7 @@ class Engine:
         """What the proposer sees of ``request`` this step (with the hidden states kept for
         it, handed over once, when the proposer reads them)."""
         proposal = ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len,
-                                   sampling=request.sampling, rng=request.rng)
+                                   sampling=request.sampling, rng=request.rng, tenant=request.tenant)
         if self.proposer.NEEDS_HIDDEN_STATES:
             proposal.hidden_states, proposal.hidden_positions = self.hidden_states.take(request)
             proposal.block_table = np.asarray(request.block_table, dtype=np.int32)
@@ -458,10 +462,11 @@ class Engine:
         request.started = True
         prompt = request.tokens[: request.num_prompt_tokens]
         try:
-            self.proposer.on_request_start(ProposalRequest(request.request_id, prompt, request.num_prompt_tokens, 0))
+            self.proposer.on_request_start(ProposalRequest(request.request_id, prompt, request.num_prompt_tokens, 0,
+                                                           tenant=request.tenant))
             if request.num_generated:
                 before = ProposalRequest(request.request_id, prompt, request.num_prompt_tokens, 0,
-                                         sampling=request.sampling, rng=request.rng)
+                                         sampling=request.sampling, rng=request.rng, tenant=request.tenant)
                 if self.proposer.NEEDS_HIDDEN_STATES:
                     before.block_table = np.asarray(request.block_table, dtype=np.int32)
                 self.proposer.on_step(ProposalBatch([before]), [request.generated_ids.copy()])

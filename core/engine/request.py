@@ -99,6 +99,8 @@ class Request:
     #: For a request from ``Engine.import_request``: True when its KV cache was imported, False
     #: when it is recomputed (no seat or blocks free then); False for any other request.
     kv_imported: bool = False
+    #: Who sent it (``add_request(tenant=...)``), for the proposer: see ``ProposalRequest.tenant``.
+    tenant: Optional[str] = None
 
     @property
     def token_ids(self) -> np.ndarray:

@@ -15,6 +15,12 @@ one process each, with paddle.distributed's environment for that rank, the same 
 the engine sees it (:func:`launched_rank`) and rank 0 runs the command while the others run
 :func:`worker_loop` (docs/deployment.md).
 
+Trust. Rank 0 starts the group's rendezvous store itself (:mod:`.rendezvous_store`), on the
+address the ranks are given (loopback on one machine), from a socket it binds first and keeps
+bound; the store listens only until every rank has connected; local ranks' gloo (or NCCL) sockets use the
+loopback interface. Steps travel as fixed-layout int64 tensors (:mod:`.tensor_parallel_messages`),
+checked before use: a rank never unpickles what it receives.
+
 Waiting. A rank waiting inside a collective gives up after 30 s under gloo. So every rank
 loads its model before it joins the process group (the join itself waits as long as loading
 takes), and idle rank 0 pings the others every ``KEEPALIVE_INTERVAL`` seconds.
@@ -41,6 +47,10 @@ import threading
 import time
 from typing import Callable, NamedTuple, Optional
 
+from .rendezvous_store import StoreProcess, connect_as_client
+from .tensor_parallel_messages import (HEADER_SIZE, Forward, InitCache, Limits, Message, MessageError, Ping, Stop,
+                                       decode, encode, payload_length)
+
 logger = logging.getLogger("specdec.engine")
 
 #: Seconds between two checks of the workers and of the running step.
@@ -49,7 +59,7 @@ WATCHDOG_INTERVAL = 0.2
 KEEPALIVE_INTERVAL = 5.0
 #: Environment variables paddle.distributed reads to join a process group.
 RANK_ENV = ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_CURRENT_ENDPOINT",
-            "PADDLE_DISTRI_BACKEND")
+            "PADDLE_MASTER", "PADDLE_DISTRI_BACKEND")
 
 
 def launched_rank() -> Optional[tuple[int, int]]:
@@ -59,25 +69,32 @@ def launched_rank() -> Optional[tuple[int, int]]:
     return int(os.environ["PADDLE_TRAINER_ID"]), int(os.environ["PADDLE_TRAINERS_NUM"])
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (``lo`` on Linux)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), "lo")
 
 
-def rank_environments(world_size: int, backend: str) -> list[dict]:
-    """paddle.distributed's environment for each rank of a group on this machine (free
-    loopback ports, one per rank; rank 0's also serves the group's rendezvous store)."""
-    endpoints = [f"127.0.0.1:{port}" for port in _free_ports(world_size)]
+def rank_environments(world_size: int, backend: str, store_endpoint: str) -> list[dict]:
+    """paddle.distributed's environment for each rank of a group on this machine, whose
+    rendezvous store serves at ``store_endpoint`` (a :class:`StoreProcess` on loopback).
+    gloo and NCCL open their sockets on the loopback interface: nothing listens beyond it.
+    (paddle reads only the first trainer endpoint, as the store's address, when it joins.)"""
+    interface = loopback_interface()
     return [{"PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(world_size),
-             "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints), "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
-             "PADDLE_DISTRI_BACKEND": backend, "FLAGS_selected_gpus": str(rank)}
+             "PADDLE_TRAINER_ENDPOINTS": ",".join([store_endpoint] * world_size),
+             "PADDLE_CURRENT_ENDPOINT": store_endpoint, "PADDLE_MASTER": store_endpoint,
+             "PADDLE_DISTRI_BACKEND": backend, "FLAGS_selected_gpus": str(rank),
+             "GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}
             for rank in range(world_size)]
+
+
+def master_endpoint() -> tuple[str, int]:
+    """``(host, port)`` of the store this process's environment names (what paddle reads:
+    ``PADDLE_MASTER``, else the first of ``PADDLE_TRAINER_ENDPOINTS``)."""
+    endpoint = os.environ.get("PADDLE_MASTER") or os.environ["PADDLE_TRAINER_ENDPOINTS"].split(",")[0]
+    host, _, port = endpoint.rpartition(":")
+    return host, int(port)
 
 
 @contextlib.contextmanager
@@ -108,17 +125,19 @@ def use_rank_device(paddle, environment: Optional[dict] = None) -> None:
 
 def init_process_group(paddle, environment: Optional[dict] = None) -> None:
     """Join the process group that ``environment`` (else this process's environment)
-    describes. Every rank joins only once its model is built: the rendezvous waits as long
-    as loading takes, while a rank waiting inside a collective gives up after 30 s (gloo)."""
+    describes, as a client of its rendezvous store (:class:`StoreProcess`, which rank 0
+    starts). Every rank joins only once its model is built: the rendezvous waits as long as
+    loading takes, while a rank waiting inside a collective gives up after 30 s (gloo)."""
     with _environment(environment):
+        connect_as_client(paddle)
         paddle.distributed.init_parallel_env()
 
 
-def start_local_workers(config, world_size: int, backend: str) -> tuple[list, dict]:
-    """Start ranks ``1 .. world_size - 1`` on this machine; returns the worker processes
-    (daemons: they end with this process) and rank 0's environment, for
-    :func:`init_process_group`."""
-    environments = rank_environments(world_size, backend)
+def start_local_workers(config, world_size: int, backend: str, store_endpoint: str) -> tuple[list, dict]:
+    """Start ranks ``1 .. world_size - 1`` on this machine, meeting at the store at
+    ``store_endpoint``; returns the worker processes (daemons: they end with this process)
+    and rank 0's environment, for :func:`init_process_group`."""
+    environments = rank_environments(world_size, backend, store_endpoint)
     context = multiprocessing.get_context("spawn")
     workers = []
     for rank in range(1, world_size):
@@ -138,6 +157,9 @@ def _worker_main(config, environment: dict) -> None:
         worker_loop(config)
     except KeyboardInterrupt:
         pass
+    except MessageError as exc:  # only this rank saw it: say why it ends
+        print(f"error: tensor-parallel rank {environment['PADDLE_TRAINER_ID']}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except SpecdecError:  # a bad configuration: rank 0 meets the same error and reports it
         sys.exit(2)
 
@@ -145,12 +167,14 @@ def _worker_main(config, environment: dict) -> None:
 class RankZero(NamedTuple):
     """What the engine holds as rank 0: ``tensor_parallel`` as :func:`~specdec.engine.build.build_model`
     takes it (its group, rank 0, the world size), the :class:`Watchdog`, rank 0's environment
-    (for :func:`init_process_group` once the model is built) and the local workers it started."""
+    (for :func:`init_process_group` once the model is built), the local workers it started
+    and the rendezvous store it serves."""
 
     tensor_parallel: tuple
     watchdog: "Watchdog"
     environment: Optional[dict]
     workers: list
+    store: Optional[StoreProcess] = None
 
 
 def start_rank_zero(config, on_fatal: Callable[[str], None]) -> RankZero:
@@ -167,13 +191,18 @@ def start_rank_zero(config, on_fatal: Callable[[str], None]) -> RankZero:
     launched = launched_rank()
     workers, environment = [], None
     if launched is None:
-        workers, environment = start_local_workers(config, world_size, "nccl" if on_gpu() else "gloo")
+        # Port 0: the OS picks one, and the bound socket keeps it (no pick-then-bind race).
+        store = StoreProcess("127.0.0.1", clients=world_size)
+        workers, environment = start_local_workers(config, world_size, "nccl" if on_gpu() else "gloo",
+                                                   store.endpoint)
     elif launched[1] != world_size:
         raise SpecdecError(f"tensor_parallel_size: {world_size}, but paddle.distributed.launch "
                            f"started {launched[1]} ranks")
+    else:  # at the address and port the launchers agreed on (host 0's)
+        store = StoreProcess(*master_endpoint(), clients=world_size)
     watchdog = Watchdog(workers, config.tensor_parallel_timeout, on_fatal)
     use_rank_device(paddle, environment)
-    return RankZero((CollectiveGroup(paddle, 0, world_size), 0, world_size), watchdog, environment, workers)
+    return RankZero((CollectiveGroup(paddle, 0, world_size), 0, world_size), watchdog, environment, workers, store)
 
 
 def worker_loop(config) -> None:
@@ -194,19 +223,35 @@ def worker_loop(config) -> None:
     release_free_heap()  # the loader's temporaries, freed by now
     init_process_group(paddle)
     model = built.model
+    limits = Limits(vocab_size=built.model_config.vocab_size, max_positions=model.max_positions)
     while True:
-        message = group.broadcast_object()
-        kind = message[0]
-        if kind == "stop":
+        message = receive_message(group, limits)
+        if isinstance(message, Stop):
             return
-        if kind == "ping":  # rank 0 is idle; see TensorParallelModel._keep_alive
+        if isinstance(message, Ping):  # rank 0 is idle; see TensorParallelModel._keep_alive
             continue
-        if kind == "init_cache":
-            _, num_blocks, block_size = message
-            built.attention.init_cache(num_blocks, block_size)
-        elif kind == "forward":
-            _, token_ids, meta, logit_rows = message
-            model.forward(token_ids, meta, logit_rows)
+        if isinstance(message, InitCache):
+            built.attention.init_cache(message.num_blocks, message.block_size)
+            limits = Limits(limits.vocab_size, limits.max_positions, message.num_blocks, message.block_size)
+        elif isinstance(message, Forward):
+            model.forward(message.token_ids, message.meta(), message.logit_rows)
+
+
+def send_message(group, message: Message) -> None:
+    """Broadcast ``message`` from rank 0: its header, then its payload if it has one."""
+    header, payload = encode(message)
+    group.broadcast_int64(header)
+    if payload is not None and len(payload):
+        group.broadcast_int64(payload)
+
+
+def receive_message(group, limits: Limits) -> Message:
+    """The next message rank 0 broadcasts, checked against ``limits`` before its payload is
+    received (:class:`MessageError` for one that is not a valid message)."""
+    header = group.broadcast_int64(length=HEADER_SIZE)
+    length = payload_length(header, limits)
+    payload = group.broadcast_int64(length=length) if length else None
+    return decode(header, payload, limits)
 
 
 class TensorParallelModel:
@@ -237,9 +282,9 @@ class TensorParallelModel:
         self._last_message = time.monotonic()
         threading.Thread(target=self._keep_alive, name="specdec-tp-keepalive", daemon=True).start()
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Message) -> None:
         """Broadcast ``message`` to the other ranks (holding ``_lock``)."""
-        self.group.broadcast_object(message)
+        send_message(self.group, message)
         self._last_message = time.monotonic()
 
     def _keep_alive(self) -> None:
@@ -253,7 +298,7 @@ class TensorParallelModel:
                 if self.watchdog.failure is not None:
                     return
                 try:
-                    self._send(("ping",))
+                    self._send(Ping())
                 except Exception as exc:  # noqa: BLE001 - a rank is gone
                     self.watchdog.collective_failed(exc)
                     return
@@ -261,12 +306,12 @@ class TensorParallelModel:
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate every rank's cache (rank 0's through the engine, the others' by message)."""
         with self._lock, self.watchdog.step():
-            self._send(("init_cache", num_blocks, block_size))
+            self._send(InitCache(num_blocks, block_size))
 
     def forward(self, token_ids, meta, logit_rows, return_hidden: bool = False, device_logits: bool = False):
         with self._lock, self.watchdog.step():
             try:
-                self._send(("forward", token_ids, meta, logit_rows))
+                self._send(Forward.of(token_ids, meta, logit_rows))
                 return self.local.forward(token_ids, meta, logit_rows, return_hidden=return_hidden,
                                           device_logits=device_logits)
             except Exception as exc:  # noqa: BLE001 - a collective failed: the group is broken for good
@@ -279,7 +324,7 @@ class TensorParallelModel:
         self.watchdog.stop()
         with self._lock:
             try:
-                self._send(("stop",))
+                self._send(Stop())
             except Exception:  # noqa: BLE001 - a worker that is already gone
                 pass
 

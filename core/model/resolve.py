@@ -19,6 +19,38 @@ MODEL_ALIASES = {
 }
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file, by its first four bytes (not its name: users rename
+    files, and Hugging Face and Ollama store them without the extension)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def known_model_name(model: str) -> str:
+    """The alias of ``model`` when it names a known model's file by path (the same file, or a
+    copy: same name and size), else ``model`` unchanged. Plugins that ship weights per target
+    (the MTP head) find them however the user named the model."""
+    if model in MODEL_ALIASES:
+        return model
+    path = Path(model).expanduser()
+    if not path.is_file():
+        return model
+    for alias, (package, filename, _) in MODEL_ALIASES.items():
+        try:
+            known = resolve_model_path(alias)
+        except SpecdecError:
+            continue
+        if path.resolve() == known.resolve() or (path.name == filename and path.stat().st_size == known.stat().st_size):
+            return alias
+    return model
+
+
 def resolve_model_path(model: str) -> Path:
     """The file or directory ``model`` names; a one-line error when it cannot be found."""
     if model in MODEL_ALIASES:
@@ -32,15 +64,18 @@ def resolve_model_path(model: str) -> Path:
             raise SpecdecError(f"model '{model}': {path} is missing; reinstall with {pip_command}")
         return path
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and is_gguf_file(path):
         return path
     if path.is_dir():
         return path
+    if path.is_file():
+        raise SpecdecError(f"--model: '{model}' is not a GGUF file (it does not start with the GGUF magic bytes); "
+                           "pass a .gguf file, a Hugging Face checkpoint directory or a known alias")
     from ..errors import did_you_mean
 
     hint = did_you_mean(model, MODEL_ALIASES)
     raise SpecdecError(
-        f"--model: '{model}' is not a .gguf file, a checkpoint directory or a known alias{hint}; "
+        f"--model: '{model}' is not a GGUF file, a checkpoint directory or a known alias{hint}; "
         f"aliases: {', '.join(MODEL_ALIASES)}"
     )
 

@@ -153,8 +153,14 @@ class CollectiveGroup:
         self.dist.all_gather(parts, tensor)
         return self.paddle.concat(parts, axis=-1)
 
-    def broadcast_object(self, obj=None):
-        """Rank 0's ``obj`` on every rank (pickled)."""
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
+    def broadcast_int64(self, values=None, length: int = 0):
+        """Rank 0's int64 ``values`` (1-D numpy) on every rank, as numpy; the other ranks pass
+        the ``length`` they expect. Plain tensors, never pickled objects: nothing received
+        is more than integers (specdec.engine.tensor_parallel_messages gives them meaning)."""
+        p = self.paddle
+        if values is None:
+            tensor = p.zeros([length], dtype="int64")
+        else:
+            tensor = p.to_tensor(np.ascontiguousarray(values, dtype=np.int64))
+        self.dist.broadcast(tensor, src=0)
+        return tensor.numpy()

@@ -45,6 +45,7 @@ from .protocol import (
     ModelList,
 )
 from .responses import ChatShape, CompletionShape, Shape, event_stream, sse_events
+from .tenant import tenant_of
 
 logger = logging.getLogger("specdec.server")
 
@@ -58,7 +59,7 @@ _BIG_PROMPTS = 2
 
 def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optional[str] = None,
               limits: Optional[ServerLimits] = None, enable_docs: bool = False,
-              metrics_require_key: bool = False, cluster=None) -> FastAPI:
+              metrics_require_key: bool = False, cluster=None, hide_speculative_usage: bool = False) -> FastAPI:
     """The server's FastAPI app.
 
     :param engine_loop: runs the engine; the app's lifespan starts and stops it. Its
@@ -71,6 +72,9 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     :param metrics_require_key: ``/metrics`` needs the API key too (``api_key`` must be set).
     :param cluster: a :class:`specdec.cluster.Cluster` built over ``engine_loop``, or None. The
         lifespan starts and stops it, and requests are routed through it.
+    :param hide_speculative_usage: leave ``usage.speculative`` out of responses: how many
+        drafts a request had accepted tells how much its text matched earlier requests' (with
+        the ``suffix`` method's global tree, other tenants').
     """
     if metrics_require_key and not api_key:
         raise ValueError("metrics_require_key needs an api_key")
@@ -82,11 +86,12 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     max_prompt_chars = limits.max_prompt_chars or default_max_prompt_chars(engine_loop.max_model_len,
                                                                            engine_loop.tokenizer)
     if cluster is not None:
-        submit = cluster.submit
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None):  # the cluster does not route tenants
+            return cluster.submit(prompt_ids, sampling, request_id, streaming=streaming)
     else:
-        def submit(prompt_ids, sampling, request_id, streaming):  # the client's streaming is the cluster's concern
-            return engine_loop.submit(prompt_ids, sampling, request_id)
-    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit)
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None):  # streaming is the cluster's concern
+            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant)
+    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -138,12 +143,16 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 with the engine state while the engine loop runs, else 503."""
-        snapshot = engine_loop.snapshot()
-        body = {"status": "ok" if engine_loop.running else "stopped", **dataclasses.asdict(snapshot)}
+        """200 with the engine state while the engine loop can serve; else 503, with the
+        reason (the engine thread died, a step stalled past --step-timeout, the loop stopped)
+        for the orchestrator that restarts the process."""
+        problem = engine_loop.problem
+        body = {"status": "ok" if problem is None else "unhealthy", **dataclasses.asdict(engine_loop.snapshot())}
+        if problem is not None:
+            body["reason"] = problem
         if cluster is not None:
             body["cluster"] = cluster.status()
-        return JSONResponse(body, status_code=200 if engine_loop.running else 503)
+        return JSONResponse(body, status_code=200 if problem is None else 503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -172,8 +181,10 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
 class _Handlers:
     """What the two generation endpoints do, apart from FastAPI's plumbing."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit):
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit,
+                 hide_speculative_usage: bool = False):
         self.engine_loop = engine_loop
+        self.hide_speculative_usage = hide_speculative_usage
         self.submit = submit  # the engine loop's, or the cluster's (which routes)
         self.model_name = served_model_name
         self.max_prompt_chars = max_prompt_chars
@@ -197,7 +208,8 @@ class _Handlers:
         # Without max_tokens a completion gets OpenAI's 16 tokens, or what room the context has.
         default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, self._room(prompt_ids))
         sampling = body.sampling_params(default_max_tokens, self.engine_loop.num_speculative_tokens)
-        return await self._generate(body, request, prompt_ids, sampling, CompletionShape(self.model_name))
+        shape = CompletionShape(self.model_name, hide_speculative=self.hide_speculative_usage)
+        return await self._generate(body, request, prompt_ids, sampling, shape)
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self._check_model(body.model)
@@ -208,7 +220,8 @@ class _Handlers:
                                                  "messages")
         # Without max_tokens the answer may run to the end of the context.
         sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens)
-        return await self._generate(body, request, prompt_ids, sampling, ChatShape(self.model_name))
+        shape = ChatShape(self.model_name, hide_speculative=self.hide_speculative_usage)
+        return await self._generate(body, request, prompt_ids, sampling, shape)
 
     def _room(self, prompt_ids) -> int:
         """The most tokens the context has room for after the prompt (at least 1: a prompt that
@@ -251,7 +264,8 @@ class _Handlers:
     async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
                         shape: Shape) -> BaseModel | Response:
         """Run the request; answer with server-sent events, or the whole response at the end."""
-        stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param, bool(body.stream))
+        stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param, bool(body.stream),
+                                    tenant_of(request))
         if body.stream:
             return event_stream(sse_events(stream, shape, body.include_usage), stream)
         final = await _wait_final(stream, request)
@@ -260,11 +274,11 @@ class _Handlers:
         return shape.response(final)
 
     async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str,
-                      streaming: bool) -> RequestStream:
+                      streaming: bool, tenant: Optional[str] = None) -> RequestStream:
         """Hand the request to the engine loop (or the cluster) and wait until an engine has
         taken it."""
         try:
-            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming)
+            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant)
         except QueueFull as exc:
             raise APIError(503, str(exc), code="queue_full") from None
         except EngineStopped as exc:

@@ -10,6 +10,12 @@ the event loop only ever waits on queues, never on the model.
 The loop is bounded: at most ``max_pending`` requests may be in it at once (queued, waiting for
 a batch slot, or running); :meth:`EngineLoop.submit` raises :class:`QueueFull` beyond that, and
 the server answers 503.
+
+Plugin code runs on the engine thread, so the thread guards itself against it: anything a step
+raises, ``SystemExit`` and ``KeyboardInterrupt`` included, fails the requests in the engine and
+the thread goes on with the next ones; a step that runs past ``step_timeout`` (a plugin that
+hangs) fails the requests in flight at once (see :mod:`specdec.server.watchdog`). While the
+loop cannot serve, :attr:`EngineLoop.problem` says why (``/health`` answers 503 with it).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 from ..errors import RequestError, SpecdecError
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams
+from .watchdog import DEFAULT_STEP_TIMEOUT, StepWatchdog
 
 if TYPE_CHECKING:
     from ..engine.handoff import HandoffState
@@ -194,12 +201,14 @@ class _Tracked:
     submitted_at: float
     handoff: bool = False
     capture_hidden: bool = False
+    tenant: Optional[str] = None  # who sent it: the engine's add_request(tenant=...)
     imported: Optional["HandoffState"] = None  # submit_imported's state
     request: object = None  # the engine's Request once added
     emitted_chars: int = 0
     num_generated: int = 0
     first_token_at: float = 0.0
     spec_seen: SpecMetrics = field(default_factory=SpecMetrics)
+    told_end: bool = False  # the client already got its Finished (from the step watchdog)
 
     def send(self, event: Event) -> None:
         try:
@@ -216,9 +225,13 @@ class EngineLoop:
     :param max_pending: the most requests submitted and not yet finished; :meth:`submit`
         raises :class:`QueueFull` beyond it. May be changed while running.
     :param metrics: a :class:`specdec.server.metrics.ServerMetrics` to record into, or None.
+    :param step_timeout: seconds one engine step may run; past it the requests in flight fail,
+        new ones are refused and :attr:`problem` says so, until the step returns. None: no
+        watchdog.
     """
 
-    def __init__(self, engine, *, max_pending: int = 128, metrics=None):
+    def __init__(self, engine, *, max_pending: int = 128, metrics=None,
+                 step_timeout: Optional[float] = DEFAULT_STEP_TIMEOUT):
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.engine = engine
@@ -230,7 +243,9 @@ class EngineLoop:
         self._pending_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
-        self._lost: Optional[str] = None  # why the engine cannot go on (engine_lost)
+        self._lost: Optional[str] = None  # why the engine cannot go on (engine_lost, the thread died)
+        self._stalled: Optional[str] = None  # why the step in progress counts as stalled
+        self._watchdog = StepWatchdog(step_timeout, self._step_stalled) if step_timeout else None
         self._snapshot = self._take_snapshot()
 
     # -- any thread ------------------------------------------------------------------------
@@ -253,6 +268,21 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._lost is None
 
+    @property
+    def problem(self) -> Optional[str]:
+        """Why the loop cannot serve requests now, in one line; None while it can.
+
+        The engine was lost (:meth:`engine_lost`), the engine thread died, a step has run past
+        the step timeout (until it returns), or the loop is not running (not yet started, or
+        stopped)."""
+        if self._lost is not None:
+            return self._lost
+        if self._stalled is not None:
+            return self._stalled
+        if not self.running:
+            return "the engine loop is not running"
+        return None
+
     def engine_lost(self, message: str) -> None:
         """The engine cannot go on (a tensor-parallel rank died or hung). Called from another
         thread while the engine thread may be blocked for good, so it touches no engine state:
@@ -263,10 +293,8 @@ class EngineLoop:
         self._stopping = True
         self._drop_queued(message)
         for tracked in list(self._tracked.values()):
-            request = tracked.request
-            text = request.text[tracked.emitted_chars:] if request is not None else ""
-            tracked.send(Finished(text, tracked.num_generated, len(tracked.prompt_token_ids), "error",
-                                  _copy(request.metrics) if request is not None else SpecMetrics(), message))
+            tracked.told_end = True
+            tracked.send(_error_end(tracked, message))
 
     @property
     def num_pending(self) -> int:
@@ -278,10 +306,12 @@ class EngineLoop:
         return self._snapshot
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
+        """Start the engine thread, and the step watchdog (idempotent)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="specdec-engine-loop", daemon=True)
             self._thread.start()
+            if self._watchdog is not None:
+                self._watchdog.start()
 
     def refuse_new(self) -> None:
         """From now on :meth:`submit` raises :class:`EngineStopped` (the server is draining)."""
@@ -292,6 +322,8 @@ class EngineLoop:
         self._stopping = True
         self._commands.put(("stop", None))
         if self._thread is not None:
+            if self._stalled is not None:  # its clients are told already; it may never return
+                timeout = min(timeout, 1.0)
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the engine loop did not stop within %.0f s", timeout)
@@ -306,18 +338,19 @@ class EngineLoop:
 
     def submit(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                request_id: Optional[str] = None, *, handoff: bool = False,
-               capture_hidden: bool = False) -> RequestStream:
+               capture_hidden: bool = False, tenant: Optional[str] = None) -> RequestStream:
         """Queue a request; call from the event loop. Returns its :class:`RequestStream`.
 
         ``handoff`` and ``capture_hidden`` go to the engine's ``add_request``: the request
         then ends after its first token with a :class:`Finished` of finish reason ``handoff``
         whose ``handoff`` holds the state to continue elsewhere (unless that token ended it).
+        ``tenant`` (who sent it) goes to ``add_request`` too.
 
         Raises :class:`QueueFull` when ``max_pending`` requests are already in the loop, and
         :class:`EngineStopped` when the loop is not running.
         """
         tracked = self._track(request_id, prompt_token_ids, sampling)
-        tracked.handoff, tracked.capture_hidden = handoff, capture_hidden
+        tracked.handoff, tracked.capture_hidden, tracked.tenant = handoff, capture_hidden, tenant
         self._commands.put(("add", tracked))
         return tracked.stream
 
@@ -336,8 +369,8 @@ class EngineLoop:
 
     def _track(self, request_id: Optional[str], prompt_token_ids: Sequence[int], sampling: SamplingParams) -> _Tracked:
         """Count a new request against ``max_pending`` (or refuse it) and track it."""
-        if self._stopping or not self.running:
-            raise EngineStopped("the server is shutting down" if self._stopping else "the engine is not running")
+        if self._stopping or not self.running or self._stalled is not None:
+            raise EngineStopped("the server is shutting down" if self._stopping else self.problem)
         with self._pending_lock:
             if self._pending >= self.max_pending:
                 raise QueueFull(f"the server is at capacity ({self.max_pending} requests in flight); retry later")
@@ -356,18 +389,54 @@ class EngineLoop:
                 self._publish()
                 if not engine.has_unfinished():
                     continue
-                try:
-                    engine.step()
-                except Exception:  # an engine bug outside any request's phases: fail what runs, keep serving
-                    logger.exception("engine step failed")
-                    self._fail_all(ENGINE_ERROR_MESSAGE)
-                    continue
+                self._step()
                 self._publish()
-        except Exception:  # pragma: no cover - a bug in this loop itself
-            logger.exception("the engine loop failed")
+        except BaseException as exc:  # noqa: BLE001 - a bug in this loop itself: say so, fail what is left
+            self._lost = f"the engine thread died ({_one_line(exc)}); restart the server"
+            logger.critical("%s", self._lost, exc_info=exc)
         finally:
-            self._fail_all("the server is shutting down", error=False)
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            if self._lost is not None:
+                self._fail_all(self._lost)
+            else:
+                self._fail_all("the server is shutting down", error=False)
             self._snapshot = self._take_snapshot(running=False)
+
+    def _step(self) -> None:
+        """One engine step, watched. Whatever it raises fails the requests in the engine (not
+        only one request's failure, which the engine handles itself) and the loop goes on:
+        ``BaseException`` too, since plugin code runs here and ``sys.exit()`` in it must not
+        end this thread. A step the watchdog declared stalled fails them once it returns."""
+        failed = False
+        if self._watchdog is not None:
+            self._watchdog.begin()
+        try:
+            self.engine.step()
+        except BaseException as exc:  # noqa: BLE001 - see the docstring
+            logger.error("engine step failed", exc_info=exc)
+            failed = True
+        if self._watchdog is not None and self._watchdog.end():
+            logger.warning("the stalled engine step returned; the server takes requests again")
+            self._fail_all(self._stalled)  # what the clients were told by _step_stalled
+            self._stalled = None
+        elif failed:
+            self._fail_all(ENGINE_ERROR_MESSAGE)
+
+    def _step_stalled(self, seconds: float) -> None:
+        """The step watchdog's call (its thread) while a step has run for ``seconds``, past
+        the timeout: the engine thread is still inside the step, so only the clients are told
+        (the requests in flight end with finish reason ``error``, the queued ones are
+        refused); the engine thread ends the requests in the engine once the step returns."""
+        timeout = self._watchdog.timeout
+        self._stalled = (f"the engine stalled: a step has run for more than the step timeout of {timeout:g} s "
+                         "(--step-timeout); the requests in flight were ended")
+        logger.error("an engine step has run for %.1f s, more than the step timeout of %g s: failing the "
+                     "requests in flight; /health answers 503 until the step returns", seconds, timeout)
+        self._drop_queued(self._stalled)
+        for tracked in list(self._tracked.values()):
+            tracked.told_end = True
+            tracked.send(_error_end(tracked, self._stalled))
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (blocking for the first one when idle); False on ``stop``."""
@@ -396,7 +465,7 @@ class EngineLoop:
             self._release()
             tracked.send(Rejected(_one_line(exc), exc.param, exc.code))
             return
-        except Exception as exc:  # noqa: BLE001 - whatever the engine refuses, the loop goes on
+        except BaseException as exc:  # noqa: BLE001 - whatever the engine refuses, the loop goes on
             if not isinstance(exc, SpecdecError):
                 logger.exception("add_request failed")
             self._release()
@@ -417,12 +486,18 @@ class EngineLoop:
             return self.engine.import_request(tracked.imported, request_id=request_id)
         if tracked.handoff:
             return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
-                                           handoff=True, capture_hidden=tracked.capture_hidden)
-        return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id)
+                                           handoff=True, capture_hidden=tracked.capture_hidden, tenant=tracked.tenant)
+        return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
+                                       tenant=tracked.tenant)
 
     def _abort(self, request_id: str) -> None:
-        if request_id in self._tracked:
+        if request_id not in self._tracked:
+            return
+        try:
             self.engine.abort_request(request_id)  # finished with reason "abort"; _publish reports it
+        except BaseException as exc:  # noqa: BLE001 - a proposer's on_request_finish, say
+            logger.error("aborting request %s failed", request_id, exc_info=exc)
+            self._fail_all(ENGINE_ERROR_MESSAGE)
 
     def _release(self) -> None:
         with self._pending_lock:
@@ -477,15 +552,21 @@ class EngineLoop:
         self.metrics.request_finished(request.finish_reason, now - tracked.submitted_at, per_token)
 
     def _drop_queued(self, message: str) -> None:
-        """End the requests submitted but not yet added (``abort``), emptying the command queue."""
+        """End the requests submitted but not yet added (``abort``); the other commands (an
+        abort, a stop) stay queued."""
+        kept = []
         while True:
             try:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "add":
                 self._release()
                 payload.send(Finished("", 0, 0, "abort", SpecMetrics(), message))
+            else:
+                kept.append((kind, payload))
+        for command in kept:
+            self._commands.put(command)
 
     def _fail_all(self, message: str, error: bool = True) -> None:
         """Abort every request in the engine, and tell each client (queued commands too)."""
@@ -493,16 +574,17 @@ class EngineLoop:
         for request_id, tracked in self._tracked.items():
             try:
                 self.engine.abort_request(request_id)
-            except Exception:  # pragma: no cover - the engine is already broken
+            except BaseException:  # noqa: BLE001 - the engine (or a plugin) is already broken
                 logger.exception("abort_request(%s) failed", request_id)
         error_message = message if error else None
         for request_id, tracked in list(self._tracked.items()):
             request = tracked.request
             if error:
                 request.finish_reason = "error"
-            tracked.send(Finished(request.text[tracked.emitted_chars:], request.num_generated,
-                                  request.num_prompt_tokens, request.finish_reason or "abort",
-                                  _copy(request.metrics), error_message))
+            if not tracked.told_end:
+                tracked.send(Finished(request.text[tracked.emitted_chars:], request.num_generated,
+                                      request.num_prompt_tokens, request.finish_reason or "abort",
+                                      _copy(request.metrics), error_message))
             self._record_finish(tracked, request, time.perf_counter())
             del self._tracked[request_id]
             self._release()
@@ -519,13 +601,22 @@ class EngineLoop:
         )
 
 
+def _error_end(tracked: _Tracked, message: str) -> Finished:
+    """The end of a request that fails now, told from a thread other than the engine's (which
+    may be stuck): the text not yet sent and the counts so far, finish reason ``error``."""
+    request = tracked.request
+    text = request.text[tracked.emitted_chars:] if request is not None else ""
+    return Finished(text, tracked.num_generated, len(tracked.prompt_token_ids), "error",
+                    _copy(request.metrics) if request is not None else SpecMetrics(), message)
+
+
 def _stop_holdback(stops: Sequence[str]) -> int:
     """How many trailing characters to hold back: a stop string may be starting there, and the
     engine trims the text back to where the stop string begins once it is complete."""
     return max((len(s) for s in stops), default=1) - 1
 
 
-def _one_line(exc: Exception) -> str:
+def _one_line(exc: BaseException) -> str:
     message = " ".join(str(exc).split())
     return message if isinstance(exc, SpecdecError) else f"{type(exc).__name__}: {message}"
 

@@ -8,6 +8,7 @@ docs/server.md lists every metric.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,6 +21,20 @@ PREFIX = "specdec_"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Counters of a server since it started (:meth:`ServerMetrics.totals`)."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    steps: int
+    emitted_tokens: int
+    accepted_per_position: tuple
 
 
 class ServerMetrics:
@@ -37,6 +52,10 @@ class ServerMetrics:
         self._accepted_tokens = 0
         self._steps = 0
         self._emitted = 0
+        self._drafts_total = 0
+        self._prompt_total = 0
+        self._generated_total = 0
+        self._per_position_total: list[int] = []
         self._state = state
         labels = ["model_name"]
 
@@ -92,6 +111,8 @@ class ServerMetrics:
 
     def request_admitted(self, num_prompt_tokens: int) -> None:
         self._prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        with self._lock:
+            self._prompt_total += num_prompt_tokens
 
     def request_rejected(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
@@ -101,6 +122,8 @@ class ServerMetrics:
 
     def tokens_generated(self, count: int) -> None:
         self._generation_tokens.labels(self.model_name).inc(count)
+        with self._lock:
+            self._generated_total += count
 
     def speculation(self, now: SpecMetrics, before: SpecMetrics) -> None:
         """Add what a request's counters gained between two steps (``before`` -> ``now``)."""
@@ -113,15 +136,28 @@ class ServerMetrics:
             self._draft_tokens_counter.labels(name).inc(draft_tokens)
         if accepted:
             self._accepted_counter.labels(name).inc(accepted)
+        gained = []
         for position, count in enumerate(now.accepted_per_position):
             seen = before.accepted_per_position[position] if position < len(before.accepted_per_position) else 0
+            gained.append(max(0, count - seen))
             if count > seen:
                 self._per_position.labels(name, str(position)).inc(count - seen)
         with self._lock:
+            self._drafts_total += drafts
+            for position, count in enumerate(gained):
+                if position == len(self._per_position_total):
+                    self._per_position_total.append(0)
+                self._per_position_total[position] += count
             self._draft_tokens += draft_tokens
             self._accepted_tokens += accepted
             self._steps += now.num_steps - before.num_steps
             self._emitted += now.num_emitted_tokens - before.num_emitted_tokens
+
+    def totals(self) -> "Totals":
+        """The counters since start, read together (the stats line's differences)."""
+        with self._lock:
+            return Totals(self._prompt_total, self._generated_total, self._drafts_total, self._draft_tokens,
+                          self._accepted_tokens, self._steps, self._emitted, tuple(self._per_position_total))
 
     def request_finished(self, finish_reason: str, latency_s: float, per_token_s: Optional[float]) -> None:
         name = self.model_name

@@ -19,7 +19,8 @@ are checked by :class:`specdec.SamplingParams` and the engine, the same rules as
 the Python API. Text fields must be valid Unicode (JSON's ``\\ud800`` escapes can make a lone
 surrogate, which no tokenizer can encode).
 
-Responses carry the speculative figures of each request in ``usage.speculative``.
+Responses carry the speculative figures of each request in ``usage.speculative`` (left out on a
+server run with ``--hide-speculative-usage``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from typing import Any, Literal, Optional
 
 import attrs
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from ..config import MAX_SPECULATIVE_TOKENS, describe, structure
 from ..validators import in_range
@@ -353,13 +354,22 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    speculative: SpeculativeUsage
+    #: None (left out of the JSON) on a server run with ``--hide-speculative-usage``.
+    speculative: Optional[SpeculativeUsage] = None
+
+    @model_serializer(mode="wrap")
+    def _without_hidden(self, handler) -> dict:
+        data = handler(self)
+        if self.speculative is None:
+            data.pop("speculative", None)
+        return data
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_generated: int, metrics: SpecMetrics) -> "Usage":
+    def of(cls, num_prompt_tokens: int, num_generated: int, metrics: Optional[SpecMetrics]) -> "Usage":
+        """The usage; ``metrics`` None leaves ``speculative`` out."""
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
                    total_tokens=num_prompt_tokens + num_generated,
-                   speculative=SpeculativeUsage.from_metrics(metrics))
+                   speculative=None if metrics is None else SpeculativeUsage.from_metrics(metrics))
 
 
 class CompletionChoice(BaseModel):

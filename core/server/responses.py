@@ -35,10 +35,14 @@ class _ResponseShape:
     id_prefix = ""
     prompt_param = ""  #: the field an error about the prompt names
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, hide_speculative: bool = False):
         self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.model_name = model_name
         self.created = int(time.time())
+        self.hide_speculative = hide_speculative  # leave usage.speculative out
+
+    def usage_of(self, final: Finished) -> Usage:
+        return usage_of(final, self.hide_speculative)
 
 
 class CompletionShape(_ResponseShape):
@@ -61,10 +65,11 @@ class CompletionShape(_ResponseShape):
         return self._make([CompletionChoice(text="", finish_reason=finish_reason)])
 
     def usage(self, final: Finished) -> BaseModel:
-        return self._make([], usage_of(final))
+        return self._make([], self.usage_of(final))
 
     def response(self, final: Finished) -> CompletionResponse:
-        return self._make([CompletionChoice(text=final.text, finish_reason=final.finish_reason)], usage_of(final))
+        return self._make([CompletionChoice(text=final.text, finish_reason=final.finish_reason)],
+                          self.usage_of(final))
 
 
 class ChatShape(_ResponseShape):
@@ -87,12 +92,12 @@ class ChatShape(_ResponseShape):
         return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])
 
     def usage(self, final: Finished) -> BaseModel:
-        return self._chunk([], usage_of(final))
+        return self._chunk([], self.usage_of(final))
 
     def response(self, final: Finished) -> ChatCompletionResponse:
         choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
-                                      choices=[choice], usage=usage_of(final))
+                                      choices=[choice], usage=self.usage_of(final))
 
 
 Shape = Union[CompletionShape, ChatShape]
@@ -144,6 +149,6 @@ def _sse_error(message: str) -> str:
     return f"data: {json.dumps(APIError(500, message, code='engine_error').body())}\n\n"
 
 
-def usage_of(final: Finished) -> Usage:
-    """The usage of a finished request."""
-    return Usage.of(final.num_prompt_tokens, final.num_generated, final.metrics)
+def usage_of(final: Finished, hide_speculative: bool = False) -> Usage:
+    """The usage of a finished request (without ``speculative`` when ``hide_speculative``)."""
+    return Usage.of(final.num_prompt_tokens, final.num_generated, None if hide_speculative else final.metrics)

@@ -24,6 +24,9 @@ from .app import build_app
 from .engine_loop import EngineLoop
 from .limits import ServerLimits, limited_protocol
 from .metrics import ServerMetrics
+from .metrics_listener import MetricsListener
+from .stats_log import StatsLogger, configure_logging
+from .watchdog import DEFAULT_STEP_TIMEOUT
 
 #: ``--max-pending-requests``: requests in flight (running or waiting) before 503.
 DEFAULT_MAX_PENDING = 1024
@@ -31,8 +34,9 @@ DEFAULT_MAX_PENDING = 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: any free port), not yet listening."""
+def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: any free port), not yet listening; errors
+    name ``flag``."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -44,7 +48,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise SpecdecError(f"--port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise SpecdecError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
 
@@ -137,18 +141,23 @@ def _graceful_exit() -> Iterator[None]:
 def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: Optional[str] = None,
                max_pending: int = DEFAULT_MAX_PENDING, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                limits: Optional[ServerLimits] = None, enable_docs: bool = False, metrics_require_key: bool = False,
-               log_level: str = "info", join_cluster=None) -> None:
+               log_level: str = "info", metrics_sock: Optional[socket.socket] = None, join_cluster=None,
+               step_timeout: float = DEFAULT_STEP_TIMEOUT, hide_speculative_usage: bool = False) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
 
-    ``limits``, ``enable_docs`` and ``metrics_require_key`` are those of
-    :func:`~specdec.server.app.build_app`. ``join_cluster(engine_loop, host, port)``, when
+    ``limits``, ``enable_docs``, ``metrics_require_key`` and ``hide_speculative_usage`` are those
+    of :func:`~specdec.server.app.build_app`. ``metrics_sock``, when given, serves ``/metrics``
+    alone (:mod:`~specdec.server.metrics_listener`). ``join_cluster(engine_loop, host, port)``, when
     given, returns the :class:`specdec.cluster.Cluster` this server joins (the command line
-    builds it: the cluster stands above the server)."""
+    builds it: the cluster stands above the server). ``step_timeout`` is the engine loop's
+    (0: no step watchdog)."""
     limits = limits or ServerLimits()
+    configure_logging(log_level)
     warning = raise_open_file_limit(limits.max_connections)
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    engine_loop = EngineLoop(engine, max_pending=max_pending, metrics=ServerMetrics(served_model_name))
+    engine_loop = EngineLoop(engine, max_pending=max_pending, metrics=ServerMetrics(served_model_name),
+                             step_timeout=step_timeout or None)
     host, port = sock.getsockname()[:2]
     cluster = None if join_cluster is None else join_cluster(engine_loop, host, port)
 
@@ -158,7 +167,8 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
 
     engine.set_fatal_handler(engine_lost)
     app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key, limits=limits,
-                    enable_docs=enable_docs, metrics_require_key=metrics_require_key, cluster=cluster)
+                    enable_docs=enable_docs, metrics_require_key=metrics_require_key, cluster=cluster,
+                    hide_speculative_usage=hide_speculative_usage)
     # uvicorn's own timeout is the last resort: by then the engine loop has ended every request.
     config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5.0)
     shown = f"[{host}]" if ":" in host else host
@@ -167,7 +177,15 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
              f"{', API key required' if api_key else ''}"
              f"{f', cluster role {cluster.options.role}' if cluster else ''})")
     server = Server(config, engine_loop, drain_timeout=shutdown_timeout, ready_line=ready, cluster=cluster)
-    with _graceful_exit():
-        server.run(sockets=[sock])
+    listener = None if metrics_sock is None else MetricsListener(
+        metrics_sock, engine_loop.metrics, api_key=api_key if metrics_require_key else None)
+    stats = StatsLogger(engine_loop.metrics, engine_loop.snapshot)
+    try:
+        with _graceful_exit():
+            server.run(sockets=[sock])
+    finally:
+        stats.close()
+        if listener is not None:
+            listener.close()
     if not server.started:
         raise SpecdecError("the server did not start (see the log above)")

@@ -48,7 +48,7 @@ namespace {
 // A prompt's matmuls allocate megabytes (a [rows, 2 * inner] gate/up output, paddle's output
 // tensors). glibc serves such blocks with fresh mmaps and returns them at free, so every call
 // paid a page fault per 4 KiB touched, most of a prompt's matmul time in a VM
-// (docs/benchmarks.md#one-quantized-matmul-benchmarksbench_quant_matmulpy).
+// (docs/benchmarks/llamacpp.md#one-quantized-matmul-benchmarksbench_quant_matmulpy).
 // Blocks up to 32 MiB come from the heap instead, and the heap keeps up to 256 MiB it no longer
 // uses, so that the next call reuses the same pages. Set once, when the kernels load.
 const bool kHeapReuse = [] {
@@ -262,7 +262,7 @@ struct QuantWeight {
 // extra one). Long runs stream contiguous memory (what the prefetchers follow best) and keep
 // the claims on the shared counter few; more than one per thread lets a thread that runs
 // faster take the work of one that runs slower (a VM's steal time; figures in
-// docs/benchmarks.md#work-items-sized-by-weight-bytes-2026-12-03-evening). Small matrices
+// docs/benchmarks/llamacpp.md#work-items-sized-by-weight-bytes-2026-12-03-evening). Small matrices
 // (the default model's, but its LM head) keep two per thread.
 constexpr int64_t kItemBytes = 256 * 1024;
 

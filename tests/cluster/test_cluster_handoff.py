@@ -18,7 +18,7 @@ from cluster_harness import (_SOLO_ENGINES, CLUSTER_SECRET, MODEL_NAME, RedisSer
 from test_cluster import MAX_TOKENS, PROMPTS, _complete, _outcomes
 
 from specdec.cluster.messages import Job, sampling_to_dict
-from specdec.cluster.redis_link import Keys, RedisLink
+from specdec.cluster.redis_link import Keys, RedisLink, SchedulerConfig
 from specdec.cluster.registry import ClusterView, InstanceInfo, read_instances, register
 from specdec.cluster.remote import RemoteRequestStream
 from specdec.cluster.router import Router
@@ -29,6 +29,7 @@ from specdec.server.engine_loop import Finished
 pytestmark = pytest.mark.slow
 
 SECRET = CLUSTER_SECRET.encode()
+KEYS = Keys()  # the default topic, as the harness's instances use
 ATTACK_TOKENS = 48
 
 
@@ -91,7 +92,7 @@ def test_prefill_and_decode_instances_match_a_single_instance(pd_pair, solo):
 
 def _registration(redis_server, instance_id: str) -> dict:
     """An instance's registration as Redis holds it (signed or not)."""
-    record = json.loads(redis.Redis.from_url(redis_server.url).get(Keys.instance(instance_id)))
+    record = json.loads(redis.Redis.from_url(redis_server.url).get(KEYS.instance(instance_id)))
     return json.loads(record["p"]) if isinstance(record.get("p"), str) else record
 
 
@@ -191,12 +192,12 @@ def test_a_job_pushed_twice_runs_once_and_hands_off_only_to_a_registered_decode_
                   prompt=tokenizer.encode(PROMPTS[1]), sampling=sampling_to_dict(SamplingParams(max_tokens=MAX_TOKENS)),
                   decode={"instance_id": "decode-ngram", "needs_hidden_states": False, "ticket": ticket,
                           "transfer": trap_address})
-        store.rpush(Keys.jobs("prefill-ngram"), job.to_json(SECRET), job.to_json(SECRET))
+        store.rpush(KEYS.jobs("prefill-ngram"), job.to_json(SECRET), job.to_json(SECRET))
         events, last_id = [], "0-0"
         deadline = time.monotonic() + 60
         while not events or events[-1]["type"] != "finished":
             assert time.monotonic() < deadline, events
-            reply = await asyncio.to_thread(store.xread, {Keys.events("pushed-twice"): last_id}, block=500)
+            reply = await asyncio.to_thread(store.xread, {KEYS.events("pushed-twice"): last_id}, block=500)
             for _, items in reply or ():
                 for last_id, fields in items:
                     events.append(json.loads(fields[b"e"]))
@@ -212,17 +213,17 @@ def test_a_job_pushed_twice_runs_once_and_hands_off_only_to_a_registered_decode_
 
 
 def test_an_instance_that_never_takes_its_jobs_cannot_black_hole_a_request(redis_server):
-    """A registration that claims -1000 pending requests wins the routing and never takes a
-    job: the request fails within its dispatch deadline, with a message that says so."""
+    """A registration that looks sane (the registry refuses absurd ones) and never takes a job:
+    the request fails within its dispatch deadline, with a message that says so."""
     url = redis_server.url.rsplit("/", 1)[0] + "/1"  # a database of its own: no other instance sees it
 
     async def run():
-        link = RedisLink(url)
+        link = RedisLink(SchedulerConfig(url))
         hole = InstanceInfo(instance_id="black-hole", role="mixed", model=MODEL_NAME, url="http://127.0.0.1:9",
-                            num_pending=-1000, max_pending=1)
-        await register(link, hole)
+                            num_pending=0, max_pending=8)
+        await register(link, hole, SECRET)
         view = ClusterView(link)
-        view.update(await read_instances(link))
+        view.update(await read_instances(link, SECRET))
         me = InstanceInfo(instance_id="origin", role="prefill", model=MODEL_NAME, url="http://127.0.0.1:8")
         router = Router(me)
         route = router.choose(view.live())

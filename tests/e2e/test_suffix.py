@@ -40,7 +40,8 @@ def test_identical_to_greedy(model_session):
 def test_repeated_workload_learns_from_earlier_responses(model_session):
     """Code-edit prompts three times through one engine (one proposer, batch 1): the first
     pass drafts from each request's own prompt; the later ones also from the global tree,
-    which holds the first pass's answers.
+    which holds the first pass's answers. The cache keeps 6 responses (of 12), so it evicts
+    while requests run, and every pass still writes the very same tokens.
 
     A draft grows with its match (one token after a one-token match, ...), so each answer
     starts with a few short drafts. With the default cap of 5 drafts a step, the last pass
@@ -52,14 +53,16 @@ def test_repeated_workload_learns_from_earlier_responses(model_session):
     prompts = list(code_edit_prompts(4))
     # Every draft verified: the adaptive policy cuts drafts by measured step times, which
     # would make the acceptance figures depend on the machine's load.
-    llm.set_speculative_config({**SUFFIX_GREEDY, "num_speculative_tokens": 8, "adaptive_draft_length": False})
+    llm.set_speculative_config({**SUFFIX_GREEDY, "num_speculative_tokens": 8, "adaptive_draft_length": False,
+                                "suffix_decoding_max_cached_requests": 6})
     saved = engine.scheduler.max_num_seqs
     engine.scheduler.max_num_seqs = 1
-    passes = []
+    passes, tokens = [], []
     try:
         for _ in range(3):
             outputs = llm.generate(prompts, SAMPLING, use_chat_template=True)
             passes.append(SpecMetrics.total(o.metrics for o in outputs))
+            tokens.append([list(o.token_ids) for o in outputs])
     finally:
         engine.scheduler.max_num_seqs = saved
         for request in [*engine.waiting, *engine.running]:
@@ -68,4 +71,41 @@ def test_repeated_workload_learns_from_earlier_responses(model_session):
     summary = [(round(p.acceptance_rate, 3), round(p.mean_acceptance_length, 3)) for p in passes]
     assert last.acceptance_rate > first.acceptance_rate, summary
     assert last.mean_acceptance_length >= 2 * first.mean_acceptance_length, summary
-    assert len(engine.proposer.global_tree) == 3 * len(prompts)
+    assert len(engine.proposer.global_tree) == 6
+    assert tokens[0] == tokens[1] == tokens[2]  # lossless, with evictions in between
+
+
+def test_tenants_over_http_and_hidden_usage(model_session):
+    """The real app over the session's engine, ``suffix_decoding_cache_scope: tenant``: the
+    tenant is the hashed bearer token. B asking A's question right after A gets no drafts
+    from A's answer (the very figures of A's first request, whose tenant tree was empty),
+    while A asking again does; ``--hide-speculative-usage`` leaves ``usage.speculative`` out."""
+    from fastapi.testclient import TestClient
+
+    from specdec.server import EngineLoop, build_app
+
+    llm = model_session.llm
+    llm.set_speculative_config({**SUFFIX_GREEDY, "num_speculative_tokens": 8, "adaptive_draft_length": False,
+                                "suffix_decoding_cache_scope": "tenant"})
+    body = {"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0}
+
+    def complete(client, key, **extra):
+        response = client.post("/v1/completions", json={**body, **extra}, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with TestClient(build_app(EngineLoop(llm.engine), served_model_name="m")) as client:
+        a_first, b_first, a_again = (complete(client, key) for key in ("key-of-a", "key-of-b", "key-of-a"))
+    assert a_first["choices"][0]["text"] == b_first["choices"][0]["text"] == a_again["choices"][0]["text"]
+    speculative = [r["usage"]["speculative"] for r in (a_first, b_first, a_again)]
+    assert speculative[1] == speculative[0], speculative
+    assert speculative[2]["num_accepted_tokens"] > speculative[0]["num_accepted_tokens"] + 5, speculative
+    trees = llm.engine.proposer.response_trees
+    assert len(trees) == 2 and all(key.startswith("key-") and "of" not in key for key in trees)  # hashes only
+
+    with TestClient(build_app(EngineLoop(llm.engine), served_model_name="m", hide_speculative_usage=True)) as client:
+        hidden = complete(client, "key-of-a")
+        stream = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert set(hidden["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    last_chunk = [line for line in stream.text.splitlines() if line.startswith("data: {")][-1]
+    assert '"usage"' in last_chunk and "speculative" not in last_chunk

@@ -9,9 +9,12 @@ server started with ``--tensor-parallel-size 2`` answers the official openai cli
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -76,6 +79,43 @@ def test_the_model_is_split_over_two_ranks(parallel):
     assert engine.kernels == "paddle" and engine.quantization == "none"
     assert len(engine.tensor_parallel_workers) == 1 and engine.tensor_parallel_workers[0].is_alive()
     assert engine.attention.num_kv_heads == 2 and engine.attention.num_heads == 6  # rank 0's share of 3 / 9
+
+
+def _tcp_sockets(pid: int) -> list[tuple[str, int, str]]:
+    """``(local address, port, state)`` of every TCP socket process ``pid`` holds (its fds'
+    socket inodes, looked up in /proc/PID/net/tcp and tcp6; state 0A is LISTEN)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, size in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                address, port = fields[1].split(":")
+                raw = b"".join(struct.pack("<I", int(address[i:i + 8], 16)) for i in range(0, 2 * size, 8))
+                found.append((str(ipaddress.ip_address(raw)), int(port, 16), fields[3]))
+    return found
+
+
+def test_the_ranks_listen_and_talk_on_loopback_only(parallel):
+    """The rendezvous store and the collectives' sockets of a group on one machine: paddle
+    would serve the store on every interface, and gloo would use the hostname's address.
+    (The store's process is rank 0's child while its ranks are connected.)"""
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    store = [int(pid) for pid in children if b"rendezvous_store" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    ranks = {"rank 0": os.getpid(), "rank 1": parallel.engine.tensor_parallel_workers[0].pid, "store": store[0]}
+    sockets = {rank: _tcp_sockets(pid) for rank, pid in ranks.items()}
+    assert sockets["store"] and sockets["rank 1"], "the store's process holds its ranks' connections"
+    loopback = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+    for rank, held in sockets.items():
+        assert [entry for entry in held if entry[0] not in loopback] == [], rank
+    # Once the group is joined, nothing of it listens any more.
+    for rank in ("rank 1", "store"):
+        assert [entry for entry in sockets[rank] if entry[2] == "0A"] == [], rank
 
 
 #: The prompts also run one at a time: the short one and a code edit (drafts are accepted on

@@ -57,7 +57,7 @@ def test_train_mtp_beats_an_untrained_head_and_resumes(tmp_path, model_session, 
     # --resume continues from the checkpoint: step 40 to 50, with the same draft vocabulary.
     resumed = train([str(corpus), str(code)], out, "--max-steps", "50", "--resume")
     assert resumed["steps"] == 50 and resumed["draft_vocab_size"] == report["draft_vocab_size"]
-    history = json.loads((out / "trainer.json").read_text())["history"]
+    history = json.loads((out / "checkpoint.json").read_text())["meta"]["history"]
     assert [h["step"] for h in history][-1] == 50 and any(h["step"] == 40 for h in history)
 
     # Substeps 2 and 3 trained on top of the trained head (--init), chained as the proposer runs them.

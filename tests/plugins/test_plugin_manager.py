@@ -53,6 +53,35 @@ def test_plugin_raising_any_exception_on_import_is_contained(site):
     assert line == "plugin 'boom' (specdec-plugin-boom 1.0) failed to load: RuntimeError: boom; second line"
 
 
+def test_plugin_exiting_or_interrupting_on_import_or_in_a_hook_is_contained(site):
+    """``sys.exit(3)`` or ``KeyboardInterrupt`` at import, and ``SystemExit`` in a
+    registration hook, used to end the process; each is one error line now, and the plugins
+    after them in load order still register."""
+    site.install("specdec-plugin-exit", "0.1.0", {"exiter": "sdt_exiter"},
+                 {"sdt_exiter": "import sys\nsys.exit(3)\n"})
+    site.install("specdec-plugin-interrupt", "0.1.0", {"interrupter": "sdt_interrupter"},
+                 {"sdt_interrupter": "raise KeyboardInterrupt\n"})
+    site.install("specdec-plugin-hook-exit", "0.1.0", {"hook_exit": "sdt_hook_exit"}, {"sdt_hook_exit": '''
+        import sys
+        import specdec
+
+        @specdec.hookimpl
+        def specdec_register_verify_strategies(register):
+            sys.exit("no strategies today")
+    '''})
+    site.install_proposer("specdec-plugin-zz-after", "after", "sdt_after", name="after_prop")
+
+    plugins = load_plugins()
+
+    assert [e for e in plugins.errors if "specdec-plugin-" in e] == [
+        "plugin 'exiter' (specdec-plugin-exit 0.1.0) failed to load: SystemExit: 3",
+        "plugin 'interrupter' (specdec-plugin-interrupt 0.1.0) failed to load: KeyboardInterrupt",
+        "plugin 'hook_exit' (specdec-plugin-hook-exit 0.1.0) failed in specdec_register_verify_strategies: "
+        "SystemExit: no strategies today",
+    ]
+    assert "after_prop" in plugins.proposers and "ngram" in plugins.proposers
+
+
 def test_duplicate_name_names_both_providers_and_keeps_the_first(site):
     # Installed b first: the winner is decided by load order (distribution name), not by disk.
     site.install_proposer("specdec-plugin-dup-b", "dup_b", "sdt_dup_b", name="dup", version="0.2.0")
@@ -216,7 +245,7 @@ def test_load_plugins_empty_string_loads_builtins_only(site, monkeypatch):
     assert "goodprop_b" not in plugins.proposers
     builtin_names = {name for name, _ in DEFAULT_PLUGINS}
     assert {info.name for info in plugins.infos} == builtin_names
-    assert all(info.builtin and info.distribution == "specdec" for info in plugins.infos)
+    assert all(info.builtin and info.distribution == "paddle-specdec" for info in plugins.infos)
 
 
 def test_load_plugins_by_name_loads_only_that_one(site, monkeypatch):

@@ -12,6 +12,7 @@ from specdec.plugin_manager import KINDS, load_plugins
 from specdec.plugins_cli import add_plugins_subcommand, format_plugins
 
 BROKEN = "import specdec_missing_dependency_xyz\n"
+EXITS = "import sys\nsys.exit(3)\n"
 
 
 def plugins_command(*args: str) -> list[str]:
@@ -33,6 +34,8 @@ def install_good_and_broken(site):
 
 def test_json_listing_shape_and_warnings(site):
     install_good_and_broken(site)
+    # sys.exit(3) at import used to end `specdec plugins` (and `serve`) with code 3 and no word.
+    site.install("specdec-plugin-exit", "0.1.0", {"exiter": "sdt_cli_exiter"}, {"sdt_cli_exiter": EXITS})
     result = run_plugins(site, "--json", SPECDEC_LOAD_PLUGINS=None)
 
     assert result.returncode == 0, result.stderr
@@ -51,9 +54,11 @@ def test_json_listing_shape_and_warnings(site):
     }
     assert by_name["broken"]["error"].startswith(
         "plugin 'broken' (specdec-plugin-broken 0.1.0) failed to load: ModuleNotFoundError")
-    assert by_name["ngram"]["builtin"] is True and by_name["ngram"]["distribution"] == "specdec"
+    assert by_name["ngram"]["builtin"] is True and by_name["ngram"]["distribution"] == "paddle-specdec"
     assert ("warning: plugin 'broken' (specdec-plugin-broken 0.1.0) failed to load: "
             "ModuleNotFoundError: No module named 'specdec_missing_dependency_xyz'") in result.stderr.splitlines()
+    assert by_name["exiter"]["error"] == "plugin 'exiter' (specdec-plugin-exit 0.1.0) failed to load: SystemExit: 3"
+    assert "warning: " + by_name["exiter"]["error"] in result.stderr.splitlines()
 
 
 def test_text_listing_one_line_per_plugin(site):
@@ -115,17 +120,28 @@ def specdec_register_commands(subcommands):
     subcommands.add_parser("generate")
 '''
 
+EXITING_COMMAND_PLUGIN = '''
+import sys
+import specdec
+
+@specdec.hookimpl
+def specdec_register_commands(subcommands):
+    sys.exit(3)
+'''
+
 
 def test_a_plugin_adds_a_command_and_a_bad_one_does_not_break_the_cli(site, capsys):
     """Through the real ``specdec`` entry point in this process: a third-party command runs
     and reports bad input as one line with exit 2; a plugin whose hook fails (its command name
-    is taken) becomes a plugin error while the command line works on."""
+    is taken, or it calls sys.exit) becomes a plugin error while the command line works on."""
     from specdec.cli import main
     from specdec.plugin_manager import get_plugins, reset_plugins
 
     site.install("specdec-plugin-hello", "0.1.0", {"hello": "sdt_cli_hello"}, {"sdt_cli_hello": COMMANDS_PLUGIN})
     site.install("specdec-plugin-taken", "0.1.0", {"taken": "sdt_cli_taken"},
                  {"sdt_cli_taken": TAKEN_COMMAND_PLUGIN})
+    site.install("specdec-plugin-exit-cmd", "0.1.0", {"exit_cmd": "sdt_cli_exit_cmd"},
+                 {"sdt_cli_exit_cmd": EXITING_COMMAND_PLUGIN})
     reset_plugins()
     try:
         assert main(["hello", "--name", "plugins"]) == 0
@@ -136,6 +152,9 @@ def test_a_plugin_adds_a_command_and_a_bad_one_does_not_break_the_cli(site, caps
         assert [e for e in errors if "taken" in e] == [
             "plugin 'taken' (specdec-plugin-taken 0.1.0) failed in specdec_register_commands: "
             "ArgumentError: argument command: conflicting subparser: generate"], errors
+        assert [e for e in errors if "exit_cmd" in e] == [
+            "plugin 'exit_cmd' (specdec-plugin-exit-cmd 0.1.0) failed in specdec_register_commands: "
+            "SystemExit: 3"], errors
         assert main(["plugins"]) == 0  # the command line works on, and says what went wrong
         assert "conflicting subparser: generate" in capsys.readouterr().err
     finally:

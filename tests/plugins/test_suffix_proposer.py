@@ -14,23 +14,23 @@ from specdec.plugins.suffix import SuffixConfig, SuffixProposer
 from specdec.testing import check_proposer
 
 
-def request(request_id, tokens, num_prompt_tokens=None, max_draft_len=5):
+def request(request_id, tokens, num_prompt_tokens=None, max_draft_len=5, tenant=None):
     tokens = np.asarray(tokens, dtype=np.int64)
     tokens.flags.writeable = False
     return specdec.ProposalRequest(request_id, tokens, len(tokens) if num_prompt_tokens is None
-                                   else num_prompt_tokens, max_draft_len)
+                                   else num_prompt_tokens, max_draft_len, tenant=tenant)
 
 
 def propose(proposer, *requests):
     return proposer.propose(specdec.ProposalBatch(list(requests))).to_lists()
 
 
-def run_request(proposer, request_id, prompt, generated):
+def run_request(proposer, request_id, prompt, generated, tenant=None):
     """Start a request, feed its generated tokens one step at a time, finish it."""
-    proposer.on_request_start(request(request_id, prompt))
+    proposer.on_request_start(request(request_id, prompt, tenant=tenant))
     tokens = list(prompt)
     for token in generated:
-        batch = specdec.ProposalBatch([request(request_id, tokens, len(prompt))])
+        batch = specdec.ProposalBatch([request(request_id, tokens, len(prompt), tenant=tenant)])
         proposer.on_step(batch, [np.array([token], dtype=np.int64)])
         tokens.append(token)
     proposer.on_request_finish(request_id)
@@ -48,9 +48,10 @@ def test_flat_keys_and_defaults():
     assert spec.method_config == SuffixConfig()
     assert attrs_dict(spec.method_config) == {
         "suffix_decoding_max_tree_depth": 64,
-        "suffix_decoding_max_cached_requests": -1,
+        "suffix_decoding_max_cached_requests": 10000,  # vLLM's default: bounded memory
         "suffix_decoding_max_spec_factor": 1.0,
         "suffix_decoding_min_token_prob": 0.1,
+        "suffix_decoding_cache_scope": "global",
     }
     spec = build_speculative_config({"method": "suffix", "num_speculative_tokens": 8,
                                      "suffix_decoding_max_tree_depth": 24,
@@ -212,6 +213,71 @@ def test_unlimited_and_off():
     run_request(off, "a", [0], [1, 2, 3])
     assert off.global_tree is None
     assert propose(off, request("b", [1, 2])) == [[]]
+
+
+def test_the_bound_holds_over_many_requests_and_eviction_leaves_the_kept_responses_tree():
+    """500 random responses through a cache of 40: the tree never holds more than 40, its
+    size stops growing, and what eviction leaves counts as the tree of the last 40 responses
+    does (same counts, same drafts): eviction never leaves a draft of evicted text behind."""
+    from specdec.plugins.suffix import SuffixTree
+
+    rng = np.random.default_rng(0)
+    responses = [rng.integers(0, 50, size=rng.integers(5, 60)).tolist() for _ in range(500)]
+    proposer = make(suffix_decoding_max_cached_requests=40)
+    sizes = []
+    for number, response in enumerate(responses):
+        run_request(proposer, f"r{number}", [0], response)
+        assert len(proposer.global_tree) <= 40
+        sizes.append(proposer.global_tree.num_nodes())
+    assert max(sizes[100:]) < 1.5 * max(sizes[:100])
+    fresh = SuffixTree(proposer.depth)
+    for number in range(460, 500):
+        fresh.extend(f"r{number}", responses[number])
+    tree = proposer.global_tree
+    assert tree.num_nodes() <= 1.2 * fresh.num_nodes()  # removal keeps a few count-1 inner nodes
+    for response in (*responses[::25], *responses[460::5]):  # evicted ones and kept ones
+        for start in range(0, len(response) - 3, 7):
+            for context in (response[start: start + 2], response[start: start + 4]):
+                assert tree.count(context) == fresh.count(context)
+                draft, expected = tree.speculate(context, 8), fresh.speculate(context, 8)
+                # The same draft up to ties between equally frequent tokens: equal probabilities,
+                # and the drafted text occurs in the kept responses as often.
+                assert (draft.probs, draft.score, draft.match_len) == (expected.probs, expected.score,
+                                                                        expected.match_len)
+                drafted = [*context[len(context) - draft.match_len:], *draft.token_ids]
+                assert not draft.token_ids or tree.count(drafted) == fresh.count(drafted) > 0
+
+
+def test_tenant_scope_keeps_one_tenants_responses_from_drafting_for_another():
+    response = list(range(200, 230))  # no token repeats: the request's own tree drafts nothing
+    prompt_b = [7] + response[:10]  # B writes the very text of A's response
+    drafts = {}
+    for scope in ("global", "tenant"):
+        proposer = make(suffix_decoding_cache_scope=scope)
+        run_request(proposer, "a1", [5], response, tenant="key-a")
+        drafts[scope, "B"] = propose(proposer, request("b1", prompt_b, tenant="key-b"))
+        drafts[scope, "A"] = propose(proposer, request("a2", prompt_b, tenant="key-a"))
+        drafts[scope, "anonymous"] = propose(proposer, request("n1", prompt_b))
+    assert drafts["global", "B"] == drafts["global", "A"] == [response[10:15]]
+    assert drafts["tenant", "B"] == [[]] and drafts["tenant", "anonymous"] == [[]]
+    assert drafts["tenant", "A"] == [response[10:15]]  # a tenant still learns from itself
+
+
+def test_tenant_trees_are_bounded_together():
+    proposer = make(suffix_decoding_cache_scope="tenant", suffix_decoding_max_cached_requests=3)
+    for number in range(6):
+        run_request(proposer, f"r{number}", [0], [number, number + 1, 9], tenant=f"key-{number % 2}")
+    assert sorted(proposer.response_trees) == ["key-0", "key-1"]
+    assert sum(len(tree) for tree in proposer.response_trees.values()) == 3
+    # A tenant whose last response is evicted leaves no (empty) tree behind; a request of it
+    # that started before then drafts from its new tree once there is one.
+    proposer.on_request_start(request("x", [9, 1, 2], tenant="key-9"))
+    run_request(proposer, "s0", [0], [1, 2, 7], tenant="key-9")
+    for number in range(3):
+        run_request(proposer, f"t{number}", [0], [number, 4], tenant="key-0")
+    assert "key-9" not in proposer.response_trees
+    run_request(proposer, "s1", [0], [1, 2, 8], tenant="key-9")
+    assert propose(proposer, request("x", [9, 1, 2], tenant="key-9")) == [[8]]
 
 
 def test_the_best_score_over_both_trees():

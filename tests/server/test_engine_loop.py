@@ -4,6 +4,7 @@ the bound, engine failures and shutdown."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Optional
 
@@ -44,7 +45,7 @@ class ScriptedEngine:
     def num_free_kv_blocks(self) -> int:
         return self.num_kv_blocks - len(self.running)
 
-    def add_request(self, prompt_token_ids, sampling, prompt=None, request_id=None):
+    def add_request(self, prompt_token_ids, sampling, prompt=None, request_id=None, tenant=None):
         if list(prompt_token_ids) == [666]:
             raise ValueError("an engine bug")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -173,3 +174,137 @@ def test_stop_ends_the_requests_in_flight():
     final, engine_loop = run(main, ScriptedEngine(["a"] * 10))
     assert final.finish_reason == "abort" and final.error is None
     assert not engine_loop.running
+
+
+# -- plugin code that misbehaves on the engine thread ------------------------------------------
+
+
+class MisbehavingEngine(ScriptedEngine):
+    """A scripted engine whose step ``n`` runs ``action()`` first: what a plugin called inside
+    the step would do (raise SystemExit, block)."""
+
+    def __init__(self, pieces: list[str], actions: dict):
+        super().__init__(pieces)
+        self.actions = actions
+
+    def step(self):
+        action = self.actions.get(self.steps + 1)
+        if action is not None:
+            self.steps += 1
+            action()
+        return super().step()
+
+
+@pytest.mark.parametrize("escape", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()],
+                         ids=lambda exc: type(exc).__name__)
+def test_a_base_exception_in_a_step_fails_its_requests_and_the_thread_serves_on(escape):
+    """What a plugin's ``sys.exit()`` inside a step did: end the engine thread, leaving a server
+    that answered 503 forever."""
+    async def main(engine_loop):
+        _, failed = await collect(engine_loop.submit([1], SamplingParams(max_tokens=5)))
+        problem = engine_loop.problem
+        deltas, after = await collect(engine_loop.submit([1], SamplingParams(max_tokens=2)))
+        return failed, problem, "".join(d.text for d in deltas) + after.text, after
+
+    def raise_it():
+        raise escape
+
+    (failed, problem, text, after), engine_loop = run(main, MisbehavingEngine(["a"] * 10, {2: raise_it}))
+    assert (failed.finish_reason, failed.error) == ("error", ENGINE_ERROR_MESSAGE)
+    assert problem is None
+    assert (after.finish_reason, after.error, text) == ("length", None, "aa")
+    assert engine_loop.snapshot().num_pending == 0
+
+
+def test_a_stalled_step_fails_its_requests_at_the_deadline_and_the_loop_recovers_when_it_returns():
+    release = threading.Event()
+
+    async def main(engine_loop):
+        started = time.monotonic()
+        stalled = engine_loop.submit([1], SamplingParams(max_tokens=5))
+        _, failed = await collect(stalled)
+        waited = time.monotonic() - started
+        problem = engine_loop.problem
+        with pytest.raises(EngineStopped) as refused:
+            engine_loop.submit([1], SamplingParams(max_tokens=1))
+        release.set()  # the hung step returns
+        while engine_loop.problem is not None:
+            await asyncio.sleep(0.01)
+        _, after = await collect(engine_loop.submit([1], SamplingParams(max_tokens=2)))
+        return failed, waited, problem, str(refused.value), after
+
+    engine = MisbehavingEngine(["a"] * 10, {2: lambda: release.wait(30)})
+    (failed, waited, problem, refused, after), engine_loop = run(main, engine, step_timeout=0.3)
+    assert failed.finish_reason == "error"
+    assert failed.error == problem == refused == (
+        "the engine stalled: a step has run for more than the step timeout of 0.3 s (--step-timeout); "
+        "the requests in flight were ended")
+    assert waited < 5, "the request waited for the hung step instead of the deadline"
+    assert (after.finish_reason, after.error) == ("length", None)
+    assert engine_loop.snapshot().num_pending == 0 and engine_loop.snapshot().num_free_kv_blocks == 2
+
+
+def test_an_engine_thread_that_dies_fails_its_requests_and_says_why():
+    class DyingEngine(ScriptedEngine):
+        def has_unfinished(self):  # the loop's own code, not a step: nothing guards it
+            if self.steps >= 2:
+                raise SystemExit(3)
+            return super().has_unfinished()
+
+    async def main(engine_loop):
+        _, final = await collect(engine_loop.submit([1], SamplingParams(max_tokens=5)))
+        with pytest.raises(EngineStopped) as refused:
+            engine_loop.submit([1], SamplingParams())
+        return final, str(refused.value)
+
+    (final, refused), engine_loop = run(main, DyingEngine(["a"] * 10))
+    message = "the engine thread died (SystemExit: 3); restart the server"
+    assert (final.finish_reason, final.error) == ("error", message)
+    assert refused == engine_loop.problem == message
+    assert not engine_loop.running
+
+
+def test_a_stats_line_while_busy_and_none_while_idle(caplog):
+    """The periodic stats line (``specdec serve`` logs one every 10 s): live figures from the
+    metrics while requests run, silence once the server is idle."""
+    from specdec.server.metrics import ServerMetrics
+    from specdec.server.stats_log import StatsLogger
+
+    metrics = ServerMetrics("scripted")
+    engine = ScriptedEngine(["tok"] * 400)
+
+    async def main(engine_loop):
+        stats = StatsLogger(metrics, engine_loop.snapshot, interval=0.05)
+        try:
+            await collect(engine_loop.submit([1, 2, 3], SamplingParams(max_tokens=40)))
+            lines_busy = [r.getMessage() for r in caplog.records if r.name == "specdec.stats"]
+            await asyncio.sleep(0.3)  # idle: several intervals pass
+            return lines_busy, [r.getMessage() for r in caplog.records if r.name == "specdec.stats"]
+        finally:
+            stats.close()
+
+    with caplog.at_level("INFO", logger="specdec.stats"):
+        (busy, after_idle), _ = run(main, engine, metrics=metrics)
+    assert busy, "no stats line while a request ran"
+    assert all("requests in flight" in line and "generation" in line and "KV cache" in line for line in busy)
+    assert any(float(line.split("generation ")[1].split(" tok/s")[0]) > 0 for line in busy)
+    assert len(after_idle) <= len(busy) + 1  # at most the interval that saw the end
+
+
+def test_log_level_covers_specdecs_own_loggers():
+    import logging
+
+    from specdec.server.stats_log import configure_logging
+
+    root = logging.getLogger("specdec")
+    saved = (root.level, list(root.handlers), root.propagate)
+    try:
+        root.handlers = []
+        configure_logging("warning")
+        assert logging.getLogger("specdec.cluster").getEffectiveLevel() == logging.WARNING
+        assert not logging.getLogger("specdec.stats").isEnabledFor(logging.INFO)
+        assert len(root.handlers) == 1
+        configure_logging("debug")
+        assert logging.getLogger("specdec.engine").isEnabledFor(logging.DEBUG) and len(root.handlers) == 1
+    finally:
+        root.level, root.handlers, root.propagate = saved

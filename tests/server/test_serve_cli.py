@@ -52,6 +52,7 @@ def test_serve_flag_errors_are_one_line_and_fast():
         (["--max-body-bytes", "0"], "--max-body-bytes: must be >= 1, got 0"),
         (["--max-connections", "0"], "--max-connections: must be >= 1, got 0"),
         (["--read-timeout", "0"], "--read-timeout: must be > 0, got 0"),
+        (["--step-timeout", "nan"], "--step-timeout: must be >= 0 (0: no watchdog), got nan"),
         (["--metrics-require-key"], "--metrics-require-key: needs an API key (--api-key, or $SPECDEC_API_KEY)"),
     ]
 

@@ -8,13 +8,16 @@ import asyncio
 import json
 import ssl
 import subprocess
+import time
 
 import numpy as np
 import pytest
 
 from specdec.cluster.messages import decode_event, encode_event, to_loop_event
+from specdec.cluster.records import BadRecord, BadRecords
 from specdec.cluster.redis_link import parse_scheduler_url, redacted
-from specdec.cluster.registry import InstanceInfo
+from specdec.cluster.registry import InstanceInfo, parse_registration
+from specdec.cluster.secret import seal
 from specdec.cluster.router import NoRoute, Router
 from specdec.cluster.transfer import (MAGIC, MAX_HEADER_BYTES, TicketBook, TransferError, TransferServer,
                                       TransferTLS, frame_handoff, issue_ticket, send_handoff)
@@ -109,7 +112,7 @@ def test_events_survive_the_stream_encoding(event):
 
 
 
-SECRET = b"unit-test-cluster-secret-0123456789"
+HANDOFF_SECRET = b"unit-test-cluster-secret-0123456789"
 
 
 def _state(num_positions: int = 20, block_size: int = 16) -> HandoffState:
@@ -124,11 +127,11 @@ def _state(num_positions: int = 20, block_size: int = 16) -> HandoffState:
                         hidden_states=None, layout=layout, first_token_s=0.25)
 
 
-def _ticket(secret=SECRET, request_id: str = "r", decode: str = "d", ttl: float = 60.0) -> dict:
+def _ticket(secret=HANDOFF_SECRET, request_id: str = "r", decode: str = "d", ttl: float = 60.0) -> dict:
     return issue_ticket(secret, request_id=request_id, attempt=1, origin="o", decode=decode, ttl=ttl)
 
 
-async def _with_server(handler, check, byte_cap=lambda n: 2**20, secret=SECRET, **options):
+async def _with_server(handler, check, byte_cap=lambda n: 2**20, secret=HANDOFF_SECRET, **options):
     server = TransferServer("127.0.0.1", 0, handler, byte_cap, TicketBook("d", secret), **options)
     _, port = await server.start()
     try:
@@ -151,7 +154,7 @@ async def _exchange(address: str, payload: bytes, eof: bool = False) -> dict:
         writer.close()
 
 
-def _frame(ticket: dict, state: HandoffState, secret=SECRET) -> tuple[bytes, bytes]:
+def _frame(ticket: dict, state: HandoffState, secret=HANDOFF_SECRET) -> tuple[bytes, bytes]:
     """``(head, body)``: a hand-off's bytes up to its header's MAC, and the rest."""
     head, views, body_tag = frame_handoff(ticket, 3, state, secret)
     return head, b"".join(bytes(view) for view in views) + body_tag
@@ -161,7 +164,7 @@ def _never(meta, state):  # pragma: no cover - reaching it fails the test
     raise AssertionError("a refused hand-off reached the engine")
 
 
-@pytest.mark.parametrize("secret", [SECRET, None])
+@pytest.mark.parametrize("secret", [HANDOFF_SECRET, None])
 def test_a_hand_off_arrives_whole_and_only_an_authenticated_one_may_share_its_prefix(secret):
     received = []
 
@@ -186,7 +189,7 @@ def test_the_handler_refusal_reaches_the_sender():
         return "instance d: at capacity"
 
     with pytest.raises(TransferError, match="at capacity"):
-        asyncio.run(_with_server(handler, lambda address: send_handoff(address, _ticket(), 0, _state(), SECRET)))
+        asyncio.run(_with_server(handler, lambda address: send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET)))
 
 
 def test_more_bytes_than_the_positions_need_are_refused_before_the_body_is_read():
@@ -206,7 +209,7 @@ def _good_handoff_after(check):
 
     async def run(address):
         result = await check(address)
-        await send_handoff(address, _ticket(), 0, _state(), SECRET)
+        await send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET)
         return result
 
     result = asyncio.run(_with_server(handler, run))
@@ -289,7 +292,7 @@ def test_idle_connections_cannot_exhaust_the_listener():
         idle_answers = [json.loads(await asyncio.wait_for(reader.readline(), 5)) for reader, _ in idle]
         for _, writer in idle:
             writer.close()
-        await send_handoff(address, _ticket(), 0, _state(), SECRET)  # the slots are free again
+        await send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET)  # the slots are free again
         return extra, idle_answers
 
     received = []
@@ -323,10 +326,151 @@ def test_over_tls_a_hand_off_arrives_and_a_plaintext_or_certificateless_sender_i
         return None
 
     async def check(address):
-        await send_handoff(address, _ticket(), 0, _state(), SECRET, tls=tls_files.client_context())
+        await send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET, tls=tls_files.client_context())
         for tls in (None, ssl.create_default_context(cafile=tls_files.ca)):  # no TLS; TLS without a client cert
             with pytest.raises(TransferError):
-                await send_handoff(address, _ticket(), 0, _state(), SECRET, tls=tls, timeout=5)
+                await send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET, tls=tls, timeout=5)
 
     asyncio.run(_with_server(handler, check, tls=tls_files.server_context()))
     assert len(received) == 1
+
+
+# -- registrations read from Redis -------------------------------------------------------------
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def _record(**fields) -> dict:
+    record = {"instance_id": "a", "role": "mixed", "model": "m", "url": "http://a:1", "num_pending": 0,
+              "max_pending": 8, "heartbeat_at": time.time()}
+    record.update(fields)
+    return record
+
+
+def _reason(key: str, value: bytes, pttl_ms: int = 2500, secret=SECRET) -> str:
+    with pytest.raises(BadRecord) as info:
+        parse_registration(key, value, pttl_ms, secret)
+    assert "\n" not in str(info.value)
+    return info.value.reason
+
+
+def test_a_signed_sane_registration_is_read():
+    key = "specdec:instance:a"
+    info = parse_registration(key, seal(SECRET, f"registration {key}", _record(num_pending=3)), 2500, SECRET)
+    assert (info.instance_id, info.num_pending) == ("a", 3)
+    unsigned = parse_registration(key, json.dumps(_record()).encode(), 2500, None)  # a cluster without a secret
+    assert unsigned.instance_id == "a"
+
+
+@pytest.mark.parametrize("fields", [
+    {"num_pending": "x"}, {"num_pending": -1000}, {"num_pending": True}, {"max_pending": 0},
+    {"num_kv_blocks": 10**12}, {"role": "boss"}, {"url": "ftp://a"}, {"transfer": "nowhere"},
+    {"heartbeat_at": float("nan")}, {"kv_layout": []}, {"instance_id": "b"},
+])
+def test_a_registration_with_a_mistyped_or_out_of_bounds_field_is_skipped(fields):
+    key = "specdec:instance:a"
+    assert _reason(key, seal(SECRET, f"registration {key}", _record(**fields))) == "field"
+    assert _reason(key, json.dumps(_record(**fields)).encode(), secret=None) == "field"
+
+
+def test_a_registration_missing_a_field_is_skipped():
+    record = _record()
+    del record["url"]
+    assert _reason("specdec:instance:a", json.dumps(record).encode(), secret=None) == "field"
+
+
+def test_unsigned_malformed_undying_and_replayed_registrations_are_skipped():
+    key = "specdec:instance:a"
+    assert _reason(key, b"\xff{not json") == "malformed"
+    assert _reason(key, b"[1, 2]", secret=None) == "malformed"
+    assert _reason(key, json.dumps(_record()).encode()) == "signature"  # unsigned, the cluster has a secret
+    signed = seal(SECRET, f"registration {key}", _record())
+    assert _reason("specdec:instance:b", signed) == "signature"  # moved to another instance's key
+    assert _reason("other:instance:a", signed) == "signature"  # or to another topic
+    assert _reason(key, signed, pttl_ms=-1) == "expiry"  # no time to live: never dies
+    assert _reason(key, signed, pttl_ms=3_600_000) == "expiry"
+    stale = seal(SECRET, f"registration {key}", _record(heartbeat_at=time.time() - 3600))
+    assert _reason(key, stale) == "expiry"  # a copy of an old registration
+
+
+def test_each_bad_record_is_counted_and_logged_once(caplog):
+    records, counted = BadRecords(), []
+    records.on_count = lambda kind, reason: counted.append((kind, reason))
+    problem = BadRecord("malformed", "not a JSON object")
+    with caplog.at_level("WARNING", logger="specdec.cluster"):
+        for _ in range(5):  # five heartbeats read the same record
+            records.report("registration", "specdec:instance:x", b"junk", problem)
+        records.report("registration", "specdec:instance:x", b"other junk", problem)
+    assert counted == [("registration", "malformed")] * 2
+    assert len([r for r in caplog.records if "specdec:instance:x" in r.getMessage()]) == 2
+
+
+# -- the scheduler flags -----------------------------------------------------------------------
+
+
+def _scheduler(*flags: str):
+    from specdec.cli import build_parser
+    from specdec.cluster.flags import scheduler_config
+
+    return scheduler_config(build_parser().parse_args(["serve", *flags]))
+
+
+def test_fastdeploys_pd_command_line_means_a_cluster_under_its_topic(monkeypatch):
+    monkeypatch.delenv("SPECDEC_SCHEDULER_PASSWORD", raising=False)
+    config = _scheduler("--splitwise-role", "prefill", "--scheduler-name", "splitwise", "--scheduler-host",
+                        "127.0.0.1", "--scheduler-port", "6379", "--scheduler-ttl", "9000", "--scheduler-topic",
+                        "mtp", "--scheduler-password", "scheduler_mtp", "--metrics-port", "8181")
+    assert (config.url, config.password, config.topic, config.records_ttl_s) == (
+        "redis://127.0.0.1:6379/0", "scheduler_mtp", "mtp", 9000)
+    assert config.keys.instance("p") == "mtp:instance:p" and config.keys.jobs("p") == "mtp:jobs:p"
+    assert _scheduler("--scheduler-name", "global").url == "redis://127.0.0.1:6379/0"
+    assert _scheduler("--scheduler-name", "local") is None
+    assert _scheduler("--scheduler", "redis://h:1/0").keys.instance("p") == "specdec:instance:p"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--scheduler-name", "dp"], "--scheduler-name dp: FastDeploy's data-parallel scheduler has no counterpart"),
+    (["--scheduler-name", "grand"], "--scheduler-name: must be one of local, global, splitwise, dp"),
+    (["--scheduler-host", "h"], "--scheduler-host: needs --scheduler-name global or splitwise"),
+    (["--scheduler-name", "local", "--scheduler-port", "1"], "--scheduler-port: --scheduler-name local serves alone"),
+    (["--scheduler-name", "global", "--scheduler", "redis://h:1/0", "--scheduler-host", "h"],
+     "--scheduler-host: give Redis's address once"),
+    (["--scheduler", "redis://:pw@h:1/0", "--scheduler-password", "pw"], "--scheduler: Redis's password is given"),
+    (["--scheduler-topic", "t"], "--scheduler-topic: needs a cluster"),
+    (["--scheduler", "redis://h:1/0", "--scheduler-topic", "a:b"], "--scheduler-topic: 1 to 64 letters"),
+    (["--scheduler", "redis://h:1/0", "--scheduler-ttl", "0"], "--scheduler-ttl: must be between"),
+    (["--scheduler", "redis://h:1/0", "--scheduler-ca-file", "ca.pem"], "--scheduler-ca-file: needs a rediss://"),
+])
+def test_contradictory_scheduler_flags_are_one_line_naming_the_flag(flags, message):
+    with pytest.raises(SpecdecError) as info:
+        _scheduler(*flags)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_the_password_leaves_the_url_the_environment_and_the_command_line(monkeypatch, tmp_path):
+    from specdec.cli import build_parser
+    from specdec.cluster.flags import argv_without_password
+
+    monkeypatch.setenv("SPECDEC_SCHEDULER_PASSWORD", "from-env")
+    config = _scheduler("--scheduler", "rediss://:s%40cret@h:1/2")
+    assert (config.url, config.password, config.is_tls) == ("rediss://h:1/2", "s@cret", True)
+    assert "cret" not in repr(config)
+    assert _scheduler("--scheduler", "redis://h:1/0").password == "from-env"
+    (tmp_path / "password").write_text("from-file\n")
+    assert _scheduler("--scheduler", "redis://h:1/0", "--scheduler-password-file",
+                      str(tmp_path / "password")).password == "from-file"
+    argv = ["serve", "--scheduler", "redis://:pw@h:1/0", "--scheduler-password", "pw", "--port", "0"]
+    args = build_parser().parse_args(argv[:3] + argv[5:])
+    assert argv_without_password(["python", *argv[:3], *argv[5:]], args) == [
+        "python", "serve", "--scheduler", "redis://h:1/0", "--port", "0"]
+    args = build_parser().parse_args(["serve", "--scheduler-password=pw", "--scheduler-name", "global"])
+    assert argv_without_password(["specdec", "serve", "--scheduler-password=pw", "--scheduler-name", "global"],
+                                 args) == ["specdec", "serve", "--scheduler-name", "global"]
+
+
+@pytest.mark.parametrize("url", ["redis://:hunter2@h:99999/0", "http://:hunter2@h:1/0", "redis://:hun/ter2@h:1/0",
+                                 "redis://user:hunter2@h:1/db"])
+def test_a_bad_scheduler_url_never_shows_its_password(url):
+    with pytest.raises(SpecdecError) as info:
+        parse_scheduler_url(url)
+    assert "hunter2" not in str(info.value) and "ter2" not in str(info.value)

@@ -1,4 +1,4 @@
-"""Every relative link in README.md, CONTRIBUTING.md and docs/*.md resolves: the file exists and,
+"""Every relative link in README.md, CONTRIBUTING.md and docs/**/*.md resolves: the file exists and,
 for ``file#anchor`` or ``#anchor``, the file has a heading with that GitHub-style anchor."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
@@ -88,3 +88,20 @@ def test_the_check_catches_broken_links(tmp_path):
                     "```\n[g](missing-in-fence.md)\n# not a heading\n```\n\n# Here\n", encoding="utf-8")
     assert broken_links(page) == ["other.md#part-two: no heading with that anchor in other.md",
                                   "missing.md: no file missing.md", "missing-ref.md: no file missing-ref.md"]
+
+
+#: ``docs/<page>.md`` or ``docs/<page>.md#<anchor>`` cited in code, a comment or a docstring.
+CODE_REFERENCE = re.compile(r"docs/([\w/.-]+?\.md)(?:#([\w-]+))?")
+SOURCES = [path for folder in ("core", "plugins", "kernels", "benchmarks", "training", "examples", "tests")
+           for path in sorted((ROOT / folder).rglob("*"))
+           if path.suffix in {".py", ".cc", ".h", ".inc", ".sh"} and path.is_file()]
+
+
+def test_code_references_to_docs_resolve():
+    broken = []
+    for path in SOURCES:
+        for match in CODE_REFERENCE.finditer(path.read_text(encoding="utf-8", errors="replace")):
+            page = ROOT / "docs" / match[1]
+            if not page.exists() or (match[2] and match[2] not in anchors(page)):
+                broken.append(f"{path.relative_to(ROOT)}: {match[0]}")
+    assert broken == []

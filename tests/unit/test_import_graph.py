@@ -34,9 +34,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("plugin host", ("specdec.registry", "specdec.plugin_manager", "specdec.config")),
     ("engine", ("specdec.engine",)),
     ("applications", ("specdec.api", "specdec.tools", "specdec.recording", "specdec.testing",
-                      "specdec.testing_attention", "specdec.testing_verify", "specdec.demo", "specdec.server")),
+                      "specdec.testing_attention", "specdec.testing_verify", "specdec.demo", "specdec.server",
+                      "specdec.bench", "specdec.chat")),
     ("cluster", ("specdec.cluster",)),
-    ("command line", ("specdec.cli", "specdec.plugins_cli")),
+    ("command line", ("specdec.cli", "specdec.plugins_cli", "specdec.bench_cli", "specdec.chat_cli")),
 ]
 #: What a plugin may import of specdec: the contract, and the tools inside its commands.
 PLUGIN_SURFACE = ("specdec", "specdec.sdk", "specdec.tools")
