@@ -218,7 +218,7 @@ def test_an_instance_that_never_takes_its_jobs_cannot_black_hole_a_request(redis
     url = redis_server.url.rsplit("/", 1)[0] + "/1"  # a database of its own: no other instance sees it
 
     async def run():
-        link = RedisLink(SchedulerConfig(url))
+        link = RedisLink(SchedulerConfig(url=url))
         hole = InstanceInfo(instance_id="black-hole", role="mixed", model=MODEL_NAME, url="http://127.0.0.1:9",
                             num_pending=0, max_pending=8)
         await register(link, hole, SECRET)
