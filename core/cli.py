@@ -257,6 +257,13 @@ def _add_cluster_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--cluster-secret", default=None, metavar="SECRET",
                        help="the cluster secret itself (default: $SPECDEC_CLUSTER_SECRET; prefer that or "
                             "--cluster-secret-file: a flag is visible to every user in ps)")
+    group.add_argument("--kv-transfer-tls-cert", default=None, metavar="PATH",
+                       help="TLS on the KV transfer channel: this instance's certificate (PEM; with "
+                            "--kv-transfer-tls-key; the same flags on every instance)")
+    group.add_argument("--kv-transfer-tls-key", default=None, metavar="PATH", help="its private key (PEM)")
+    group.add_argument("--kv-transfer-tls-ca", default=None, metavar="PATH",
+                       help="the CA that signs the instances' certificates (default: the system's); decode "
+                            "instances then require a client certificate too")
 
 
 # -- shared helpers --------------------------------------------------------------------------
@@ -470,6 +477,7 @@ def _cluster_options(args, api_key):
     from .cluster import ClusterOptions
     from .cluster.redis_link import ping
     from .cluster.secret import resolve_cluster_secret, secret_required
+    from .cluster.transfer import TransferTLS
 
     if args.cluster_secret:
         print("warning: --cluster-secret: the secret is visible to every user of this machine (ps, /proc); "
@@ -478,9 +486,17 @@ def _cluster_options(args, api_key):
     if cluster_secret is None and secret_required(args.role, args.advertise_host or args.host):
         raise SpecdecError(f"--role {args.role}: on {args.advertise_host or args.host} (not loopback) the instances "
                            "need a shared secret: --cluster-secret-file PATH or $SPECDEC_CLUSTER_SECRET")
+    if bool(args.kv_transfer_tls_cert) != bool(args.kv_transfer_tls_key) or (
+            args.kv_transfer_tls_ca and not args.kv_transfer_tls_cert):
+        raise SpecdecError("--kv-transfer-tls-cert and --kv-transfer-tls-key go together (and --kv-transfer-tls-ca "
+                           "with them)")
+    tls = None
+    if args.kv_transfer_tls_cert:
+        tls = TransferTLS(args.kv_transfer_tls_cert, args.kv_transfer_tls_key, args.kv_transfer_tls_ca)
+        tls.contexts()  # a bad file fails now, before the model loads
     options = ClusterOptions(scheduler=scheduler, role=args.role, instance_id=args.instance_id,
                              advertise_host=args.advertise_host, kv_transfer_port=args.kv_transfer_port,
-                             api_key=api_key, cluster_secret=cluster_secret)
+                             api_key=api_key, cluster_secret=cluster_secret, transfer_tls=tls)
     ping(options.scheduler)
     if getattr(args, "process_argv", None) is not None:  # the checks passed: now take the password off ps's listing
         from .cluster.flags import hide_password_and_restart

@@ -3,7 +3,13 @@
 A **job** (JSON in the target's job list) asks an instance to run a request:
 
     {"request_id", "attempt", "origin", "kind": "run" | "prefill", "prompt": [ids],
-     "sampling": {...}, "decode": {"instance_id", "transfer", "needs_hidden_states"} | null}
+     "sampling": {...}, "decode": {"instance_id", "needs_hidden_states", "ticket"} | null}
+
+sealed with the cluster secret when there is one (:func:`.secret.seal`): an instance runs only
+jobs signed with its cluster's secret. The decode instance's transfer address is not in the
+job: the prefill instance looks it up in its own view of the cluster, so that a job cannot send
+the prompt and KV anywhere else. ``ticket`` (:func:`.transfer.issue_ticket`) is what the decode
+instance takes the hand-off on.
 
 ``origin`` is the instance the client is connected to; ``attempt`` counts the times the origin
 has dispatched the request (it re-dispatches a request that was lost before anything of it
@@ -30,6 +36,7 @@ import attrs
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams
 from ..server.engine_loop import Admitted, Delta, Event, Finished, Rejected
+from .secret import seal, unseal
 
 
 def sampling_to_dict(sampling: SamplingParams) -> dict:
@@ -65,12 +72,16 @@ class Job:
     sampling: dict
     decode: Optional[dict] = None
 
-    def to_json(self) -> bytes:
-        return json.dumps(attrs.asdict(self)).encode()
+    def to_json(self, secret: Optional[bytes] = None) -> bytes:
+        """The job as its instance's list holds it, signed with ``secret`` when given."""
+        return seal(secret, "job", attrs.asdict(self))
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Job":
-        return cls(**json.loads(data))
+    def from_json(cls, data: bytes, secret: Optional[bytes] = None) -> "Job":
+        """The job :meth:`to_json` wrote; raises :class:`~.secret.BadSignature` when
+        ``secret`` is given and the job is not signed with it, ``ValueError``/``TypeError``
+        when it is not a job."""
+        return cls(**unseal(secret, "job", data))
 
     @property
     def run_id(self) -> str:

@@ -29,7 +29,7 @@ from .registry import HEARTBEAT_S, ROLES, ClusterView, InstanceInfo, deregister,
 from .remote import RemoteRequestStream
 from .router import NoRoute, Route, Router
 from .runner import JobRunner
-from .transfer import TransferServer, TransferStats
+from .transfer import TicketBook, TransferServer, TransferStats, TransferTLS
 
 logger = logging.getLogger("specdec.cluster")
 
@@ -44,9 +44,11 @@ class ClusterOptions:
     :ivar advertise_host: ``--advertise-host``: how the other instances reach this one
         (default: ``--host``, or this machine's address when that is a wildcard).
     :ivar kv_transfer_port: ``--kv-transfer-port`` of a decode instance (0: any free port).
-    :ivar api_key: the server's API key; hand-offs between instances must carry it too.
+    :ivar api_key: the server's API key (what clients hold; the instances prove themselves to
+        each other with the cluster secret instead).
     :ivar cluster_secret: the secret the instances share (:mod:`.secret`), or None (allowed
         only for ``mixed`` instances and on loopback).
+    :ivar transfer_tls: TLS on the KV transfer channel (``--kv-transfer-tls-*``), or None.
     """
 
     scheduler: SchedulerConfig
@@ -56,6 +58,7 @@ class ClusterOptions:
     kv_transfer_port: int = 0
     api_key: Optional[str] = None
     cluster_secret: Optional[bytes] = attrs.field(default=None, repr=False)
+    transfer_tls: Optional[TransferTLS] = None
 
     def __attrs_post_init__(self):
         if self.role not in ROLES:
@@ -107,12 +110,12 @@ class Cluster:
             await self.link.call(self.link.check_run_id, give_up_after=10.0)
         except RedisUnavailable as exc:
             raise SpecdecError(f"--scheduler: {exc}") from None
+        server_tls, client_tls = options.transfer_tls.contexts() if options.transfer_tls else (None, None)
         transfer = ""
         if options.role == "decode":
-            max_bytes = (engine.num_kv_blocks * engine.attention.bytes_per_block(engine.block_size)
-                         + engine.max_model_len * engine.model_config.hidden_size * 4)
-            self.transfer = TransferServer(http_host, options.kv_transfer_port, self._accept_handoff, max_bytes,
-                                           options.api_key)
+            self.transfer = TransferServer(http_host, options.kv_transfer_port, self._accept_handoff,
+                                           _handoff_byte_cap(engine), TicketBook(instance_id, options.cluster_secret),
+                                           tls=server_tls)
             try:
                 _, port = await self.transfer.start()
             except OSError as exc:
@@ -124,8 +127,8 @@ class Cluster:
                                kv_layout=engine.kv_layout.to_dict(), needs_hidden_states=engine.needs_hidden_states,
                                method=engine.spec.method, pid=os.getpid(), started_at=time.time())
         self.router = Router(self.me)
-        self.runner = JobRunner(self.link, instance_id, self.engine_loop, self.view, options.api_key,
-                                on_transfer=self._transferred)
+        self.runner = JobRunner(self.link, instance_id, self.engine_loop, self.view, options.cluster_secret,
+                                on_transfer=self._transferred, transfer_tls=client_tls)
         await self._heartbeat_once()
         self._tasks = [asyncio.ensure_future(self._heartbeat()), asyncio.ensure_future(self.runner.consume())]
         logger.info("joined the cluster at %s as %s (%s)", options.scheduler.shown, instance_id, options.role)
@@ -177,7 +180,8 @@ class Cluster:
         if route.kind == "local":
             return self.engine_loop.submit(prompt_ids, sampling, request_id)
         return RemoteRequestStream(request_id, self.link, self.view, self.me.instance_id, route, prompt_ids,
-                                   sampling, self._route_again, streaming=streaming)
+                                   sampling, self._route_again, streaming=streaming,
+                                   secret=self.options.cluster_secret)
 
     def _route_again(self, exclude: frozenset) -> Route:
         route = self.router.choose(self.view.live(), exclude, local_pending=self.engine_loop.num_pending)
@@ -249,6 +253,22 @@ class Cluster:
         self._transfers.labels(self.model_name, "sent").inc()
         self._transfer_bytes.labels(self.model_name, "sent").inc(stats.num_bytes)
         self._transfer_seconds.labels(self.model_name).inc(stats.seconds)
+
+
+def _handoff_byte_cap(engine):
+    """``byte_cap(num_positions)`` for the transfer listener: the bytes a hand-off of that many
+    positions carries at most (its KV blocks and float32 hidden states); 0 beyond the model's
+    length or the pool's size, which refuses it before its body is read."""
+    bytes_per_block = engine.attention.bytes_per_block(engine.block_size)
+    hidden_bytes = engine.model_config.hidden_size * 4
+
+    def byte_cap(num_positions: int) -> int:
+        blocks = -(-num_positions // engine.block_size)
+        if not 0 < num_positions <= engine.max_model_len or blocks > engine.num_kv_blocks:
+            return 0
+        return blocks * bytes_per_block + num_positions * hidden_bytes
+
+    return byte_cap
 
 
 def _advertised(host: str) -> str:

@@ -166,6 +166,10 @@ class Keys:
         """``INSTANCE ATTEMPT`` of whoever runs the request now, renewed while it runs."""
         return f"{self.prefix}claim:{request_id}"
 
+    def taken(self, run_id: str) -> str:
+        """Set (``SET NX``) by the instance that takes a job's run id: a job is run once."""
+        return f"{self.prefix}taken:{run_id}"
+
     def cancel(self, request_id: str, attempt: int) -> str:
         """Set when the instance the client is on gives up on that attempt."""
         return f"{self.prefix}cancel:{request_id}:{attempt}"

@@ -17,7 +17,14 @@ or the instance was busy, then:
   a second run could contradict.
 
 So a request is never run twice for the client, and never hangs: a request whose Redis stays
-unreachable for ``RedisLink.give_up_after`` seconds fails too.
+unreachable for ``RedisLink.give_up_after`` seconds fails too, and so does an attempt that
+misses a deadline: its job not taken within :data:`DISPATCH_DEADLINE_S` seconds (an instance
+that registers and never takes its jobs would otherwise *black-hole* every request routed to
+it), or no event for :data:`IDLE_DEADLINE_S` seconds once it runs. Such an attempt is lost
+like the others above (re-run elsewhere, else failed with a message that says so).
+
+Jobs are signed with the cluster secret (:meth:`Job.to_json`), and a ``pd`` job carries the
+hand-off ticket (:func:`.transfer.issue_ticket`) the decode instance takes the request on.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from .messages import Job, decode_event, sampling_to_dict, to_loop_event
 from .redis_link import RedisLink, RedisUnavailable
 from .registry import ClusterView
 from .router import NoRoute, Route
+from .transfer import issue_ticket
 
 logger = logging.getLogger("specdec.cluster")
 
@@ -42,6 +50,10 @@ MAX_ATTEMPTS = 3
 CHECK_S = 1.0
 #: Checks in a row that find neither the request's claim nor its job before it counts as lost.
 LOST_AFTER_CHECKS = 3
+#: Seconds an attempt's job may wait for its instance to take it.
+DISPATCH_DEADLINE_S = 60.0
+#: Seconds a running attempt may go without an event.
+IDLE_DEADLINE_S = 300.0
 
 
 class _Lost(Exception):
@@ -62,11 +74,18 @@ class RemoteRequestStream(RequestStream):
     :param streaming: the client reads the text as it comes. When it does not, the text is
         held here until the end, so that nothing reaches the client before the request is
         done, and a lost request can always run again.
+    :param secret: the cluster secret that signs jobs and hand-off tickets, or None.
+    :param dispatch_deadline, idle_deadline: seconds (see the module docstring).
     """
 
     def __init__(self, request_id: str, link: RedisLink, view: ClusterView, origin: str, route: Route,
-                 prompt_ids, sampling, route_again: Callable[[frozenset], Route], streaming: bool = True):
+                 prompt_ids, sampling, route_again: Callable[[frozenset], Route], streaming: bool = True,
+                 secret: Optional[bytes] = None, dispatch_deadline: float = DISPATCH_DEADLINE_S,
+                 idle_deadline: float = IDLE_DEADLINE_S):
         super().__init__(request_id, engine_loop=None)
+        self._secret = secret
+        self._dispatch_deadline = dispatch_deadline
+        self._idle_deadline = idle_deadline
         self._link = link
         self._view = view
         self._origin = origin
@@ -133,11 +152,12 @@ class RemoteRequestStream(RequestStream):
         link, client = self._link, self._link.client
         job = self._job(route)
         target = route.target.instance_id
-        job_bytes = job.to_json()
+        job_bytes = job.to_json(self._secret)
         await link.call(lambda: client.rpush(link.keys.jobs(target), job_bytes))
         events_key = link.keys.events(self.request_id)
         last_id, expected = b"0-0", 0
         last_check, misses = time.monotonic(), 0
+        self._taken, self._last_event_at = False, time.monotonic()
         while not self._aborted:
             entries = await link.call(lambda: client.xread({events_key: last_id}, count=64, block=500))
             for _, items in entries or ():
@@ -150,6 +170,7 @@ class RemoteRequestStream(RequestStream):
                         raise _Lost(f"events of this request were lost (the cluster's Redis restarted?) "
                                     f"after {self._num_generated} tokens")
                     expected += 1
+                    self._taken, self._last_event_at = True, time.monotonic()
                     if data["type"] == "busy":
                         raise _Lost(data["message"], data.get("instance") or target)
                     if self._deliver_event(to_loop_event(data)):
@@ -164,6 +185,7 @@ class RemoteRequestStream(RequestStream):
     async def _check(self, target: str, job_bytes: bytes, misses: int) -> int:
         """A quiet request: is it still running, queued, or lost? Returns the new miss count."""
         client = self._link.client
+        quiet = time.monotonic() - self._last_event_at
         claim = await self._link.call(lambda: client.get(self._link.keys.claim(self.request_id)))
         if claim is not None:
             holder, _, attempt = claim.decode().rpartition(" ")
@@ -171,12 +193,20 @@ class RemoteRequestStream(RequestStream):
                 if self._view.is_dead(holder):
                     raise _Lost(f"instance {holder} stopped while running this request, after "
                                 f"{self._num_generated} tokens", holder)
+                self._taken = True
+                if quiet > self._idle_deadline:
+                    self._missed_deadline(f"instance {holder} sent nothing of this request for "
+                                          f"{self._idle_deadline:g} s, after {self._num_generated} tokens", holder)
                 return 0
         queued = await self._link.call(lambda: client.lpos(self._link.keys.jobs(target), job_bytes))
         if queued is not None:
             if self._view.is_dead(target) and await self._link.call(
                     lambda: client.lrem(self._link.keys.jobs(target), 1, job_bytes)):
                 raise _Lost(f"instance {target} stopped before it took this request", target)
+            if not self._taken and quiet > self._dispatch_deadline and await self._link.call(
+                    lambda: client.lrem(self._link.keys.jobs(target), 1, job_bytes)):
+                self._missed_deadline(f"instance {target} did not take this request within "
+                                      f"{self._dispatch_deadline:g} s", target)
             return 0
         misses += 1
         if misses >= LOST_AFTER_CHECKS:
@@ -184,11 +214,17 @@ class RemoteRequestStream(RequestStream):
                         f"restarted) after {self._num_generated} tokens", target if self._view.is_dead(target) else None)
         return misses
 
+    def _missed_deadline(self, message: str, instance: str):
+        logger.warning("request %s: attempt %d missed its deadline: %s", self.request_id, self._attempt, message)
+        raise _Lost(message, instance)
+
     def _job(self, route: Route) -> Job:
         decode = None
         if route.kind == "pd":
-            decode = {"instance_id": route.decode.instance_id, "transfer": route.decode.transfer,
-                      "needs_hidden_states": route.decode.needs_hidden_states}
+            ticket = issue_ticket(self._secret, request_id=self.request_id, attempt=self._attempt,
+                                  origin=self._origin, decode=route.decode.instance_id)
+            decode = {"instance_id": route.decode.instance_id, "needs_hidden_states": route.decode.needs_hidden_states,
+                      "ticket": ticket}
         return Job(request_id=self.request_id, attempt=self._attempt, origin=self._origin,
                    kind="prefill" if route.kind == "pd" else "run", prompt=self._prompt, sampling=self._sampling,
                    decode=decode)

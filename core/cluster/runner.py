@@ -9,6 +9,11 @@ A ``prefill`` job runs the prompt and first token only; the request then moves w
 blocks to the decode instance the job names (:mod:`.transfer`), which continues the same event
 stream (:meth:`JobRunner.accept_handoff`). A hand-off that fails tells the origin ``busy``:
 nothing has reached the client yet, so the origin dispatches the request again.
+
+A job runs once: the runner takes its run id with ``SET NX`` first, and drops a job whose run
+id was taken already (a dispatch retried after its reply was lost, or a replayed job), which
+would otherwise write a second run into the first one's event stream. With a cluster secret,
+a job that is not signed with it is dropped too.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ..server.engine_loop import (Admitted, EngineLoop, EngineStopped, Finished,
 from .messages import Job, busy_event, encode_event, sampling_from_dict
 from .redis_link import RedisLink, RedisUnavailable
 from .registry import ClusterView
+from .secret import BadSignature
 from .transfer import TransferError, send_handoff
 
 logger = logging.getLogger("specdec.cluster")
@@ -62,19 +68,21 @@ class JobRunner:
     """Runs this instance's jobs (see the module docstring).
 
     :param instance_id: this instance.
-    :param view: the cluster view, to tell an origin's death.
-    :param api_key: sent with hand-offs (the decode instance checks it).
+    :param view: the cluster view, to tell an origin's death and find decode instances.
+    :param secret: the cluster secret (jobs and hand-offs are signed with it), or None.
     :param on_transfer: ``on_transfer(stats)`` after each hand-off sent (metrics).
+    :param transfer_tls: the client SSL context hand-offs are sent with, or None.
     """
 
     def __init__(self, link: RedisLink, instance_id: str, engine_loop: EngineLoop, view: ClusterView,
-                 api_key: Optional[str] = None, on_transfer=None):
+                 secret: Optional[bytes] = None, on_transfer=None, transfer_tls=None):
         self.link = link
         self.instance_id = instance_id
         self.engine_loop = engine_loop
         self.view = view
-        self.api_key = api_key
+        self.secret = secret
         self.on_transfer = on_transfer
+        self.transfer_tls = transfer_tls
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
@@ -89,7 +97,10 @@ class JobRunner:
             if item is None:
                 continue
             try:
-                job = Job.from_json(item[1])
+                job = Job.from_json(item[1], self.secret)
+            except BadSignature as exc:
+                logger.warning("ignored a job in %s that is not signed with the cluster secret: %s", key, exc)
+                continue
             except Exception:  # noqa: BLE001 - a stray value in our list is not a reason to stop
                 logger.warning("ignored a malformed job in %s", key)
                 continue
@@ -113,6 +124,10 @@ class JobRunner:
     async def _run(self, job: Job) -> None:
         writer = EventWriter(self.link, job.request_id, job.attempt)
         try:
+            if not await self._take(job.run_id):
+                logger.warning("request %s: refused a second job for run %s (a duplicate dispatch or a replay)",
+                               job.request_id, job.run_id)
+                return
             if await self._cancelled(job.request_id, job.attempt):
                 return
             await self._claim(job.request_id, job.attempt)
@@ -164,14 +179,17 @@ class JobRunner:
             watcher.cancel()
 
     async def _hand_off(self, job: Job, finished: Finished, writer: EventWriter) -> None:
-        decode = job.decode
-        meta = {"request_id": job.request_id, "attempt": job.attempt, "origin": job.origin, "seq": writer.seq}
+        decode_id = str(job.decode["instance_id"])
+        decode = self.view.get(decode_id)
         try:
-            stats = await send_handoff(decode["transfer"], meta, finished.handoff, self.api_key)
+            # Only to a decode instance this instance sees registered: never to an address a job names.
+            if decode is None or decode.role != "decode" or not decode.transfer:
+                raise TransferError(f"{decode_id} is not a registered decode instance")
+            stats = await send_handoff(decode.transfer, job.decode.get("ticket"), writer.seq, finished.handoff,
+                                       self.secret, tls=self.transfer_tls)
         except TransferError as exc:
-            logger.warning("request %s: hand-off to %s failed: %s", job.request_id, decode["instance_id"], exc)
-            await writer.busy(f"hand-off to decode instance {decode['instance_id']} failed: {exc}",
-                              decode["instance_id"])
+            logger.warning("request %s: hand-off to %s failed: %s", job.request_id, decode_id, exc)
+            await writer.busy(f"hand-off to decode instance {decode_id} failed: {exc}", decode_id)
             return
         if self.on_transfer is not None:
             self.on_transfer(stats)
@@ -180,7 +198,9 @@ class JobRunner:
 
     async def accept_handoff(self, meta: dict, state) -> Optional[str]:
         """:class:`~specdec.cluster.transfer.TransferServer`'s handler: run the handed-off
-        request here and stream its events on; None when it runs, else why not."""
+        request here and stream its events on; None when it runs, else why not. ``meta``
+        comes from the redeemed ticket (the request's id, attempt and origin) and the sender
+        (the next event number)."""
         request_id, attempt = str(meta["request_id"]), int(meta["attempt"])
         try:
             stream = self.engine_loop.submit_imported(state, f"{request_id}.{attempt}")
@@ -206,6 +226,12 @@ class JobRunner:
             logger.exception("request %s: forwarding its events failed", request_id)
 
     # -- claims and the watcher ----------------------------------------------------------
+
+    async def _take(self, run_id: str) -> bool:
+        """Take ``run_id`` for this instance; False when someone took it before."""
+        key = self.link.keys.taken(run_id)
+        return bool(await self.link.call(lambda: self.link.client.set(key, self.instance_id, nx=True,
+                                                                      ex=self.link.records_ttl_s)))
 
     async def _claim(self, request_id: str, attempt: int) -> None:
         value = f"{self.instance_id} {attempt}"

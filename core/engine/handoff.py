@@ -100,6 +100,10 @@ class HandoffState:
         states at those positions (for a decode engine whose proposer reads them), or None.
     :ivar layout: the exporting engine's :class:`KVLayout`.
     :ivar first_token_s: seconds from the request's arrival to its first token there.
+    :ivar share_prefix: whether the importing engine may offer the imported prompt blocks to
+        its prefix cache, for later requests to share. True for a state from a trusted source;
+        :meth:`from_wire` makes it False unless the transport authenticated the sender (a
+        forged hand-off must not *poison* the prefix cache: the first entry of a key wins).
     """
 
     request_id: str
@@ -112,6 +116,7 @@ class HandoffState:
     hidden_states: Optional[np.ndarray]
     layout: KVLayout
     first_token_s: float
+    share_prefix: bool = True
 
     @property
     def buffers(self) -> list[np.ndarray]:
@@ -148,16 +153,20 @@ class HandoffState:
         return header, buffers
 
     @classmethod
-    def from_wire(cls, header: dict, buffers: Sequence[Buffer]) -> "HandoffState":
+    def from_wire(cls, header: dict, buffers: Sequence[Buffer], share_prefix: bool = False) -> "HandoffState":
         """The state :meth:`to_wire` sent: ``header`` and the raw bytes of each buffer, in
         order. The arrays are read-only views of ``buffers`` (no copy). A header or buffer
-        that does not fit is a one-line :class:`SpecdecError`."""
+        that does not fit is a one-line :class:`SpecdecError`.
+
+        :param share_prefix: the transport authenticated the sender (see :attr:`share_prefix`)."""
         try:
-            return cls._from_wire(header, buffers)
+            state = cls._from_wire(header, buffers)
         except SpecdecError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise SpecdecError(f"not a hand-off: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
+        state.share_prefix = share_prefix
+        return state
 
     @classmethod
     def _from_wire(cls, header: dict, buffers: Sequence[Buffer]) -> "HandoffState":
@@ -211,10 +220,10 @@ def import_request(engine, state: HandoffState, request_id: Optional[str] = None
 
     When the batch has a free seat (fewer than ``max_num_seqs`` running, none waiting) and
     the pool has the blocks, its KV blocks are written into this cache and it joins the
-    running batch at once (``request.kv_imported`` True); its full prompt blocks join the
-    prefix cache. Otherwise, or when this engine's proposer reads hidden states and the
-    state has none, it queues and recomputes its tokens here (``kv_imported`` False):
-    the same tokens, later.
+    running batch at once (``request.kv_imported`` True). Otherwise, or when this engine's
+    proposer reads hidden states and the state has none, it queues and recomputes its tokens
+    here (``kv_imported`` False): the same tokens, later. Imported full prompt blocks join
+    the prefix cache only when ``state.share_prefix`` (a state from an authenticated sender).
 
     :param request_id: the request's id here (default: a fresh one of this engine's).
     :returns: the request; its ``text`` already holds the handed-off tokens' text, and its
@@ -295,6 +304,8 @@ def _seat_imported(engine, request, state: HandoffState) -> bool:
     except BaseException:
         engine.kv.free(request)
         raise
+    if not state.share_prefix:
+        request.prefix_keys = []  # unauthenticated blocks stay this request's own
     engine.kv.adopt(request, n)
     request.kv_imported = True
     scheduler.running.append(request)

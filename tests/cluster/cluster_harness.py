@@ -25,6 +25,8 @@ import pytest
 
 MODEL_NAME = "smollm2-cluster"
 API_KEY = "cluster-test-key"
+#: The cluster secret every test instance shares (hand-offs and jobs are signed with it).
+CLUSTER_SECRET = "cluster-test-secret-0123456789abcdef"
 
 
 def free_port() -> int:
@@ -157,7 +159,7 @@ def launch_instance(redis_url: Optional[str], directory: Path, name: str, *, rol
                *extra]
     if speculative is not None:
         command += ["--speculative-config", json.dumps(speculative)]
-    env = {**os.environ, "SPECDEC_API_KEY": API_KEY, **(env or {})}
+    env = {**os.environ, "SPECDEC_API_KEY": API_KEY, "SPECDEC_CLUSTER_SECRET": CLUSTER_SECRET, **(env or {})}
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     return name, process, log

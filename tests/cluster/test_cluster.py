@@ -193,31 +193,6 @@ def test_an_instance_killed_mid_run_loses_no_request_silently(directory, redis_s
         b.stop()
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "mtp"])
-def test_prefill_and_decode_instances_match_a_single_instance(directory, redis_server, solo, method):
-    prompts = PROMPTS[:8]
-    prefill, decode = start_instances(
-        redis_server.url, directory, (f"prefill-{method}", {"role": "prefill", "speculative": {"method": method}}),
-        (f"decode-{method}", {"role": "decode", "speculative": {"method": method}}))
-    try:
-        wait_for_instances(prefill, 2)
-        wait_for_instances(decode, 2)
-        calls = [_complete(prefill if i % 2 else decode, prompt, stream=i % 3 == 0) for i, prompt in enumerate(prompts)]
-        assert asyncio.run(_outcomes(calls)) == solo[:8]
-        received = decode.metric("specdec_kv_transfers_total", direction="received")
-        sent = prefill.metric("specdec_kv_transfers_total", direction="sent")
-        assert received == sent == len(prompts)
-        assert decode.metric("specdec_kv_transfer_bytes_total", direction="received") > 0
-        if method == "mtp":  # the hidden states travel with the KV, and the head drafts well from them
-            assert decode.metric("specdec_spec_decode_acceptance_rate") > 0.2
-        # Speculation ran on the decode side, and decoding happened there only.
-        assert decode.metric("specdec_spec_decode_num_draft_tokens_total") > 0
-        assert decode.metric("specdec_generation_tokens_total") > prefill.metric("specdec_generation_tokens_total")
-    finally:
-        prefill.stop()
-        decode.stop()
-
-
 def test_redis_restarted_mid_run_instances_reconnect_and_requests_finish_or_fail_clearly(directory, redis_server):
     prompts = PROMPTS[16:32]
     max_tokens = 48

@@ -18,6 +18,10 @@ def _specdec(*args: str) -> subprocess.CompletedProcess:
     (["serve", "--scheduler", "localhost:6379"], "--scheduler: expected redis://HOST:PORT/DB"),
     (["serve", "--scheduler", "redis://127.0.0.1:6379/0", "--role", "both"], "--role: must be one of mixed, prefill, decode"),
     (["serve", "--scheduler", "redis://127.0.0.1:6379/0", "--kv-transfer-port", "70000"], "--kv-transfer-port: must be"),
+    (["serve", "--scheduler", "redis://127.0.0.1:6379/0", "--kv-transfer-tls-cert", "c.pem"],
+     "--kv-transfer-tls-cert and --kv-transfer-tls-key go together"),
+    (["serve", "--scheduler", "redis://127.0.0.1:6379/0", "--kv-transfer-tls-cert", "/nonexistent/c.pem",
+      "--kv-transfer-tls-key", "/nonexistent/k.pem"], "--kv-transfer-tls-cert/-key/-ca: cannot load /nonexistent/c.pem"),
 ])
 def test_bad_cluster_flags_are_one_line(args, message):
     result = _specdec(*args)

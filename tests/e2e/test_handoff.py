@@ -297,6 +297,7 @@ def test_imported_prompt_blocks_are_shared_by_a_later_request(pair):
     other = long[: 5 * BLOCK] + prefill.tokenizer.encode(" Also add a docstring.")
     references = _reference(prefill, [long, other], GREEDY)
     [state] = _export(prefill, [long], GREEDY)
+    state.share_prefix = True  # as the transfer listener marks a hand-off it authenticated
     engine = decode.engine
     engine.reset_prefix_cache()
     imported = engine.import_request(state)
@@ -306,6 +307,29 @@ def test_imported_prompt_blocks_are_shared_by_a_later_request(pair):
     outputs = engine.run([imported, later])
     assert engine.kv.pool.num_reused_blocks - before == 5  # the shared prompt blocks, not computed again
     _assert_same(prefill, [long, other], references, outputs, "prefix sharing")
+
+
+def test_an_unauthenticated_import_cannot_poison_the_prefix_cache(pair):
+    """A hand-off whose sender was not authenticated (``share_prefix`` False, as
+    ``HandoffState.from_wire`` makes it by default) with poisoned KV blocks: a later request with
+    the same prompt prefix computes its own blocks, and its output is the reference's."""
+    prefill, decode = pair
+    short = attrs.evolve(GREEDY, max_tokens=6)  # a reused poisoned block would show at the first token
+    long = _prompts(prefill)[0]
+    other = long[: 5 * BLOCK] + prefill.tokenizer.encode(" Also add a docstring.")
+    [reference] = _reference(prefill, [other], short)
+    [state] = _export(prefill, [long], short)
+    poisoned = _over_the_wire(attrs.evolve(state, kv=[np.zeros_like(layer) for layer in state.kv]))
+    assert poisoned.share_prefix is False
+    engine = decode.engine
+    engine.reset_prefix_cache()
+    imported = engine.import_request(poisoned)
+    assert imported.kv_imported
+    before = engine.kv.pool.num_reused_blocks
+    later = engine.add_request(other, short)
+    [_, output] = engine.run([imported, later])
+    assert engine.kv.pool.num_reused_blocks == before  # nothing of the poisoned import was shared
+    _assert_same(prefill, [other], [reference], [output], "an unauthenticated import")
 
 
 # -- errors -----------------------------------------------------------------------------------------

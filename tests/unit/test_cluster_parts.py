@@ -1,10 +1,13 @@
 """The cluster's parts that need neither Redis nor a model: routing, the scheduler URL, the
-event encoding, and the KV transfer listener's handling of good and bad messages."""
+event encoding, and the KV transfer listener's handling of good, bad and hostile messages
+(over real sockets)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
+import subprocess
 import time
 
 import numpy as np
@@ -16,7 +19,8 @@ from specdec.cluster.redis_link import parse_scheduler_url, redacted
 from specdec.cluster.registry import InstanceInfo, parse_registration
 from specdec.cluster.secret import seal
 from specdec.cluster.router import NoRoute, Router
-from specdec.cluster.transfer import MAGIC, TransferError, TransferServer, send_handoff
+from specdec.cluster.transfer import (MAGIC, MAX_HEADER_BYTES, TicketBook, TransferError, TransferServer,
+                                      TransferTLS, frame_handoff, issue_ticket, send_handoff)
 from specdec.engine.handoff import HandoffState, KVLayout
 from specdec.errors import SpecdecError
 from specdec.metrics import SpecMetrics
@@ -107,6 +111,10 @@ def test_events_survive_the_stream_encoding(event):
 # -- the KV transfer listener --------------------------------------------------------------------
 
 
+
+HANDOFF_SECRET = b"unit-test-cluster-secret-0123456789"
+
+
 def _state(num_positions: int = 20, block_size: int = 16) -> HandoffState:
     blocks = -(-num_positions // block_size)
     rng = np.random.default_rng(1)
@@ -119,8 +127,12 @@ def _state(num_positions: int = 20, block_size: int = 16) -> HandoffState:
                         hidden_states=None, layout=layout, first_token_s=0.25)
 
 
-async def _with_server(handler, check, max_bytes: int = 2**20, api_key=None):
-    server = TransferServer("127.0.0.1", 0, handler, max_bytes, api_key)
+def _ticket(secret=HANDOFF_SECRET, request_id: str = "r", decode: str = "d", ttl: float = 60.0) -> dict:
+    return issue_ticket(secret, request_id=request_id, attempt=1, origin="o", decode=decode, ttl=ttl)
+
+
+async def _with_server(handler, check, byte_cap=lambda n: 2**20, secret=HANDOFF_SECRET, **options):
+    server = TransferServer("127.0.0.1", 0, handler, byte_cap, TicketBook("d", secret), **options)
     _, port = await server.start()
     try:
         return await check(f"127.0.0.1:{port}")
@@ -128,7 +140,32 @@ async def _with_server(handler, check, max_bytes: int = 2**20, api_key=None):
         await server.close()
 
 
-def test_a_hand_off_arrives_whole():
+async def _exchange(address: str, payload: bytes, eof: bool = False) -> dict:
+    """Send raw bytes to the listener; its one-line answer."""
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(payload)
+    if eof:
+        writer.write_eof()
+    await writer.drain()
+    try:
+        return json.loads(await asyncio.wait_for(reader.readline(), 10))
+    finally:
+        writer.close()
+
+
+def _frame(ticket: dict, state: HandoffState, secret=HANDOFF_SECRET) -> tuple[bytes, bytes]:
+    """``(head, body)``: a hand-off's bytes up to its header's MAC, and the rest."""
+    head, views, body_tag = frame_handoff(ticket, 3, state, secret)
+    return head, b"".join(bytes(view) for view in views) + body_tag
+
+
+def _never(meta, state):  # pragma: no cover - reaching it fails the test
+    raise AssertionError("a refused hand-off reached the engine")
+
+
+@pytest.mark.parametrize("secret", [HANDOFF_SECRET, None])
+def test_a_hand_off_arrives_whole_and_only_an_authenticated_one_may_share_its_prefix(secret):
     received = []
 
     async def handler(meta, state):
@@ -136,10 +173,12 @@ def test_a_hand_off_arrives_whole():
         return None
 
     sent = _state()
-    stats = asyncio.run(_with_server(handler, lambda address: send_handoff(address, {"request_id": "r"}, sent)))
+    stats = asyncio.run(_with_server(handler, lambda address: send_handoff(address, _ticket(secret), 3, sent, secret),
+                                     secret=secret))
     assert stats.num_bytes == sum(layer.nbytes for layer in sent.kv)
     [(meta, state)] = received
-    assert meta == {"request_id": "r"}
+    assert meta == {"request_id": "r", "attempt": 1, "origin": "o", "seq": 3}
+    assert state.share_prefix is (secret is not None)  # unauthenticated blocks never join the prefix cache
     assert state.layout == sent.layout and state.sampling == sent.sampling
     for got, want in zip(state.kv, sent.kv):
         np.testing.assert_array_equal(got, want)
@@ -150,46 +189,150 @@ def test_the_handler_refusal_reaches_the_sender():
         return "instance d: at capacity"
 
     with pytest.raises(TransferError, match="at capacity"):
-        asyncio.run(_with_server(handler, lambda address: send_handoff(address, {}, _state())))
+        asyncio.run(_with_server(handler, lambda address: send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET)))
 
 
-def test_oversized_and_unauthenticated_hand_offs_are_refused():
-    async def handler(meta, state):  # pragma: no cover - never reached
-        raise AssertionError("a refused hand-off reached the engine")
+def test_more_bytes_than_the_positions_need_are_refused_before_the_body_is_read():
+    head, _ = _frame(_ticket(), _state(num_positions=20))
+    answer = asyncio.run(_with_server(_never, lambda address: _exchange(address, head), byte_cap=lambda n: 100 * n))
+    assert answer["ok"] is False and "for 20 positions; this instance takes at most 2000" in answer["error"]
 
-    with pytest.raises(TransferError, match="more than this instance's pool holds"):
-        asyncio.run(_with_server(handler, lambda address: send_handoff(address, {}, _state()), max_bytes=100))
-    with pytest.raises(TransferError, match="cluster key"):
-        asyncio.run(_with_server(handler, lambda address: send_handoff(address, {}, _state(), api_key="wrong"),
-                                 api_key="right"))
+
+def _good_handoff_after(check):
+    """``check(address)``, then a good hand-off to the same listener: it still works. Returns
+    the check's result and the metas of the hand-offs that reached the handler."""
+    received = []
+
+    async def handler(meta, state):
+        received.append(meta)
+        return None
+
+    async def run(address):
+        result = await check(address)
+        await send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET)
+        return result
+
+    result = asyncio.run(_with_server(handler, run))
+    assert received[-1]["seq"] == 0
+    return result, received
 
 
 @pytest.mark.parametrize("payload, error", [
-    (b"GET / HTTP/1.1\r\n\r\n", "bad magic"),
-    (MAGIC + (2**40).to_bytes(8, "big"), "header of"),
-    (MAGIC + (5).to_bytes(8, "big") + b"{nope", "bad hand-off"),
-    (MAGIC + (50).to_bytes(8, "big") + b"{}", "closed the connection mid-message"),
+    (b"GET / HTTP/1.1\r\n\r\n" + bytes(20), "bad magic"),
+    (MAGIC + (2**32 - 1).to_bytes(4, "big") + bytes(8), f"is more than {MAX_HEADER_BYTES}"),
+    # Not JSON, and unsigned: refused by its MAC, before the JSON parser sees it.
+    (MAGIC + (5).to_bytes(4, "big") + bytes(8) + b"{nope" + bytes(32), "header's MAC does not match"),
+    (MAGIC + (50).to_bytes(4, "big") + bytes(8) + b"{}", "closed the connection mid-message"),
 ])
 def test_garbage_gets_an_error_answer_and_the_listener_goes_on(payload, error):
+    answer, received = _good_handoff_after(lambda address: _exchange(address, payload, eof=True))
+    assert answer["ok"] is False and error in answer["error"]
+    assert len(received) == 1
+
+
+def test_a_sender_without_the_cluster_secret_cannot_hand_off():
+    guessed = b"a-guessed-secret-not-the-cluster-one"
+    with pytest.raises(TransferError, match="header's MAC does not match"):
+        asyncio.run(_with_server(_never, lambda address: send_handoff(address, _ticket(guessed), 0, _state(), guessed)))
+
+
+def test_a_replayed_hand_off_is_refused_before_its_body_is_read():
+    head, body = _frame(_ticket(), _state())
+
+    async def check(address):
+        first = await _exchange(address, head + body)
+        replay = await _exchange(address, head)  # the captured header alone gets the answer
+        return first, replay
+
+    (first, replay), received = _good_handoff_after(check)
+    assert first == {"ok": True, "error": None} and len(received) == 2  # the first and the good one after
+
+    assert replay["ok"] is False and "used already" in replay["error"]
+
+
+@pytest.mark.parametrize("field, value", [("request_id", "victim"), ("origin", "attacker"), ("attempt", 7)])
+def test_a_forged_request_id_or_origin_is_refused(field, value):
+    """A captured hand-off rewritten to write into another request's stream: the header's MAC
+    fails; re-signed by a holder of the secret, the ticket's own signature still does."""
+    ticket = _ticket()
+    forged = {**ticket, field: value}
+    head, _ = _frame(forged, _state(), secret=None)  # a rewritten header keeps the captured MAC
+    captured_tag = _frame(ticket, _state())[0][-32:]
+    answers = asyncio.run(_with_server(_never, lambda address: asyncio.gather(
+        _exchange(address, head[:-32] + captured_tag), _exchange(address, _frame(forged, _state())[0]))))
+    assert "header's MAC does not match" in answers[0]["error"]
+    assert "ticket's signature does not match" in answers[1]["error"]
+
+
+@pytest.mark.parametrize("ticket, error", [
+    (_ticket(decode="another"), "is for instance another, not d"),
+    (_ticket(ttl=-1), "has expired"),
+    (_ticket(ttl=10_000), "expires too late"),
+])
+def test_a_ticket_for_another_instance_or_out_of_its_time_is_refused(ticket, error):
+    answer = asyncio.run(_with_server(_never, lambda address: _exchange(address, _frame(ticket, _state())[0])))
+    assert answer["ok"] is False and error in answer["error"]
+
+
+def test_a_tampered_body_is_refused_by_its_mac():
+    head, body = _frame(_ticket(), _state())
+    tampered = bytes([body[0] ^ 1]) + body[1:]
+    answer = asyncio.run(_with_server(_never, lambda address: _exchange(address, head + tampered)))
+    assert answer["ok"] is False and "body's MAC does not match" in answer["error"]
+
+
+def test_idle_connections_cannot_exhaust_the_listener():
+    """Connections that send nothing hold the listener's slots only for ``header_timeout``;
+    one more than it reads at once is refused at once."""
+    async def check(address):
+        host, _, port = address.rpartition(":")
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        await asyncio.sleep(0.05)  # let the listener take them
+        extra = await _exchange(address, b"")
+        idle_answers = [json.loads(await asyncio.wait_for(reader.readline(), 5)) for reader, _ in idle]
+        for _, writer in idle:
+            writer.close()
+        await send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET)  # the slots are free again
+        return extra, idle_answers
+
+    received = []
+
     async def handler(meta, state):
+        received.append(meta)
+        return None
+
+    extra, idle_answers = asyncio.run(_with_server(handler, check, max_connections=2, header_timeout=0.5))
+    assert extra["ok"] is False and "busy: 2 hand-offs" in extra["error"]
+    assert all("timed out" in answer["error"] for answer in idle_answers)
+    assert len(received) == 1
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl CLI."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return TransferTLS(str(cert), str(key), ca=str(cert))
+
+
+def test_over_tls_a_hand_off_arrives_and_a_plaintext_or_certificateless_sender_is_refused(tls_files):
+    received = []
+
+    async def handler(meta, state):
+        received.append(meta)
         return None
 
     async def check(address):
-        host, _, port = address.rpartition(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(payload)
-        if error.startswith("closed"):
-            writer.write_eof()
-        await writer.drain()
-        answer = json.loads(await reader.readline())
-        writer.close()
-        # the listener still takes a good hand-off afterwards
-        stats = await send_handoff(address, {}, _state())
-        return answer, stats
+        await send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET, tls=tls_files.client_context())
+        for tls in (None, ssl.create_default_context(cafile=tls_files.ca)):  # no TLS; TLS without a client cert
+            with pytest.raises(TransferError):
+                await send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET, tls=tls, timeout=5)
 
-    answer, stats = asyncio.run(_with_server(handler, check))
-    assert answer["ok"] is False and error in answer["error"]
-    assert stats.num_bytes > 0
+    asyncio.run(_with_server(handler, check, tls=tls_files.server_context()))
+    assert len(received) == 1
 
 
 # -- registrations read from Redis -------------------------------------------------------------
