@@ -17,7 +17,7 @@ import time
 import openai
 import pytest
 import redis
-from cluster_harness import (MODEL_NAME, RedisServer, cluster_directory, solo_outputs, start_instance,
+from cluster_harness import (MODEL_NAME, solo_outputs, start_instance,
                              start_instances, wait_for_instances)
 
 from specdec.workloads import code_edit_prompts
@@ -28,19 +28,6 @@ MAX_TOKENS = 24
 LONG_TOKENS = 400
 PROMPTS = code_edit_prompts(32, min_lines=4, max_lines=12)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
-
-
-@pytest.fixture(scope="module")
-def directory():
-    with cluster_directory() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def redis_server(directory):
-    server = RedisServer(directory)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import time
 
 import pytest
 import redis
-from cluster_harness import (_SOLO_ENGINES, CLUSTER_SECRET, MODEL_NAME, RedisServer, cluster_directory,
-                             solo_outputs, start_instances, wait_for_instances)
+from cluster_harness import (_SOLO_ENGINES, CLUSTER_SECRET, MODEL_NAME, solo_outputs, start_instances,
+                             wait_for_instances)
 from test_cluster import MAX_TOKENS, PROMPTS, _complete, _outcomes
 
 from specdec.cluster.messages import Job, sampling_to_dict
@@ -31,19 +31,6 @@ pytestmark = pytest.mark.slow
 SECRET = CLUSTER_SECRET.encode()
 KEYS = Keys()  # the default topic, as the harness's instances use
 ATTACK_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def directory():
-    with cluster_directory() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def redis_server(directory):
-    server = RedisServer(directory)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import time
 
 import httpx
 import pytest
-from cluster_harness import (MODEL_NAME, RedisServer, cluster_directory, free_port, launch_instance, ready,
+from cluster_harness import (MODEL_NAME, RedisServer, free_port, launch_instance, ready,
                              wait_for_instances)
 
 from specdec.cluster.secret import seal
@@ -34,12 +34,6 @@ pytestmark = pytest.mark.slow
 PASSWORD = "scheduler_mtp"  # FastDeploy's example
 SECRET = "a-cluster-secret-of-32-characters"
 PROMPTS = ["def add(a, b):", "The capital of France is", "for i in range(10):", "import numpy as np"]
-
-
-@pytest.fixture(scope="module")
-def directory():
-    with cluster_directory() as path:
-        yield path
 
 
 @pytest.fixture(scope="module")
