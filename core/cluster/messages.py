@@ -36,7 +36,8 @@ import attrs
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams
 from ..server.engine_loop import Admitted, Delta, Event, Finished, Rejected
-from .secret import seal, unseal
+from .records import BadRecord
+from .secret import BadSignature, seal, unseal
 
 
 def sampling_to_dict(sampling: SamplingParams) -> dict:
@@ -78,16 +79,54 @@ class Job:
 
     @classmethod
     def from_json(cls, data: bytes, secret: Optional[bytes] = None) -> "Job":
-        """The job :meth:`to_json` wrote; raises :class:`~.secret.BadSignature` when
-        ``secret`` is given and the job is not signed with it, ``ValueError``/``TypeError``
-        when it is not a job."""
-        return cls(**unseal(secret, "job", data))
+        """The job :meth:`to_json` wrote; raises :class:`~.records.BadRecord` when it is not
+        JSON, not signed with ``secret`` (when given), or a field is missing, mistyped or out
+        of bounds (the engine checks the prompt and sampling values again when it runs it)."""
+        try:
+            fields = unseal(secret, "job", data)
+        except BadSignature as exc:
+            raise BadRecord("signature", str(exc)) from None
+        except ValueError as exc:
+            raise BadRecord("malformed", f"not a JSON object: {exc}") from None
+        _check_job_fields(fields)
+        return cls(**fields)
 
     @property
     def run_id(self) -> str:
         """The id the request runs under in an engine: unique per attempt, so that a second
         attempt never meets the first one's state anywhere."""
         return f"{self.request_id}.{self.attempt}"
+
+
+#: Bounds of a job's fields (far above any real job's; a prompt's length is the engine's to check).
+MAX_ID_CHARS = 256
+MAX_ATTEMPTS = 10_000
+MAX_PROMPT_IDS = 2**20
+
+
+def _check_job_fields(fields: dict) -> None:
+    def problem(message: str) -> BadRecord:
+        return BadRecord("field", message)
+
+    known = {field.name for field in attrs.fields(Job)}
+    if set(fields) - known or {"request_id", "attempt", "origin", "kind", "prompt", "sampling"} - set(fields):
+        raise problem(f"fields {sorted(fields)}, expected {sorted(known)}")
+    for name in ("request_id", "origin"):
+        if not isinstance(fields[name], str) or not 0 < len(fields[name]) <= MAX_ID_CHARS:
+            raise problem(f"{name}: expected a string of 1 to {MAX_ID_CHARS} characters")
+    attempt = fields["attempt"]
+    if type(attempt) is not int or not 0 <= attempt <= MAX_ATTEMPTS:
+        raise problem(f"attempt: expected an integer from 0 to {MAX_ATTEMPTS}")
+    if fields["kind"] not in ("run", "prefill"):
+        raise problem("kind: expected run or prefill")
+    prompt = fields["prompt"]
+    if (not isinstance(prompt, list) or not 0 < len(prompt) <= MAX_PROMPT_IDS
+            or any(type(token) is not int or token < 0 for token in prompt)):
+        raise problem(f"prompt: expected 1 to {MAX_PROMPT_IDS} token ids (integers >= 0)")
+    if not isinstance(fields["sampling"], dict):
+        raise problem("sampling: expected an object")
+    if fields.get("decode") is not None and not isinstance(fields["decode"], dict):
+        raise problem("decode: expected an object or null")
 
 
 def encode_event(event: Event, attempt: int, seq: int) -> dict:

@@ -27,7 +27,7 @@ from ..server.engine_loop import (Admitted, EngineLoop, EngineStopped, Finished,
 from .messages import Job, busy_event, encode_event, sampling_from_dict
 from .redis_link import RedisLink, RedisUnavailable
 from .registry import ClusterView
-from .secret import BadSignature
+from .records import BadRecord
 from .transfer import TransferError, send_handoff
 
 logger = logging.getLogger("specdec.cluster")
@@ -98,11 +98,8 @@ class JobRunner:
                 continue
             try:
                 job = Job.from_json(item[1], self.secret)
-            except BadSignature as exc:
-                logger.warning("ignored a job in %s that is not signed with the cluster secret: %s", key, exc)
-                continue
-            except Exception:  # noqa: BLE001 - a stray value in our list is not a reason to stop
-                logger.warning("ignored a malformed job in %s", key)
+            except BadRecord as problem:  # counted and logged (once per distinct record), then skipped
+                self.link.bad_records.report("job", key, item[1], problem)
                 continue
             self._spawn(self._run(job))
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 
+import attrs
 import pytest
 import redis
 from cluster_harness import (_SOLO_ENGINES, CLUSTER_SECRET, MODEL_NAME, solo_outputs, start_instances,
@@ -160,7 +161,9 @@ def test_a_job_pushed_twice_runs_once_and_hands_off_only_to_a_registered_decode_
                                                                                          redis_server):
     """The origin's RPUSH retried after its reply was lost (the same run id twice), and a job
     that names a foreign ``decode.transfer``: the request runs once, its stream holds one run,
-    and its KV goes to the registered decode instance, never to the address in the job."""
+    and its KV goes to the registered decode instance, never to the address in the job. Garbage
+    ahead of it in the list (not JSON, unsigned, signed with mistyped fields) is skipped and
+    counted, one by one."""
     _, prefill, decode = pd_pair
     store = redis.Redis.from_url(redis_server.url)
     trap_connections = []
@@ -179,7 +182,11 @@ def test_a_job_pushed_twice_runs_once_and_hands_off_only_to_a_registered_decode_
                   prompt=tokenizer.encode(PROMPTS[1]), sampling=sampling_to_dict(SamplingParams(max_tokens=MAX_TOKENS)),
                   decode={"instance_id": "decode-ngram", "needs_hidden_states": False, "ticket": ticket,
                           "transfer": trap_address})
-        store.rpush(KEYS.jobs("prefill-ngram"), job.to_json(SECRET), job.to_json(SECRET))
+        mistyped = Job(request_id="mistyped", attempt="x", origin="prefill-ngram", kind="run", prompt=[1, -2],
+                       sampling={})
+        garbage = [b"not json", Job(**{**attrs.asdict(job), "request_id": "unsigned"}).to_json(None),
+                   mistyped.to_json(SECRET)]
+        store.rpush(KEYS.jobs("prefill-ngram"), *garbage, job.to_json(SECRET), job.to_json(SECRET))
         events, last_id = [], "0-0"
         deadline = time.monotonic() + 60
         while not events or events[-1]["type"] != "finished":
@@ -196,6 +203,8 @@ def test_a_job_pushed_twice_runs_once_and_hands_off_only_to_a_registered_decode_
     assert [event["type"] for event in events].count("admitted") == 1
     assert "".join(event["text"] for event in events if event["type"] == "delta") + events[-1]["text"] == solo[1]
     assert trap_connections == []
+    assert {reason: prefill.metric("specdec_cluster_bad_records_total", kind="job", reason=reason)
+            for reason in ("malformed", "signature", "field")} == {"malformed": 1, "signature": 1, "field": 1}
     assert "refused a second job for run pushed-twice.1" in prefill.log.read_text(errors="replace")
 
 

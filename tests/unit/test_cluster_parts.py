@@ -474,3 +474,29 @@ def test_a_bad_scheduler_url_never_shows_its_password(url):
     with pytest.raises(SpecdecError) as info:
         parse_scheduler_url(url)
     assert "hunter2" not in str(info.value) and "ter2" not in str(info.value)
+
+
+def test_a_job_is_checked_field_by_field_before_it_runs():
+    from specdec.cluster.messages import Job
+    from specdec.cluster.records import BadRecord
+
+    secret = b"s" * 32
+    good = dict(request_id="r", attempt=1, origin="a", kind="run", prompt=[1, 2], sampling={})
+    assert Job.from_json(Job(**good).to_json(secret), secret).prompt == [1, 2]
+    cases = {
+        b"not json": "malformed",
+        b"[1, 2]": "malformed",
+        Job(**good).to_json(None): "signature",
+        Job(**good).to_json(b"t" * 32): "signature",
+        Job(**{**good, "attempt": "x"}).to_json(secret): "field",
+        Job(**{**good, "attempt": True}).to_json(secret): "field",
+        Job(**{**good, "prompt": [1, -2]}).to_json(secret): "field",
+        Job(**{**good, "prompt": []}).to_json(secret): "field",
+        Job(**{**good, "kind": "shell"}).to_json(secret): "field",
+        Job(**{**good, "request_id": "x" * 300}).to_json(secret): "field",
+        Job(**{**good, "decode": "10.0.0.9:1"}).to_json(secret): "field",
+    }
+    for data, reason in cases.items():
+        with pytest.raises(BadRecord) as info:
+            Job.from_json(data, secret)
+        assert info.value.reason == reason, (data, info.value)
