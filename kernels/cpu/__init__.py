@@ -99,6 +99,10 @@ def load_cpu_ops():
     build_dir = kernel_build_dir()
     saved_warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache
+    # When paddle finds ccache it compiles through it; the build folder (the compiler's working
+    # directory) differs per cache and checkout, so leave it out of ccache's hash: the same
+    # sources then build once per machine, not once per folder.
+    os.environ.setdefault("CCACHE_NOHASHDIR", "true")
     try:
         with build_lock(build_dir), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")

@@ -276,7 +276,7 @@ def test_a_stats_line_while_busy_and_none_while_idle(caplog):
     async def main(engine_loop):
         stats = StatsLogger(metrics, engine_loop.snapshot, interval=0.05)
         try:
-            await collect(engine_loop.submit([1, 2, 3], SamplingParams(max_tokens=40)))
+            await collect(engine_loop.submit([1, 2, 3], SamplingParams(max_tokens=300)))  # >= 0.3 s
             lines_busy = [r.getMessage() for r in caplog.records if r.name == "specdec.stats"]
             await asyncio.sleep(0.3)  # idle: several intervals pass
             return lines_busy, [r.getMessage() for r in caplog.records if r.name == "specdec.stats"]
