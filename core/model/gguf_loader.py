@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import SpecdecError
 from .config import ModelConfig
+from .gguf_file import open_gguf_reader
 
 log = logging.getLogger(__name__)
 
@@ -227,15 +228,11 @@ def load_gguf(path: str | Path, progress: bool = True, keep_quantized: bool = Fa
     float32 numpy arrays, except, with ``keep_quantized``, the matrices stored in a format the
     quantized kernels read, which stay :class:`~specdec.model.quant.QuantizedMatrix` blocks (no
     dequantized copy is made)."""
-    import gguf
     from tqdm import tqdm
 
     from .tokenizer import Tokenizer
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise SpecdecError(f"cannot read GGUF file {path}: {exc}") from exc
+    reader = open_gguf_reader(path)
     config = read_config(reader)
     _, conventions = architecture(reader)
     weights: dict[str, np.ndarray] = {}

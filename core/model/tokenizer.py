@@ -101,15 +101,12 @@ def gguf_field(reader, key: str, default: Any = None) -> Any:
 
 def _open_gguf(reader_or_path):
     if isinstance(reader_or_path, (str, os.PathLike)):
-        import gguf
+        from .gguf_file import open_gguf_reader
 
         path = Path(reader_or_path)
         if not path.is_file():
             raise SpecdecError(f"GGUF file not found: {path}")
-        try:
-            return gguf.GGUFReader(str(path), "r")
-        except Exception as exc:
-            raise SpecdecError(f"cannot read GGUF file {path}: {exc}") from exc
+        return open_gguf_reader(path)
     return reader_or_path
 
 
