@@ -41,7 +41,7 @@ from .build import build_model, build_spec_plugins, create_cache_layers, spec_pl
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
 from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, step_sources
 from .scheduler import ScheduledStep, Scheduler
 from .tensor_parallel import exit_after_failure
 
@@ -647,6 +647,7 @@ class Engine:
                     self._keep_hidden(state, request, request.context_len, request.num_uncomputed + int(accepted[b]))
                 request.context_len = request.num_tokens + int(accepted[b])
                 appended = self._append(request, result.output_tokens[b, :count], reasons[b])
+                request.token_sources += step_sources(int(drafts.lengths[b]), int(accepted[b]), count)
                 self.kv.register_computed(request)
                 request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
                 appended_by_request[id(request)] = appended
