@@ -1,6 +1,6 @@
 """The playground: a page at ``GET /`` to chat with the server and watch speculation work.
 
-Three static files of the package (``playground/``: the page, its script and its style; no
+The static files of the package (``playground/``: the page, its script, style and icon; no
 build step, no external URL, so it works offline) read once when the app is built. The page
 calls the server's own API from the browser (``/v1/models`` for the method and k, then
 ``/v1/chat/completions`` streamed with ``include_token_sources``), so the API key, when the
@@ -22,6 +22,7 @@ _FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/playground/playground.js": ("playground.js", "text/javascript; charset=utf-8"),
     "/playground/playground.css": ("playground.css", "text/css; charset=utf-8"),
+    "/playground/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 _HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
