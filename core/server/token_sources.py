@@ -62,6 +62,14 @@ class SourceTracker:
             if last > end and not final:
                 break  # the rest of its text comes in a later piece
             self._next += 1
+        covered = sum(len(entry["text"]) for entry in entries)
+        if covered < len(text) and self._ends:
+            # A tokenizer whose text token by token falls short of its text in one go: the
+            # rest goes with the last token, so that the entries still make up the text.
+            last = len(self._ends) - 1
+            if not entries or entries[-1]["index"] != last:
+                entries.append({"index": last, "text": "", "source": TOKEN_SOURCES[self._sources[last]]})
+            entries[-1]["text"] += text[covered:]
         return entries
 
 

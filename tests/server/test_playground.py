@@ -31,7 +31,9 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        # (a container's /dev/shm is often too small for chromium's shared memory)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--disable-dev-shm-usage"])
         try:
             yield browser
         finally:
