@@ -41,6 +41,7 @@ from .build import build_model, build_spec_plugins, create_cache_layers, spec_pl
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
 from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
+from .logits_processing import apply_row_processors
 from .request import Request, RequestOutput
 from .scheduler import ScheduledStep, Scheduler
 from .tensor_parallel import exit_after_failure
@@ -236,7 +237,8 @@ class Engine:
 
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     prompt: Optional[str] = None, request_id: Optional[str] = None, *,
-                    handoff: bool = False, capture_hidden: bool = False, tenant: Optional[str] = None) -> Request:
+                    handoff: bool = False, capture_hidden: bool = False, tenant: Optional[str] = None,
+                    row_processors: Sequence = ()) -> Request:
         """Queue a request; it joins the running batch at the next step that has room.
 
         :param handoff: run the prompt and the first output token only, without drafts, then
@@ -251,6 +253,8 @@ class Engine:
             nothing from the prefix cache). Ignored without ``handoff``.
         :param tenant: who sent the request (the server's id of its API key), passed to the
             proposer as ``ProposalRequest.tenant``.
+        :param row_processors: :class:`~specdec.engine.logits_processing.RowProcessor` s of
+            this request alone (a grammar's token mask), after those its sampling asks for.
         :raises RequestError: for a prompt or sampling values the engine cannot take.
         :raises SpecdecError: for ``handoff`` with tensor parallelism.
         """
@@ -262,6 +266,7 @@ class Engine:
         request.handoff = handoff
         request.capture_hidden = handoff and capture_hidden
         request.tenant = tenant
+        request.row_processors.extend(row_processors)
         if request.capture_hidden:
             request.prefix_keys = []  # every position's hidden state must be computed here
         self.scheduler.waiting.append(request)
@@ -494,6 +499,10 @@ class Engine:
             self.kv.register_computed(request)
         if not state.plan.decodes:
             return
+        # process: each request's row processors on its rows (logits_processing.py)
+        state = self._process_rows(state)
+        if not state.plan.decodes:
+            return
         # verify: verify_strategy.verify on [B, k+1, V] logits
         state.sampling = self._sampling(state.plan.decodes, state.drafts)
         state, state.result = self._isolated(
@@ -519,6 +528,18 @@ class Engine:
         for request in done:
             if request.error is None:
                 self._retire(request, request.finish_reason)
+
+    def _process_rows(self, state: _StepState) -> _StepState:
+        """Apply the requests' row processors to the step's logits; a processor that raises
+        fails its own request alone."""
+        decodes = state.plan.decodes
+        if not any(r.row_processors for r in decodes):
+            return state
+        state.logits, failures = apply_row_processors(decodes, state.logits, state.drafts.token_ids,
+                                                      state.drafts.lengths)
+        for b, exc in failures:
+            self._fail(decodes[b], "row processor", exc)
+        return state.only(lambda r: r.error is None) if failures else state
 
     def _checked_result(self, result: VerifyResult, state: _StepState) -> VerifyResult:
         """``result`` when it has the shapes and values of the contract, else a SpecdecError
@@ -647,6 +668,8 @@ class Engine:
                     self._keep_hidden(state, request, request.context_len, request.num_uncomputed + int(accepted[b]))
                 request.context_len = request.num_tokens + int(accepted[b])
                 appended = self._append(request, result.output_tokens[b, :count], reasons[b])
+                for processor in request.row_processors:
+                    processor.on_emitted(appended)
                 self.kv.register_computed(request)
                 request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
                 appended_by_request[id(request)] = appended

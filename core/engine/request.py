@@ -101,6 +101,9 @@ class Request:
     kv_imported: bool = False
     #: Who sent it (``add_request(tenant=...)``), for the proposer: see ``ProposalRequest.tenant``.
     tenant: Optional[str] = None
+    #: The request's :class:`~specdec.engine.logits_processing.RowProcessor` s, applied in
+    #: order to its logits at every verified row (a grammar's mask); empty: nothing to do.
+    row_processors: list = attrs.field(factory=list)
 
     @property
     def token_ids(self) -> np.ndarray:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import json
 import logging
 import secrets
 import time
@@ -30,7 +32,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..errors import SpecdecError
+from ..errors import RequestError, SpecdecError
+from ..structured.grammar import GrammarCompiler
 from ..model.tokenizer import TooManyTokens
 from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
 from .errors import APIError, validation_error
@@ -48,6 +51,7 @@ from .protocol import (
     ModelList,
 )
 from .responses import ChatShape, CompletionShape, Shape, event_stream, sse_events
+from .structured import Structured, plan_chat, response_format_grammar
 from .tenant import tenant_of
 
 logger = logging.getLogger("specdec.server")
@@ -93,12 +97,16 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     max_prompt_chars = limits.max_prompt_chars or default_max_prompt_chars(engine_loop.max_model_len,
                                                                            engine_loop.tokenizer)
     if cluster is not None:
-        def submit(prompt_ids, sampling, request_id, streaming, tenant=None):  # the cluster does not route tenants
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, row_processors=()):
+            # The cluster does not route tenants, nor grammars (refused before: _row_processors).
             return cluster.submit(prompt_ids, sampling, request_id, streaming=streaming)
     else:
-        def submit(prompt_ids, sampling, request_id, streaming, tenant=None):  # streaming is the cluster's concern
-            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant)
-    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage)
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, row_processors=()):
+            # streaming is the cluster's concern
+            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant,
+                                      row_processors=list(row_processors))
+    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage,
+                         clustered=cluster is not None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -191,8 +199,10 @@ class _Handlers:
     """What the two generation endpoints do, apart from FastAPI's plumbing."""
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit,
-                 hide_speculative_usage: bool = False):
+                 hide_speculative_usage: bool = False, clustered: bool = False):
         self.engine_loop = engine_loop
+        self.clustered = clustered
+        self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
         self.hide_speculative_usage = hide_speculative_usage
         self.submit = submit  # the engine loop's, or the cluster's (which routes)
         self.model_name = served_model_name
@@ -217,23 +227,47 @@ class _Handlers:
         # Without max_tokens a completion gets OpenAI's 16 tokens, or what room the context has.
         default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, self._room(prompt_ids))
         sampling = body.sampling_params(default_max_tokens, self.engine_loop.num_speculative_tokens)
+        structured = _checked(lambda: Structured(response_format_grammar(body.response_format)))
+        processors = await self._row_processors(structured)
         shape = CompletionShape(self.model_name, hide_speculative=self.hide_speculative_usage)
-        return await self._generate(body, request, prompt_ids, sampling, shape)
+        return await self._generate(body, request, prompt_ids, sampling, shape, processors)
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self._check_model(body.model)
         body.resolve_max_tokens()
-        messages = [message.to_template() for message in body.messages]
-        self._check_num_messages(len(messages))
-        # Every string the template writes counts: a role or a name is prompt text too.
+        self._check_num_messages(len(body.messages))
+        tokenizer = self.engine_loop.tokenizer
+        messages, extra, structured = _checked(lambda: plan_chat(
+            [message.to_template() for message in body.messages], body.tools, body.tool_choice,
+            body.parallel_tool_calls, body.response_format, tokenizer.chat_template))
+        # Every string the template writes counts: a role or a name is prompt text too, and tools.
         num_chars = sum(len(message["role"]) + len(message["content"]) + len(message.get("name") or "")
-                        for message in messages)
-        prompt_ids = await self._tokenize_prompt(self.engine_loop.tokenizer.encode_chat, messages, num_chars,
-                                                 "messages")
+                        + (len(json.dumps(message["tool_calls"])) if message.get("tool_calls") else 0)
+                        for message in messages) + (len(json.dumps(extra["tools"])) if "tools" in extra else 0)
+        prompt_ids = await self._tokenize_prompt(functools.partial(tokenizer.encode_chat, **extra), messages,
+                                                 num_chars, "messages")
         # Without max_tokens the answer may run to the end of the context.
         sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens)
-        shape = ChatShape(self.model_name, hide_speculative=self.hide_speculative_usage)
-        return await self._generate(body, request, prompt_ids, sampling, shape)
+        processors = await self._row_processors(structured)
+        shape = ChatShape(self.model_name, hide_speculative=self.hide_speculative_usage, tools=structured.tools)
+        return await self._generate(body, request, prompt_ids, sampling, shape, processors)
+
+    async def _row_processors(self, structured: Structured) -> list:
+        """The request's grammar compiled into its row processors (off the engine thread, in
+        bounded time: see :class:`~specdec.structured.grammar.GrammarCompiler`); a grammar
+        that does not compile is a 400 naming the field."""
+        if structured.grammar is None:
+            return []
+        if self.clustered:
+            raise APIError(400, f"{structured.grammar.param}: structured output is not supported on a cluster",
+                           param=structured.grammar.param, code="unsupported_value")
+        if self._grammars is None:
+            engine = self.engine_loop.engine
+            self._grammars = GrammarCompiler(self.engine_loop.tokenizer, engine.model_config.vocab_size)
+        try:
+            return await structured.row_processors(self._grammars)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
     def _room(self, prompt_ids) -> int:
         """The most tokens the context has room for after the prompt (at least 1: a prompt that
@@ -282,10 +316,10 @@ class _Handlers:
                            param="model", code="model_not_found")
 
     async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
-                        shape: Shape) -> BaseModel | Response:
+                        shape: Shape, row_processors: list = ()) -> BaseModel | Response:
         """Run the request; answer with server-sent events, or the whole response at the end."""
         stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param, bool(body.stream),
-                                    tenant_of(request))
+                                    tenant_of(request), row_processors)
         if body.stream:
             return event_stream(sse_events(stream, shape, body.include_usage), stream)
         final = await _wait_final(stream, request)
@@ -294,7 +328,7 @@ class _Handlers:
         return shape.response(final)
 
     async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str,
-                      streaming: bool, tenant: Optional[str] = None) -> RequestStream:
+                      streaming: bool, tenant: Optional[str] = None, row_processors=()) -> RequestStream:
         """Check the request against the engine, hand it to the engine loop (or the cluster)
         and wait until an engine has taken it.
 
@@ -302,7 +336,8 @@ class _Handlers:
         thread: converting a prompt of millions of ids there would pause every stream."""
         try:
             self.engine_loop.check_request(prompt_ids, sampling)
-            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant)
+            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant,
+                                 row_processors=row_processors)
         except RequestRejected as exc:
             raise _rejected(exc, prompt_param) from None
         except QueueFull as exc:
@@ -319,6 +354,14 @@ class _Handlers:
             stream.abort()
             raise
         return stream
+
+
+def _checked(build):
+    """``build()``, with a RequestError (a bad tools or response_format field) as its 400."""
+    try:
+        return build()
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 def _rejected(exc: RequestRejected, prompt_param: str) -> APIError:

@@ -202,6 +202,7 @@ class _Tracked:
     handoff: bool = False
     capture_hidden: bool = False
     tenant: Optional[str] = None  # who sent it: the engine's add_request(tenant=...)
+    row_processors: list = field(default_factory=list)  # the engine's add_request(row_processors=...)
     imported: Optional["HandoffState"] = None  # submit_imported's state
     request: object = None  # the engine's Request once added
     emitted_chars: int = 0
@@ -356,19 +357,22 @@ class EngineLoop:
 
     def submit(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                request_id: Optional[str] = None, *, handoff: bool = False,
-               capture_hidden: bool = False, tenant: Optional[str] = None) -> RequestStream:
+               capture_hidden: bool = False, tenant: Optional[str] = None,
+               row_processors: Sequence = ()) -> RequestStream:
         """Queue a request; call from the event loop. Returns its :class:`RequestStream`.
 
         ``handoff`` and ``capture_hidden`` go to the engine's ``add_request``: the request
         then ends after its first token with a :class:`Finished` of finish reason ``handoff``
         whose ``handoff`` holds the state to continue elsewhere (unless that token ended it).
-        ``tenant`` (who sent it) goes to ``add_request`` too.
+        ``tenant`` (who sent it) and ``row_processors`` (a grammar's, built off this thread)
+        go to ``add_request`` too.
 
         Raises :class:`QueueFull` when ``max_pending`` requests are already in the loop, and
         :class:`EngineStopped` when the loop is not running.
         """
         tracked = self._track(request_id, prompt_token_ids, sampling)
         tracked.handoff, tracked.capture_hidden, tracked.tenant = handoff, capture_hidden, tenant
+        tracked.row_processors = list(row_processors)
         self._commands.put(("add", tracked))
         return tracked.stream
 
@@ -506,7 +510,7 @@ class EngineLoop:
             return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
                                            handoff=True, capture_hidden=tracked.capture_hidden, tenant=tracked.tenant)
         return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
-                                       tenant=tracked.tenant)
+                                       tenant=tracked.tenant, row_processors=tracked.row_processors)
 
     def _abort(self, request_id: str) -> None:
         if request_id not in self._tracked:

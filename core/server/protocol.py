@@ -10,7 +10,7 @@ did-you-mean), and a value must have the field's type (``"5"`` is no int, ``2.0`
 
 Every other field of the OpenAI request schemas is accepted at its default value (``null``,
 or the value OpenAI documents as the default: ``presence_penalty: 0``, ``logit_bias: {}``,
-``tools: []``, ...), because common clients send them on every request; any other value is a 400
+``functions: []``, ...), because common clients send them on every request; any other value is a 400
 naming the field (``unsupported_value``), since specdec would ignore it. ``UNSUPPORTED_FIELDS``
 lists them.
 
@@ -18,6 +18,10 @@ The sampling values (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``se
 are checked by :class:`specdec.SamplingParams` and the engine, the same rules as the CLI and
 the Python API. Text fields must be valid Unicode (JSON's ``\\ud800`` escapes can make a lone
 surrogate, which no tokenizer can encode).
+
+Structured output (``response_format``, on both endpoints) and tool use (``tools``,
+``tool_choice``, ``parallel_tool_calls``, tool calls and tool results in ``messages``) are
+checked and turned into grammars and prompts by :mod:`specdec.server.structured`.
 
 Responses carry the speculative figures of each request in ``usage.speculative`` (left out on a
 server run with ``--hide-speculative-usage``).
@@ -68,12 +72,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # without tools, "auto" means no tool call either
-    "parallel_tool_calls": (True, False),  # no effect without tools
-    "functions": ([],),
+    "functions": ([],),  # the deprecated form of tools
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -89,8 +89,6 @@ INFORMATIONAL_FIELDS = ("user", "metadata", "service_tier", "prompt_cache_key", 
 
 #: The same for the fields of a chat message.
 MESSAGE_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tool_calls": ([],),
-    "tool_call_id": (),
     "function_call": (),
     "audio": (),
 }
@@ -232,6 +230,8 @@ class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is a string, or a list of token ids (one prompt)."""
 
     prompt: Any
+    #: Structured output, as on chat completions (an extension of the completions API, as vLLM has it).
+    response_format: Optional[Any] = None
     best_of: Optional[Any] = None
     echo: Optional[Any] = None
     suffix: Optional[Any] = None
@@ -250,17 +250,32 @@ class CompletionRequest(GenerationRequest):
         raise ValueError(f"expected a string or a list of token ids, got {describe(value)}")
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant turn made (``messages[i].tool_calls[j]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     """One message: ``role`` and ``content``, a string or a list of text parts
-    (``[{"type": "text", "text": "..."}]``; other part types are not supported)."""
+    (``[{"type": "text", "text": "..."}]``; other part types are not supported). An assistant
+    message may hold the ``tool_calls`` it made, a ``tool`` message the result of one
+    (``tool_call_id``)."""
 
     role: str
     content: Optional[Any] = None
     name: Optional[str] = None
     refusal: Optional[str] = None
-    # Tool use and audio, which specdec does not do: accepted at their defaults only.
-    tool_calls: Optional[Any] = None
-    tool_call_id: Optional[Any] = None
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[str] = None
+    # The deprecated function call and audio, which specdec does not do: accepted at their defaults only.
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
 
@@ -287,15 +302,26 @@ class ChatMessage(_Strict):
         raise ValueError(f"expected a string or a list of text parts, got {describe(value)}")
 
     def check_unsupported_fields(self, index: int) -> None:
-        """A 400 naming ``messages[index].<field>`` for a tool-use or audio field that is set."""
+        """A 400 naming ``messages[index].<field>`` for an unsupported field that is set, or a
+        tool field on a message of another role."""
         for name, allowed in MESSAGE_UNSUPPORTED_FIELDS.items():
             _check_default(f"messages[{index}].{name}", getattr(self, name), allowed)
+        if self.tool_calls and self.role != "assistant":
+            raise APIError(400, f"messages[{index}].tool_calls: only assistant messages make tool calls",
+                           param=f"messages[{index}].tool_calls", code="invalid_value")
+        if self.role == "tool" and not self.tool_call_id:
+            raise APIError(400, f"messages[{index}].tool_call_id: a tool message needs the id of the call it answers",
+                           param=f"messages[{index}].tool_call_id", code="invalid_value")
 
     def to_template(self) -> dict:
-        """The message as the chat template takes it."""
+        """The message as the chat template takes it (tool calls in the OpenAI form)."""
         message = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -391,8 +417,12 @@ class CompletionResponse(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The reply: its text, and the tool calls parsed out of it (then ``content`` is the text
+    around them, null when there is none)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatChoice(BaseModel):
@@ -411,8 +441,12 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """A streamed piece: text, or tool-call deltas (``{"index", "id", "type", "function":
+    {"name", "arguments"}}`` first, then ``{"index", "function": {"arguments"}}`` pieces)."""
+
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -101,10 +101,11 @@ class GrammarCompiler:
                                                      eos_token=self.eos_token_ids)
             return self._ll_tokenizer
 
-    def compile(self, grammar: str, param: str, schema: Any = None):
+    def compile(self, grammar: str, param: str, schemas: Optional[dict[str, Any]] = None):
         """A fresh matcher for ``grammar`` (blocking: call it off the engine thread).
-        RequestError naming ``param`` (and the subschema's path within ``schema``, a JSON
-        schema when the grammar came from one) when llguidance cannot build it."""
+        RequestError naming ``param`` when llguidance cannot build it; ``schemas`` (request
+        field -> the JSON schema it holds) are the schemas the grammar embeds: the error then
+        names the field and the path of the subschema that fails (``...schema.properties.age``)."""
         with self._cache_lock:
             cached = self._cache.get(grammar)
             if cached is not None:
@@ -113,41 +114,44 @@ class GrammarCompiler:
             llg = _llguidance()
             cached = llg.LLMatcher(self.ll_tokenizer(), grammar, log_level=0, limits=parser_limits())
             if cached.is_error():
-                raise self._compile_error(cached.get_error(), param, schema)
+                raise self._compile_error(cached.get_error(), param, schemas or {})
             with self._cache_lock:
                 self._cache[grammar] = cached
                 while len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
         return cached.deep_copy()
 
-    async def compile_async(self, grammar: str, param: str, schema: Any = None):
+    async def compile_async(self, grammar: str, param: str, schemas: Optional[dict[str, Any]] = None):
         """:meth:`compile` in a worker thread, at most ``max_concurrent`` at once, within
         ``timeout_s`` seconds (a RequestError after that; the build then finishes in the
         background, bounded by llguidance's own limits, and is dropped)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_concurrent)
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         too_slow = RequestError(param, f"the grammar took longer than {self.timeout_s:g} s to compile; "
                                        "simplify the schema", code="grammar_too_complex")
         try:
-            async with asyncio.timeout_at(deadline):
-                await self._slots.acquire()
-        except TimeoutError:
+            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+        except asyncio.TimeoutError:
             raise too_slow from None
         # The slot is held until the build ends, even one whose request has given up on it:
         # a thread cannot be stopped, and the bound on concurrent builds must hold.
-        build = asyncio.ensure_future(asyncio.to_thread(self.compile, grammar, param, schema))
+        build = asyncio.ensure_future(asyncio.to_thread(self.compile, grammar, param, schemas))
         build.add_done_callback(lambda _: self._slots.release())
         try:
-            async with asyncio.timeout_at(deadline):
-                return await asyncio.shield(build)
-        except TimeoutError:
+            return await asyncio.wait_for(asyncio.shield(build), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
             raise too_slow from None
 
-    def _compile_error(self, message: str, param: str, schema: Any) -> RequestError:
+    def _compile_error(self, message: str, param: str, schemas: dict[str, Any]) -> RequestError:
         path = param
-        if isinstance(schema, dict):
-            path = param + (self._failing_subschema(schema) or "")
+        for field, schema in schemas.items():
+            if isinstance(schema, dict):
+                sub = self._failing_subschema(schema)
+                if sub is not None:
+                    path = field + sub
+                    break
         return RequestError(path, f"cannot be compiled: {_one_line(message)}")
 
     def _failing_subschema(self, schema: dict) -> Optional[str]:
@@ -157,7 +161,7 @@ class GrammarCompiler:
         llg = _llguidance()
         found = None
         for path, sub in _subschemas(schema, ""):
-            if not path or not isinstance(sub, dict):
+            if not isinstance(sub, dict):
                 continue
             try:
                 grammar = llg.LLMatcher.grammar_from_json_schema(sub, defaults=dict(JSON_OPTIONS))
@@ -165,7 +169,7 @@ class GrammarCompiler:
                 found = path
                 continue
             error = llg.LLMatcher.validate_grammar(grammar, None, limits=parser_limits())
-            if error and "$ref" not in json.dumps(sub) and (found is None or path.startswith(found)):
+            if error and (not path or "$ref" not in json.dumps(sub)) and (found is None or path.startswith(found)):
                 found = path
         return found
 

@@ -315,3 +315,27 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+#: Calls one constrained reply may hold with ``parallel_tool_calls`` (a bound, so that a
+#: small model cannot repeat calls until ``max_tokens``).
+MAX_PARALLEL_CALLS = 8
+
+
+def tool_call_grammar(tools: list[FunctionTool], choice: ToolChoice, parallel: bool,
+                      json_options: dict) -> Optional[str]:
+    """The Lark grammar (llguidance's dialect) that ``tool_choice`` ``required`` or a named
+    function imposes: the reply is one ``<tool_call>`` block (up to ``MAX_PARALLEL_CALLS``,
+    newline-separated, with ``parallel``) whose JSON names one of the allowed functions and
+    whose ``arguments`` follow that function's ``parameters`` schema. None for ``auto`` and
+    ``none``, which leave the model free (a call it writes is parsed all the same)."""
+    if choice.mode not in ("required", "named"):
+        return None
+    allowed = [t for t in tools if choice.mode == "required" or t.name == choice.name]
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in allowed]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {**schema, "x-guidance": json_options}
+    repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+    return (f"start: call{repeat}\n"
+            f'call: "{TOOL_CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{TOOL_CALL_CLOSE}"\n')
