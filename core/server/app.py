@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import RequestError, SpecdecError
-from ..structured.grammar import GrammarCompiler
+from ..structured.grammar import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompiler
 from ..model.tokenizer import TooManyTokens
 from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
 from .errors import APIError, validation_error
@@ -67,7 +67,8 @@ _BIG_PROMPTS = 2
 def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optional[str] = None,
               limits: Optional[ServerLimits] = None, enable_docs: bool = False,
               metrics_require_key: bool = False, allowed_hosts: Optional[Sequence[str]] = None,
-              cluster=None, hide_speculative_usage: bool = False) -> FastAPI:
+              cluster=None, hide_speculative_usage: bool = False,
+              grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> FastAPI:
     """The server's FastAPI app.
 
     :param engine_loop: runs the engine; the app's lifespan starts and stops it. Its
@@ -86,6 +87,9 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     :param hide_speculative_usage: leave ``usage.speculative`` out of responses: how many
         drafts a request had accepted tells how much its text matched earlier requests' (with
         the ``suffix`` method's global tree, other tenants').
+    :param grammar_compile_timeout: seconds a request's grammar (``response_format``, a
+        constrained ``tool_choice``) may take to compile before the request is refused (400);
+        the compiler is ``app.state.grammar_compiler``.
     """
     if metrics_require_key and not api_key:
         raise ValueError("metrics_require_key needs an api_key")
@@ -105,8 +109,11 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
             # streaming is the cluster's concern
             return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant,
                                       row_processors=list(row_processors))
+    # The llguidance tokenizer is built at the first structured request (~1 s), not here.
+    grammar_compiler = GrammarCompiler(engine_loop.tokenizer, engine_loop.vocab_size,
+                                       timeout_s=grammar_compile_timeout)
     handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage,
-                         clustered=cluster is not None)
+                         grammar_compiler, clustered=cluster is not None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -126,6 +133,7 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     app.state.engine_loop = engine_loop
     app.state.limits = limits
     app.state.max_prompt_chars = max_prompt_chars
+    app.state.grammar_compiler = grammar_compiler
     # The last added runs first: the Host, then the key are checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes, read_timeout=limits.read_timeout,
                        body_timeout=limits.body_timeout, on_reject=metrics.request_rejected)
@@ -199,10 +207,11 @@ class _Handlers:
     """What the two generation endpoints do, apart from FastAPI's plumbing."""
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit,
-                 hide_speculative_usage: bool = False, clustered: bool = False):
+                 hide_speculative_usage: bool = False, grammar_compiler: Optional[GrammarCompiler] = None,
+                 clustered: bool = False):
         self.engine_loop = engine_loop
         self.clustered = clustered
-        self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
+        self.grammars = grammar_compiler
         self.hide_speculative_usage = hide_speculative_usage
         self.submit = submit  # the engine loop's, or the cluster's (which routes)
         self.model_name = served_model_name
@@ -261,11 +270,8 @@ class _Handlers:
         if self.clustered:
             raise APIError(400, f"{structured.grammar.param}: structured output is not supported on a cluster",
                            param=structured.grammar.param, code="unsupported_value")
-        if self._grammars is None:
-            engine = self.engine_loop.engine
-            self._grammars = GrammarCompiler(self.engine_loop.tokenizer, engine.model_config.vocab_size)
         try:
-            return await structured.row_processors(self._grammars)
+            return await structured.row_processors(self.grammars)
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 

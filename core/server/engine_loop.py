@@ -261,6 +261,11 @@ class EngineLoop:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits (what a grammar's token mask covers)."""
+        return self.engine.model_config.vocab_size
+
+    @property
     def num_speculative_tokens(self) -> int:
         """The engine's k: the most drafts per request and step."""
         return self.engine.spec.num_speculative_tokens or 0

@@ -32,6 +32,8 @@ DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONCURRENT_COMPILES = 2
 #: Compiled grammars kept for reuse (a request with the same schema copies the built matcher).
 _CACHE_SIZE = 64
+#: Subschemas tried alone when looking for the one that fails (a bound on the search's time).
+_MAX_SUBSCHEMAS_SEARCHED = 200
 #: JSON as the model writes it: compact (no whitespace between tokens), so that a small model
 #: cannot wander into endless spaces and newlines; separators as ``json.dumps`` writes them.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -160,7 +162,9 @@ class GrammarCompiler:
         alone: then the deepest one that does say what fails is taken)."""
         llg = _llguidance()
         found = None
-        for path, sub in _subschemas(schema, ""):
+        for n, (path, sub) in enumerate(_subschemas(schema, "")):
+            if n >= _MAX_SUBSCHEMAS_SEARCHED:
+                break
             if not isinstance(sub, dict):
                 continue
             try:
