@@ -31,12 +31,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import attrs
+
 from .. import __version__
 from ..errors import RequestError, SpecdecError
 from ..structured.grammar import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompiler
+from ..sampling import MAX_SEED, SamplingParams
 from ..model.tokenizer import TooManyTokens
 from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
 from .errors import APIError, validation_error
+from .generation_defaults import GenerationDefaults
 from .hosts import AllowedHostsMiddleware
 from .limits import BodyLimitMiddleware, ServerLimits, default_max_prompt_chars
 from .metrics import ServerMetrics
@@ -50,7 +54,7 @@ from .protocol import (
     ModelCard,
     ModelList,
 )
-from .responses import ChatShape, CompletionShape, Shape, event_stream, sse_events
+from .responses import ChatShape, CompletionShape, Shape, StreamGroup, event_stream, sse_events
 from .structured import Structured, plan_chat, response_format_grammar
 from .tenant import tenant_of
 
@@ -68,6 +72,7 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
               limits: Optional[ServerLimits] = None, enable_docs: bool = False,
               metrics_require_key: bool = False, allowed_hosts: Optional[Sequence[str]] = None,
               cluster=None, hide_speculative_usage: bool = False,
+              generation_defaults: Optional[GenerationDefaults] = None,
               grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> FastAPI:
     """The server's FastAPI app.
 
@@ -87,6 +92,9 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     :param hide_speculative_usage: leave ``usage.speculative`` out of responses: how many
         drafts a request had accepted tells how much its text matched earlier requests' (with
         the ``suffix`` method's global tree, other tenants').
+    :param generation_defaults: the sampling values of the fields a request leaves out
+        (:mod:`~specdec.server.generation_defaults`; ``specdec serve`` loads them per
+        ``--generation-config``); None: the OpenAI API's (temperature 1, no top-k/top-p).
     :param grammar_compile_timeout: seconds a request's grammar (``response_format``, a
         constrained ``tool_choice``) may take to compile before the request is refused (400);
         the compiler is ``app.state.grammar_compiler``.
@@ -102,18 +110,18 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
                                                                            engine_loop.tokenizer)
     if cluster is not None:
         def submit(prompt_ids, sampling, request_id, streaming, tenant=None, row_processors=()):
-            # The cluster does not route tenants, nor grammars (refused before: _row_processors).
+            # The cluster does not route tenants, nor grammars (refused before: _grammar).
             return cluster.submit(prompt_ids, sampling, request_id, streaming=streaming)
     else:
         def submit(prompt_ids, sampling, request_id, streaming, tenant=None, row_processors=()):
             # streaming is the cluster's concern
-            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant,
-                                      row_processors=list(row_processors))
+            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant, row_processors=row_processors)
     # The llguidance tokenizer is built at the first structured request (~1 s), not here.
     grammar_compiler = GrammarCompiler(engine_loop.tokenizer, engine_loop.vocab_size,
                                        timeout_s=grammar_compile_timeout)
     handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage,
-                         grammar_compiler, clustered=cluster is not None)
+                         generation_defaults or GenerationDefaults(), grammar_compiler,
+                         clustered=cluster is not None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -207,11 +215,12 @@ class _Handlers:
     """What the two generation endpoints do, apart from FastAPI's plumbing."""
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit,
-                 hide_speculative_usage: bool = False, grammar_compiler: Optional[GrammarCompiler] = None,
-                 clustered: bool = False):
+                 hide_speculative_usage: bool = False, generation_defaults: GenerationDefaults = GenerationDefaults(),
+                 grammar_compiler: Optional[GrammarCompiler] = None, clustered: bool = False):
         self.engine_loop = engine_loop
-        self.clustered = clustered
         self.grammars = grammar_compiler
+        self.clustered = clustered
+        self.generation_defaults = generation_defaults
         self.hide_speculative_usage = hide_speculative_usage
         self.submit = submit  # the engine loop's, or the cluster's (which routes)
         self.model_name = served_model_name
@@ -222,7 +231,8 @@ class _Handlers:
 
     def model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         max_model_len=self.engine_loop.max_model_len)])
+                                         max_model_len=self.engine_loop.max_model_len,
+                                         generation_defaults=self.generation_defaults.values)])
 
     # -- the endpoints -----------------------------------------------------------------------
 
@@ -235,10 +245,11 @@ class _Handlers:
             prompt_ids = body.prompt
         # Without max_tokens a completion gets OpenAI's 16 tokens, or what room the context has.
         default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, self._room(prompt_ids))
-        sampling = body.sampling_params(default_max_tokens, self.engine_loop.num_speculative_tokens)
+        sampling = body.sampling_params(default_max_tokens, self.engine_loop.num_speculative_tokens,
+                                        self.generation_defaults)
         structured = _checked(lambda: Structured(response_format_grammar(body.response_format)))
         processors = await self._row_processors(structured)
-        shape = CompletionShape(self.model_name, hide_speculative=self.hide_speculative_usage)
+        shape = CompletionShape(self.model_name, self.hide_speculative_usage, self._token_text)
         return await self._generate(body, request, prompt_ids, sampling, shape, processors)
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
@@ -256,24 +267,30 @@ class _Handlers:
         prompt_ids = await self._tokenize_prompt(functools.partial(tokenizer.encode_chat, **extra), messages,
                                                  num_chars, "messages")
         # Without max_tokens the answer may run to the end of the context.
-        sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens)
+        sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens,
+                                        self.generation_defaults)
         processors = await self._row_processors(structured)
-        shape = ChatShape(self.model_name, hide_speculative=self.hide_speculative_usage, tools=structured.tools)
+        shape = ChatShape(self.model_name, self.hide_speculative_usage, self._token_text, tools=structured.tools)
         return await self._generate(body, request, prompt_ids, sampling, shape, processors)
 
-    async def _row_processors(self, structured: Structured) -> list:
-        """The request's grammar compiled into its row processors (off the engine thread, in
-        bounded time: see :class:`~specdec.structured.grammar.GrammarCompiler`); a grammar
-        that does not compile is a 400 naming the field."""
+    async def _row_processors(self, structured: Structured):
+        """A function giving each choice of the request its row processors: its grammar's,
+        compiled once (off the engine thread, in bounded time: see
+        :class:`~specdec.structured.grammar.GrammarCompiler`); None without a grammar. A
+        grammar that does not compile is a 400 naming the field."""
         if structured.grammar is None:
-            return []
+            return None
         if self.clustered:
             raise APIError(400, f"{structured.grammar.param}: structured output is not supported on a cluster",
                            param=structured.grammar.param, code="unsupported_value")
         try:
-            return await structured.row_processors(self.grammars)
+            return await structured.processor_factory(self.grammars)
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, as ``logprobs`` show it."""
+        return self.engine_loop.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _room(self, prompt_ids) -> int:
         """The most tokens the context has room for after the prompt (at least 1: a prompt that
@@ -322,16 +339,34 @@ class _Handlers:
                            param="model", code="model_not_found")
 
     async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
-                        shape: Shape, row_processors: list = ()) -> BaseModel | Response:
-        """Run the request; answer with server-sent events, or the whole response at the end."""
-        stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param, bool(body.stream),
-                                    tenant_of(request), row_processors)
+                        shape: Shape, row_processors=None) -> BaseModel | Response:
+        """Run the request's choices (``n`` engine requests sharing the prompt, whose KV the
+        prefix cache shares); answer with server-sent events, or the whole response at the end."""
+        group = StreamGroup([])
+        try:
+            for choice_sampling in choice_samplings(sampling, body.num_choices):
+                group.streams.append(await self._submit(prompt_ids, choice_sampling, f"{shape.request_id}-{len(group.streams)}"
+                                                        if body.num_choices > 1 else shape.request_id,
+                                                        shape.prompt_param, bool(body.stream), tenant_of(request),
+                                                        row_processors() if row_processors else ()))
+        except BaseException:
+            group.abort()
+            raise
+        logprobs = sampling.logprobs is not None
         if body.stream:
-            return event_stream(sse_events(stream, shape, body.include_usage), stream)
-        final = await _wait_final(stream, request)
-        if final is None:
-            return Response(status_code=499)  # the client has gone; nobody reads this
-        return shape.response(final)
+            return event_stream(sse_events(group, shape, body.include_usage, logprobs), group)
+        finals = []
+        for stream in group.streams:
+            try:
+                final = await _wait_final(stream, request)
+            except BaseException:
+                group.abort()
+                raise
+            if final is None:
+                group.abort()
+                return Response(status_code=499)  # the client has gone; nobody reads this
+            finals.append(final)
+        return shape.response(finals, logprobs)
 
     async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str,
                       streaming: bool, tenant: Optional[str] = None, row_processors=()) -> RequestStream:
@@ -360,6 +395,15 @@ class _Handlers:
             stream.abort()
             raise
         return stream
+
+
+def choice_samplings(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of ``n`` choices: choice ``i`` of a seeded request draws from seed
+    ``seed + i`` (mod 2**64), so every choice is reproducible and none repeats another; without
+    a seed each gets the engine's own stream for it."""
+    if n == 1 or sampling.seed is None:
+        return [sampling] * n
+    return [attrs.evolve(sampling, seed=(sampling.seed + i) % (MAX_SEED + 1)) for i in range(n)]
 
 
 def _checked(build):

@@ -85,10 +85,13 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New text of a running request, and how many tokens it has generated so far."""
+    """New text of a running request, and how many tokens it has generated so far;
+    ``logprobs``: the :class:`~specdec.engine.logprobs.TokenLogprob` of each token generated
+    since the last event, when the request asked for them."""
 
     text: str
     num_generated: int
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,8 @@ class Finished:
     metrics: SpecMetrics
     error: Optional[str] = None
     handoff: Optional["HandoffState"] = None
+    #: As :attr:`Delta.logprobs`: the tokens' since the last event (all of them from :meth:`RequestStream.final`).
+    logprobs: tuple = ()
 
 
 Event = Admitted | Rejected | Delta | Finished
@@ -168,14 +173,15 @@ class RequestStream:
 
     async def final(self) -> Finished:
         """Wait for the end; return the whole text in one :class:`Finished`."""
-        parts = []
+        parts, logprobs = [], []
         while True:
             event = await self._queue.get()
             parts.append(event.text)
+            logprobs.extend(event.logprobs)
             if isinstance(event, Finished):
                 self.finished = True
                 return Finished("".join(parts), event.num_generated, event.num_prompt_tokens,
-                                event.finish_reason, event.metrics, event.error, event.handoff)
+                                event.finish_reason, event.metrics, event.error, event.handoff, tuple(logprobs))
 
     def abort(self) -> None:
         """Cancel the request and free its KV cache (nothing happens once it has finished)."""
@@ -206,6 +212,7 @@ class _Tracked:
     imported: Optional["HandoffState"] = None  # submit_imported's state
     request: object = None  # the engine's Request once added
     emitted_chars: int = 0
+    emitted_logprobs: int = 0  # entries of request.logprobs already sent
     num_generated: int = 0
     first_token_at: float = 0.0
     spec_seen: SpecMetrics = field(default_factory=SpecMetrics)
@@ -542,7 +549,8 @@ class EngineLoop:
                 error = ENGINE_ERROR_MESSAGE if request.finish_reason == "error" else None
                 handoff = request.handoff_state if request.finish_reason == "handoff" else None
                 tracked.send(Finished(text, request.num_generated, request.num_prompt_tokens,
-                                      request.finish_reason, _copy(request.metrics), error, handoff))
+                                      request.finish_reason, _copy(request.metrics), error, handoff,
+                                      _new_logprobs(tracked, request)))
                 self._record_finish(tracked, request, now)
                 done.append(request_id)
                 continue
@@ -550,7 +558,7 @@ class EngineLoop:
             if visible > tracked.emitted_chars:
                 text = request.text[tracked.emitted_chars:visible]
                 tracked.emitted_chars = visible
-                tracked.send(Delta(text, request.num_generated))
+                tracked.send(Delta(text, request.num_generated, _new_logprobs(tracked, request)))
         for request_id in done:
             del self._tracked[request_id]
             self._release()
@@ -626,6 +634,15 @@ class EngineLoop:
             max_pending=self.max_pending,
             running=running,
         )
+
+
+def _new_logprobs(tracked: _Tracked, request) -> tuple:
+    """The request's logprob entries not sent yet (none when it did not ask for them)."""
+    if not request.logprobs:
+        return ()
+    new = tuple(request.logprobs[tracked.emitted_logprobs:])
+    tracked.emitted_logprobs = len(request.logprobs)
+    return new
 
 
 def _error_end(tracked: _Tracked, message: str) -> Finished:

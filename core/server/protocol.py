@@ -8,6 +8,9 @@ did-you-mean), and a value must have the field's type (``"5"`` is no int, ``2.0`
   this request, a smaller k limits it. Validated with the config's strict converter.
 - ``ignore_eos``: generate past EOS (as vLLM has it), for benchmarks and exact token counts.
 
+``repetition_penalty``, ``min_p`` and ``stop_token_ids`` are vLLM's extensions, checked like
+the OpenAI fields. ``n`` (1 to 128) asks for that many choices of one prompt.
+
 Every other field of the OpenAI request schemas is accepted at its default value (``null``,
 or the value OpenAI documents as the default: ``presence_penalty: 0``, ``logit_bias: {}``,
 ``functions: []``, ...), because common clients send them on every request; any other value is a 400
@@ -40,11 +43,14 @@ from ..config import MAX_SPECULATIVE_TOKENS, describe, structure
 from ..validators import in_range
 from ..errors import ConfigError, RequestError
 from ..metrics import SpecMetrics
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 from .errors import APIError
+from .generation_defaults import GenerationDefaults
 
 #: ``max_tokens`` of a completion when the request leaves it out (as the OpenAI API has it).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: The most choices one request may ask for (``n``), as the OpenAI API bounds it.
+MAX_N = 128
 
 
 class _Strict(BaseModel):
@@ -64,11 +70,6 @@ def check_text(value: str) -> str:
 #: accepts for them: the defaults (``None``, JSON null, is always accepted). Any other value is
 #: a 400 ``unsupported_value`` naming the field.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False,),  # completions: an int or null; chat: a bool
-    "top_logprobs": (0,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -144,7 +145,7 @@ class GenerationRequest(_Strict):
     top_k: Optional[int] = None
     seed: Optional[int] = None
     stop: Optional[Any] = None
-    n: Optional[int] = Field(None, ge=1)
+    n: Optional[int] = Field(None, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
@@ -155,11 +156,16 @@ class GenerationRequest(_Strict):
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
-    # Accepted at their defaults only (UNSUPPORTED_FIELDS): checked in sampling_params().
+    # The logits controls, checked by SamplingParams (``repetition_penalty``, ``min_p`` and
+    # ``stop_token_ids`` go beyond the OpenAI API, as vLLM has them).
     frequency_penalty: Optional[Any] = None
     presence_penalty: Optional[Any] = None
+    repetition_penalty: Optional[Any] = None
+    min_p: Optional[Any] = None
     logit_bias: Optional[Any] = None
+    stop_token_ids: Optional[Any] = None
     logprobs: Optional[Any] = None
+    # Accepted at their defaults only (UNSUPPORTED_FIELDS): checked in sampling_params().
     store: Optional[Any] = None
 
     @field_validator("stop", mode="before")
@@ -177,14 +183,18 @@ class GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, default_max_tokens: int, max_speculative_tokens: int) -> SamplingParams:
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def sampling_params(self, default_max_tokens: int, max_speculative_tokens: int,
+                        defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request (``APIError`` 400 when invalid).
 
         ``max_speculative_tokens`` is the server's k: ``speculative.num_speculative_tokens``
-        may lower it, not raise it.
+        may lower it, not raise it. The sampling fields the request leaves out take their
+        value from ``defaults`` (the server's generation config).
         """
-        if self.n not in (None, 1):
-            raise APIError(400, f"n: only n=1 is supported, got {self.n}", param="n", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
         self._check_unsupported_fields()
@@ -193,9 +203,16 @@ class GenerationRequest(_Strict):
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
+                temperature=defaults.value("temperature", self.temperature),
+                top_p=defaults.value("top_p", self.top_p),
+                top_k=defaults.value("top_k", self.top_k),
+                min_p=defaults.value("min_p", self.min_p),
+                repetition_penalty=defaults.value("repetition_penalty", self.repetition_penalty),
+                presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+                frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+                logit_bias=self._logit_bias(),
+                stop_token_ids=self._stop_token_ids(),
+                logprobs=self.num_logprobs(),
                 seed=self.seed,
                 stop=stop,
                 ignore_eos=self.ignore_eos,
@@ -203,6 +220,31 @@ class GenerationRequest(_Strict):
             )
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+
+    def num_logprobs(self) -> Optional[int]:
+        """How many top log-probabilities per token the request asks for (None: no logprobs)."""
+        if self.logprobs is None:
+            return None
+        if type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs: must be an integer between 0 and {MAX_LOGPROBS}, got "
+                                f"{describe(self.logprobs)}", param="logprobs", code="invalid_value")
+        return self.logprobs
+
+    def _logit_bias(self):
+        if self.logit_bias is None:
+            return ()
+        if not isinstance(self.logit_bias, dict):
+            raise APIError(400, f"logit_bias: expected an object mapping token ids to numbers, got "
+                                f"{describe(self.logit_bias)}", param="logit_bias", code="invalid_value")
+        return self.logit_bias
+
+    def _stop_token_ids(self):
+        if self.stop_token_ids is None:
+            return ()
+        if not isinstance(self.stop_token_ids, list):
+            raise APIError(400, f"stop_token_ids: expected a list of token ids, got {describe(self.stop_token_ids)}",
+                           param="stop_token_ids", code="invalid_value")
+        return self.stop_token_ids
 
     def _check_unsupported_fields(self) -> None:
         for name, allowed in UNSUPPORTED_FIELDS.items():
@@ -345,6 +387,20 @@ class ChatCompletionRequest(GenerationRequest):
     web_search_options: Optional[Any] = None
     verbosity: Optional[Any] = None
 
+    def num_logprobs(self) -> Optional[int]:
+        """Chat asks with ``logprobs: true`` and ``top_logprobs: N`` (0 to 20)."""
+        if self.logprobs is not None and type(self.logprobs) is not bool:
+            raise APIError(400, f"logprobs: expected true or false, got {describe(self.logprobs)}", param="logprobs", code="invalid_value")
+        top = self.top_logprobs
+        if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+            raise APIError(400, f"top_logprobs: must be an integer between 0 and {MAX_LOGPROBS}, got {describe(top)}",
+                           param="top_logprobs", code="invalid_value")
+        if not self.logprobs:
+            if top:
+                raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+            return None
+        return top or 0
+
     def resolve_max_tokens(self) -> None:
         """Fold ``max_completion_tokens`` into ``max_tokens``."""
         if self.max_completion_tokens is not None:
@@ -398,9 +454,21 @@ class Usage(BaseModel):
                    speculative=None if metrics is None else SpeculativeUsage.from_metrics(metrics))
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs`` (the legacy shape): per token its text, its
+    log-probability, the ``logprobs`` most likely tokens there (``{text: logprob}``) and where
+    its text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
 
 
@@ -425,9 +493,30 @@ class AssistantMessage(BaseModel):
     tool_calls: Optional[list[dict]] = None
 
 
+class TopLogprob(BaseModel):
+    """One candidate token: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One generated token, with the most likely tokens at its position (``top_logprobs``)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: str
 
 
@@ -452,6 +541,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
 
 
@@ -470,6 +560,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "specdec"
     max_model_len: int
+    #: The sampling values a request gets for the fields it leaves out (``--generation-config``).
+    generation_defaults: dict[str, float] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

@@ -5,7 +5,7 @@ into what the engine and the response need.
   "json_schema": {"name", "schema", "strict"}}`` as a grammar (``text`` and null: none);
 - :func:`plan_chat`: the tools offered, the messages and template variables that render them,
   and the grammar of ``tool_choice`` ``required`` / a named function;
-- :meth:`Structured.row_processors`: the grammar compiled (off the engine thread, bounded in
+- :meth:`Structured.processor_factory`: the grammar compiled (off the engine thread, bounded in
   time: :class:`~specdec.structured.grammar.GrammarCompiler`) into the request's
   :class:`~specdec.structured.processor.GrammarProcessor`.
 
@@ -43,14 +43,13 @@ class Structured:
     #: The tools whose calls are parsed out of the output (none: the output is all content).
     tools: list[FunctionTool] = attrs.field(factory=list)
 
-    async def row_processors(self, compiler: GrammarCompiler) -> list:
-        """The request's row processors: its grammar's, or none."""
-        if self.grammar is None:
-            return []
+    async def processor_factory(self, compiler: GrammarCompiler):
+        """The grammar compiled once, as a function that gives each engine request of this
+        request (one per choice, ``n``) its own row processors (a fresh matcher each)."""
         from ..structured.processor import GrammarProcessor
 
         matcher = await compiler.compile_async(self.grammar.text, self.grammar.param, self.grammar.schemas)
-        return [GrammarProcessor(matcher, compiler.eos_token_ids)]
+        return lambda: [GrammarProcessor(matcher.deep_copy(), compiler.eos_token_ids)]
 
 
 def response_format_grammar(value: Any) -> Optional[Grammar]:
