@@ -44,14 +44,14 @@ AGENT_TURNS = 6
 
 
 @contextlib.contextmanager
-def speculative_method(server, method: str):
-    """The session server's engine switched to ``method`` (every draft verified), then back."""
+def speculative_method(server, method: str, **keys):
+    """The session server's engine switched to ``method`` (and ``keys``; defaults otherwise), then back."""
     from specdec.api import _speculative
 
     engine = server.engine_loop.engine
     original = engine.spec
     server.wait_idle()
-    engine.set_speculative_config(_speculative({"method": method, "adaptive_draft_length": False}, engine.plugins))
+    engine.set_speculative_config(_speculative({"method": method, **keys}, engine.plugins))
     try:
         yield
     finally:
@@ -80,7 +80,8 @@ def test_every_schema_validates_with_every_method(server):
     assert len(SCHEMAS) >= 20
     texts = {}
     for method in METHODS:
-        with speculative_method(server, method):
+        # Every draft verified (no adaptive draft length), so that drafts meet the mask.
+        with speculative_method(server, method, adaptive_draft_length=False, num_speculative_tokens=3):
             outputs = asyncio.run(_schema_outputs(server))
         problems = []
         for entry, (text, finish_reason, _) in zip(SCHEMAS, outputs):
@@ -138,7 +139,7 @@ def _agent_transcript(server) -> list:
     messages = [{"role": "user", "content": "Start at 5. Add 7, then keep adding 7 to the last result."}]
     transcript = []
     for turn in range(AGENT_TURNS):
-        options = dict(model=MODEL_NAME, messages=messages, tools=[ADD_TOOL], max_tokens=32, temperature=0,
+        options = dict(model=MODEL_NAME, messages=messages, tools=[ADD_TOOL], max_tokens=40, temperature=0,
                        tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False)
         if turn % 2:
             message, finish_reason = _streamed_message(client.chat.completions.create(stream=True, **options))

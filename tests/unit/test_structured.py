@@ -182,11 +182,12 @@ def test_a_malformed_call_is_content(text):
 def test_a_malformed_call_reaches_the_client_as_content_with_finish_reason_stop():
     shape = ChatShape("m", tools=parse_tools([ADD]))
     final = Finished('<tool_call>\n{"name": "add", "arguments": [1, 2]}\n</tool_call>', 20, 5, "stop", SpecMetrics())
-    choice = shape.response(final).choices[0]
+    choice = shape.response([final], False).choices[0]
     assert choice.message.content == final.text and choice.message.tool_calls is None
     assert choice.finish_reason == "stop"
     streamed = ChatShape("m", tools=parse_tools([ADD]))
-    chunks = streamed.text(final.text[:17]) + streamed.text(final.text[17:]) + streamed.finish("stop")
+    chunks = streamed.text(0, final.text[:17], None) + streamed.text(0, final.text[17:], None) \
+        + streamed.finish(0, "stop")
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(d.content or "" for d in deltas) == final.text and not any(d.tool_calls for d in deltas)
 
