@@ -44,6 +44,9 @@ class RequestOutput:
     first_token_s: float = 0.0
     #: Why the request failed (``finish_reason`` ``error``): which phase raised what.
     error: Optional[str] = None
+    #: Per generated token, a :class:`~specdec.engine.logprobs.TokenLogprob` when the request
+    #: asked for ``logprobs``; not in to_dict().
+    logprobs: Optional[list] = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -119,6 +122,13 @@ class Request:
     kv_imported: bool = False
     #: Who sent it (``add_request(tenant=...)``), for the proposer: see ``ProposalRequest.tenant``.
     tenant: Optional[str] = None
+    #: The request's :class:`~specdec.engine.logits_processing.RowProcessor` s, applied in
+    #: order to its logits at every verified row (penalties, logit bias, min-p, grammars);
+    #: empty for a request that needs none, which then costs nothing.
+    row_processors: list = attrs.field(factory=list)
+    #: With ``sampling.logprobs`` set: a :class:`~specdec.engine.logprobs.TokenLogprob` per
+    #: generated token, in order; None otherwise.
+    logprobs: Optional[list] = None
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -158,4 +168,5 @@ class Request:
             metrics=self.metrics,
             first_token_s=(self.first_token_time - self.arrival_time) if self.first_token_time else 0.0,
             error=self.error,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )
