@@ -66,6 +66,11 @@ def _check_num_speculative_tokens(instance, attribute, value):
         raise RequestError("num_speculative_tokens", f"must be an integer >= 0, got {value!r}")
 
 
+def _check_prediction(instance, attribute, value):
+    if not all(_is_int(t) and t >= 0 for t in value):
+        raise RequestError("prediction", "expected a sequence of token ids (integers >= 0)")
+
+
 def _top_k(value):
     return 0 if value == -1 else value  # -1 is "off", as vLLM and the OpenAI-style servers have it
 
@@ -88,6 +93,9 @@ class SamplingParams:
     stop string is not included in the returned text). ``num_speculative_tokens`` limits
     speculation for this request alone: ``None`` keeps the engine's setting, 0 turns
     speculation off, a smaller k caps its drafts (it cannot raise the engine's k).
+    ``prediction``: token ids of the output the caller expects (OpenAI's Predicted Outputs),
+    drafted from for this request alone (``specdec.engine.prediction``); the output stays
+    what it is without it.
     """
 
     max_tokens: int = attrs.field(default=128, validator=_check_max_tokens)
@@ -98,3 +106,4 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop, validator=_check_stop)
     ignore_eos: bool = False
     num_speculative_tokens: Optional[int] = attrs.field(default=None, validator=_check_num_speculative_tokens)
+    prediction: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_check_prediction)

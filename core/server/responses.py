@@ -151,4 +151,4 @@ def _sse_error(message: str) -> str:
 
 def usage_of(final: Finished, hide_speculative: bool = False) -> Usage:
     """The usage of a finished request (without ``speculative`` when ``hide_speculative``)."""
-    return Usage.of(final.num_prompt_tokens, final.num_generated, None if hide_speculative else final.metrics)
+    return Usage.of(final.num_prompt_tokens, final.num_generated, final.metrics, hide_speculative)
