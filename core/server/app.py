@@ -233,8 +233,8 @@ class _Handlers:
             prompt_ids = body.prompt
         # Without max_tokens a completion gets OpenAI's 16 tokens, or what room the context has.
         default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, self._room(prompt_ids))
-        sampling = await self._with_prediction(body, body.sampling_params(default_max_tokens,
-                                                                          self.engine_loop.num_speculative_tokens))
+        sampling = await self._with_prediction(body, lambda: body.sampling_params(
+            default_max_tokens, self.engine_loop.num_speculative_tokens))
         shape = CompletionShape(self.model_name, hide_speculative=self.hide_speculative_usage)
         return await self._generate(body, request, prompt_ids, sampling, shape)
 
@@ -249,8 +249,8 @@ class _Handlers:
         prompt_ids = await self._tokenize_prompt(self.engine_loop.tokenizer.encode_chat, messages, num_chars,
                                                  "messages")
         # Without max_tokens the answer may run to the end of the context.
-        sampling = await self._with_prediction(body, body.sampling_params(self._room(prompt_ids),
-                                                                          self.engine_loop.num_speculative_tokens))
+        sampling = await self._with_prediction(body, lambda: body.sampling_params(
+            self._room(prompt_ids), self.engine_loop.num_speculative_tokens))
         shape = ChatShape(self.model_name, hide_speculative=self.hide_speculative_usage)
         return await self._generate(body, request, prompt_ids, sampling, shape)
 
@@ -285,10 +285,12 @@ class _Handlers:
         finally:
             self._tokenizing -= 1
 
-    async def _with_prediction(self, body: GenerationRequest, sampling):
-        """``sampling`` with the tokens of the request's ``prediction`` (Predicted Outputs), if
-        it has one: the text alone, without special tokens, held to ``--max-prompt-chars``."""
+    async def _with_prediction(self, body: GenerationRequest, make_sampling):
+        """``make_sampling()`` with the tokens of the request's ``prediction`` (Predicted
+        Outputs), if it has one: the text alone, without special tokens, held to
+        ``--max-prompt-chars``. The prediction is checked first: with ``n`` > 1 it names itself."""
         text = body.prediction_text()
+        sampling = make_sampling()
         if text is None:
             return sampling
         if len(text) > self.max_prompt_chars:
