@@ -1,7 +1,7 @@
 """Predicted Outputs on the real model: a prediction changes only the speed.
 
 Three code edits (``code_edit_tasks``: the answer re-emits the code the client passes as the
-prediction), greedy, with every method, batched (the three at once) and, for naive, each
+prediction), greedy, with every method, batched (the three at once) and, for naive, the first
 alone: the tokens equal naive decoding's without a prediction, token for token. One of the
 three predictions is another function's code (mostly wrong: its drafts are rejected, and the
 re-alignment must cope); the good ones must get prediction drafts accepted, or the comparison
@@ -17,7 +17,7 @@ from specdec.workloads import code_edit_tasks
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 METHODS = ("naive", "ngram", "suffix", "mtp", "hybrid")
 
 
@@ -56,6 +56,7 @@ def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks
     # The right predictions draft, and most of what they draft is the answer.
     for m in metrics[:2]:
         assert m.num_prediction_accepted > m.num_prediction_rejected, (method, m)
+    assert metrics[2].num_prediction_rejected > 0, (method, metrics[2])
     # Drafted and verified tokens include the prediction's.
     for m in metrics:
         assert m.num_accepted_tokens >= m.num_prediction_accepted
@@ -64,18 +65,7 @@ def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks
 
 def test_a_prediction_alone_is_lossless_and_faster_per_step(model_session, tasks, reference):
     prompts, predictions = tasks
-    for i in range(2):
-        [output] = model_session.run(None, prompts[i: i + 1], _sampling(predictions[i]), chat=False, cache=False)
-        assert output.token_ids == reference[i]
-        # Naive decoding takes a step per token: the prediction saved steps.
-        assert output.metrics.num_steps < MAX_TOKENS * 0.75, output.metrics
-
-
-def test_a_wrong_prediction_costs_no_tokens(model_session, tasks):
-    """A prediction of unrelated text: every draft rejected, the output unchanged."""
-    prompts, _ = tasks
-    wrong = model_session.llm.tokenizer.encode("Lorem ipsum dolor sit amet. " * 8, add_special_tokens=False)
-    [plain] = model_session.run(None, prompts[:1], _sampling(), chat=False)
-    [output] = model_session.run(None, prompts[:1], _sampling(wrong), chat=False, cache=False)
-    assert output.token_ids == plain.token_ids
-    assert output.metrics.num_prediction_accepted <= 2 and output.metrics.num_prediction_rejected > 0
+    [output] = model_session.run(None, prompts[:1], _sampling(predictions[0]), chat=False, cache=False)
+    assert output.token_ids == reference[0]
+    # Naive decoding takes a step per token: the prediction saved steps.
+    assert output.metrics.num_steps < MAX_TOKENS * 0.75, output.metrics
