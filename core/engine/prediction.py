@@ -22,7 +22,7 @@ It composes with the server's method: a request that has a prediction-based draf
 scheduler still caps by the step's rows and KV blocks), unless it is a weak one-token match
 and the method has a draft of its own. Prediction drafts carry their own draft classes
 (:data:`CLASS_BASE` plus the match length), so the adaptive draft length learns their
-acceptance apart from the method's. Per request, the drafted prediction tokens that were
+acceptance apart from the method's (by the length of the match: :func:`match_class`). Per request, the drafted prediction tokens that were
 accepted and rejected are counted into :class:`~specdec.metrics.SpecMetrics` (the server's
 ``usage.completion_tokens_details``).
 """
@@ -45,9 +45,16 @@ MAX_MATCH = 16
 #: A match at least this long moves the alignment point: shorter ones are too often chance
 #: (a ``)`` or a newline occurs everywhere in code) to give up the position found before.
 CONFIDENT_MATCH = 3
-#: Draft classes of prediction drafts: ``CLASS_BASE + min(match length, MAX_MATCH)`` (0: the
-#: output's start, drafted from the prediction's start), far from the methods' small labels.
+#: Draft classes of prediction drafts: ``CLASS_BASE + match_class(match length)``, far from
+#: the methods' small labels.
 CLASS_BASE = 1 << 20
+
+
+def match_class(length: int) -> int:
+    """The draft class of a match of ``length`` tokens: 0 at the output's start (drafted from
+    the prediction's start), 1 and 2 for chance-prone short matches, 3 for 3-7 tokens, 4 for 8
+    and more (in sync). Few classes, so that the adaptive draft length learns each quickly."""
+    return length if length < 3 else (3 if length < 8 else 4)
 
 
 def check_prediction(prediction: Sequence[int], vocab_size: int, max_model_len: int) -> None:
@@ -157,7 +164,7 @@ class Predictions:
             token_ids[b] = DRAFT_PAD
             token_ids[b, :len(tokens)] = tokens
             lengths[b] = caps[b] = len(tokens)
-            classes[b] = CLASS_BASE + min(length, MAX_MATCH)
+            classes[b] = CLASS_BASE + match_class(length)
             if probs is not None:  # a deterministic draft: one-hot, as rejection sampling counts it
                 probs[b] = 0.0
                 probs[b, np.arange(len(tokens)), tokens] = 1.0

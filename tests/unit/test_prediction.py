@@ -61,7 +61,7 @@ def test_compose_replaces_shorter_method_drafts_and_labels_them():
     drafts, caps = predictions.compose(requests, method, np.array([3, 3]), np.array([8, 3]))
     assert drafts.to_lists() == [PREDICTION[3:11], [7, 7, 7]]
     assert caps.tolist() == [8, 3]
-    assert drafts.classes.tolist() == [CLASS_BASE + 3, 3]
+    assert drafts.classes.tolist() == [CLASS_BASE + 3, 3]  # a 3-token match
     assert drafts.token_ids[1, 3:].tolist() == [DRAFT_PAD] * 5
     predictions.record(requests, np.array([8, 3]), np.array([5, 3]))
     assert (requests[0].metrics.num_prediction_accepted, requests[0].metrics.num_prediction_rejected) == (5, 3)
