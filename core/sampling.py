@@ -106,4 +106,4 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop, validator=_check_stop)
     ignore_eos: bool = False
     num_speculative_tokens: Optional[int] = attrs.field(default=None, validator=_check_num_speculative_tokens)
-    prediction: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_check_prediction)
+    prediction: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_check_prediction, repr=False)
