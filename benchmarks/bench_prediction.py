@@ -56,12 +56,13 @@ class Tally:
     """Tokens, seconds and prediction counts of one engine over its requests."""
 
     def __init__(self):
-        self.tokens = self.accepted = self.rejected = 0
+        self.tokens = self.accepted = self.rejected = self.steps = 0
         self.seconds = 0.0
         self.texts: list[str] = []
 
     def add(self, output, seconds: float) -> None:
         self.tokens += output.num_generated_tokens
+        self.steps += output.metrics.num_steps
         self.seconds += seconds
         self.accepted += output.metrics.num_prediction_accepted
         self.rejected += output.metrics.num_prediction_rejected
@@ -117,14 +118,15 @@ def agent_loop(llm: specdec.LLM, turns: int, max_tokens: int) -> dict[str, Tally
 def print_table(title: str, tallies: dict[str, Tally]) -> None:
     base = tallies["naive"]
     print(title)
-    header = (f"{'engine':<18}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'speedup':>9}"
+    header = (f"{'engine':<18}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'speedup':>9}{'tok/step':>9}"
               f"{'pred accepted':>15}{'pred rejected':>15}{'same':>6}")
     print(header)
     print("-" * len(header))
     for name, tally in tallies.items():
         same = "yes" if tally.texts == base.texts else "NO"
         speedup = tally.rate / base.rate if base.rate else 0.0
-        print(f"{name:<18}{tally.tokens:>8}{tally.seconds:>9.2f}{tally.rate:>8.1f}{speedup:>8.2f}x"
+        per_step = tally.tokens / tally.steps if tally.steps else 0.0
+        print(f"{name:<18}{tally.tokens:>8}{tally.seconds:>9.2f}{tally.rate:>8.1f}{speedup:>8.2f}x{per_step:>9.2f}"
               f"{tally.accepted:>15}{tally.rejected:>15}{same:>6}")
     print()
 

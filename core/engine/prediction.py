@@ -19,8 +19,8 @@ so identical code lines tokenize identically).
 
 It composes with the server's method: a request that has a prediction-based draft uses it
 (it may be longer than the method's k, up to :data:`PREDICTION_DRAFT_TOKENS`, which the
-scheduler still caps by the step's rows and KV blocks), unless it is a weak one-token match
-and the method has a draft of its own. Prediction drafts carry their own draft classes
+scheduler still caps by the step's rows and KV blocks), unless it comes from a short match
+(under :data:`CONFIDENT_MATCH` tokens) and the method has a draft of its own. Prediction drafts carry their own draft classes
 (:data:`CLASS_BASE` plus the match length), so the adaptive draft length learns their
 acceptance apart from the method's (by the length of the match: :func:`match_class`). Per request, the drafted prediction tokens that were
 accepted and rejected are counted into :class:`~specdec.metrics.SpecMetrics` (the server's
@@ -149,7 +149,8 @@ class Predictions:
             if alignment is None:
                 alignment = self._alignments[request.request_id] = _Alignment(prediction)
             tokens, length = alignment.draft(request.generated_ids, int(rooms[b]))
-            if not len(tokens) or len(tokens) < method_lengths[b] or (length == 1 and method_lengths[b]):
+            weak = 0 < length < CONFIDENT_MATCH  # a chance match, likely: the method knows better
+            if not len(tokens) or len(tokens) < method_lengths[b] or (weak and method_lengths[b]):
                 continue
             rows[b] = (tokens, length)
         if not rows:

@@ -78,12 +78,15 @@ def test_compose_makes_prediction_drafts_one_hot_among_sampled_drafts():
     assert drafts.probs.sum() == pytest.approx(4.0)
 
 
-def test_a_one_token_match_leaves_the_methods_draft():
+def test_a_short_match_leaves_the_methods_draft():
     predictions = Predictions()
-    # 130 occurs in the prediction, but only the last token matches.
+    # 130 occurs in the prediction, but only the last two tokens match.
     method = Drafts.from_lists([[1, 2]])
-    drafts, _ = predictions.compose([_Request("a", [5, 130])], method, np.array([2]), np.array([8]))
+    drafts, _ = predictions.compose([_Request("a", [5, 129, 130])], method, np.array([2]), np.array([8]))
     assert drafts.to_lists() == [[1, 2]]
+    # Without a draft of the method's, the prediction's is taken.
+    drafts, _ = predictions.compose([_Request("a", [5, 129, 130])], Drafts.empty(1), np.array([2]), np.array([8]))
+    assert drafts.to_lists() == [PREDICTION[31:39]]
 
 
 def test_draft_lengths():
