@@ -42,7 +42,7 @@ from .handoff import HandoffState, KVLayout, check_handoff_supported, export_req
 from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
 from .prediction import Predictions
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, step_sources
 from .scheduler import ScheduledStep, Scheduler
 from .tensor_parallel import exit_after_failure
 
@@ -657,6 +657,7 @@ class Engine:
                     self._keep_hidden(state, request, request.context_len, request.num_uncomputed + int(accepted[b]))
                 request.context_len = request.num_tokens + int(accepted[b])
                 appended = self._append(request, result.output_tokens[b, :count], reasons[b])
+                request.token_sources += step_sources(int(drafts.lengths[b]), int(accepted[b]), count)
                 self.kv.register_computed(request)
                 request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
                 appended_by_request[id(request)] = appended

@@ -7,6 +7,11 @@ did-you-mean), and a value must have the field's type (``"5"`` is no int, ``2.0`
 - ``speculative``: per-request speculation, ``{"num_speculative_tokens": 0}`` turns it off for
   this request, a smaller k limits it. Validated with the config's strict converter.
 - ``ignore_eos``: generate past EOS (as vLLM has it), for benchmarks and exact token counts.
+- ``include_token_sources``: each choice (of a response, or of a streamed chunk) gets
+  ``token_sources``, its text cut into its tokens, each with how it came: ``draft`` (a draft
+  the target accepted), ``bonus`` (the target's own token that ends a speculative step) or
+  ``decode`` (a step without drafts). See :mod:`specdec.server.token_sources`. A field that
+  OpenAI clients do not know, and ignore.
 
 ``prediction`` (OpenAI's Predicted Outputs, ``{"type": "content", "content": "..."}``) is
 accepted by both endpoints: the predicted text drafts for that request alone
@@ -155,6 +160,7 @@ class GenerationRequest(_Strict):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     speculative: Optional[dict[str, Any]] = None
+    include_token_sources: bool = False
     #: Predicted Outputs: checked by :func:`prediction_text` (``None``: no prediction).
     prediction: Optional[Any] = None
     # Informational: any value of the type is fine.
@@ -430,7 +436,30 @@ class Usage(BaseModel):
                    speculative=None if metrics is None or hide_speculative else SpeculativeUsage.from_metrics(metrics))
 
 
-class CompletionChoice(BaseModel):
+class TokenSource(BaseModel):
+    """One entry of ``token_sources``: a generated token (``index``: its place in the output,
+    from 0), its text (or the part of it in this chunk) and how it came."""
+
+    index: int
+    text: str
+    source: Literal["decode", "draft", "bonus"]
+
+
+class _WithTokenSources(BaseModel):
+    """A choice that carries ``token_sources`` when the request asked (``include_token_sources``);
+    the field is left out of the JSON otherwise."""
+
+    token_sources: Optional[list[TokenSource]] = None
+
+    @model_serializer(mode="wrap")
+    def _without_sources(self, handler) -> dict:
+        data = handler(self)
+        if self.token_sources is None:
+            data.pop("token_sources", None)
+        return data
+
+
+class CompletionChoice(_WithTokenSources):
     index: int = 0
     text: str
     finish_reason: Optional[str] = None
@@ -453,7 +482,7 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_WithTokenSources):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
@@ -473,7 +502,7 @@ class ChatDelta(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithTokenSources):
     index: int = 0
     delta: ChatDelta
     finish_reason: Optional[str] = None
@@ -488,12 +517,22 @@ class ChatCompletionChunk(BaseModel):
     usage: Optional[Usage] = None
 
 
+class ServedSpeculation(BaseModel):
+    """``speculative`` of a model card: the server's method and its k, the most a request's
+    ``speculative.num_speculative_tokens`` may ask for (the method is the server's for every
+    request)."""
+
+    method: str
+    num_speculative_tokens: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specdec"
     max_model_len: int
+    speculative: ServedSpeculation
 
 
 class ModelList(BaseModel):

@@ -58,8 +58,8 @@ class CompletionShape(_ResponseShape):
     def opening(self) -> list[BaseModel]:
         return []
 
-    def text(self, text: str) -> BaseModel:
-        return self._make([CompletionChoice(text=text)])
+    def text(self, text: str, token_sources: Optional[list[dict]] = None) -> BaseModel:
+        return self._make([CompletionChoice(text=text, token_sources=token_sources)])
 
     def finish(self, finish_reason: str) -> BaseModel:
         return self._make([CompletionChoice(text="", finish_reason=finish_reason)])
@@ -68,8 +68,8 @@ class CompletionShape(_ResponseShape):
         return self._make([], self.usage_of(final))
 
     def response(self, final: Finished) -> CompletionResponse:
-        return self._make([CompletionChoice(text=final.text, finish_reason=final.finish_reason)],
-                          self.usage_of(final))
+        return self._make([CompletionChoice(text=final.text, finish_reason=final.finish_reason,
+                                            token_sources=final.token_sources)], self.usage_of(final))
 
 
 class ChatShape(_ResponseShape):
@@ -85,8 +85,8 @@ class ChatShape(_ResponseShape):
     def opening(self) -> list[BaseModel]:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
 
-    def text(self, text: str) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+    def text(self, text: str, token_sources: Optional[list[dict]] = None) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text), token_sources=token_sources)])
 
     def finish(self, finish_reason: str) -> BaseModel:
         return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])
@@ -95,7 +95,8 @@ class ChatShape(_ResponseShape):
         return self._chunk([], self.usage_of(final))
 
     def response(self, final: Finished) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
+        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason,
+                            token_sources=final.token_sources)
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
                                       choices=[choice], usage=self.usage_of(final))
 
@@ -104,13 +105,14 @@ Shape = Union[CompletionShape, ChatShape]
 
 
 async def sse_events(stream: RequestStream, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
-    """The events of one request: its text as it comes, the finish reason, the usage (when
-    asked for), ``[DONE]``."""
+    """The events of one request: its text as it comes (with its token sources, when asked
+    for: a chunk of tokens without text too, such as the end-of-sequence token), the finish
+    reason, the usage (when asked for), ``[DONE]``."""
     for chunk in shape.opening():
         yield _sse(chunk)
     async for event in stream:
-        if event.text:
-            yield _sse(shape.text(event.text))
+        if event.text or event.token_sources:
+            yield _sse(shape.text(event.text, event.token_sources))
         if isinstance(event, Finished):
             if event.error:
                 yield _sse_error(event.error)
