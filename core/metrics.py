@@ -13,6 +13,9 @@ class SpecMetrics:
     ``num_steps`` counts target forward passes that emitted tokens (decode steps). A *draft* is
     one request's proposal in one step (counted when it has at least one token).
     ``accepted_per_position[i]`` counts the drafts whose token ``i`` was accepted.
+    ``num_prediction_accepted`` / ``num_prediction_rejected`` count the draft tokens taken from
+    the request's prediction (Predicted Outputs) that verification accepted / rejected; they
+    are part of the draft counts too.
     """
 
     num_steps: int = 0
@@ -21,6 +24,8 @@ class SpecMetrics:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     accepted_per_position: list[int] = attrs.field(factory=list)
+    num_prediction_accepted: int = 0
+    num_prediction_rejected: int = 0
 
     def record_step(self, draft_len: int, accepted: int, emitted: int) -> None:
         self.num_steps += 1
@@ -56,6 +61,8 @@ class SpecMetrics:
             num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
             num_emitted_tokens=self.num_emitted_tokens + other.num_emitted_tokens,
             accepted_per_position=per_position.tolist(),
+            num_prediction_accepted=self.num_prediction_accepted + other.num_prediction_accepted,
+            num_prediction_rejected=self.num_prediction_rejected + other.num_prediction_rejected,
         )
 
     @classmethod

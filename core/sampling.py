@@ -129,6 +129,9 @@ def _check_stop_token_ids(instance, attribute, value):
 def _check_logprobs(instance, attribute, value):
     if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
         raise RequestError("logprobs", f"must be an integer between 0 and {MAX_LOGPROBS}, got {value!r}")
+def _check_prediction(instance, attribute, value):
+    if not all(_is_int(t) and t >= 0 for t in value):
+        raise RequestError("prediction", "expected a sequence of token ids (integers >= 0)")
 
 
 def _top_k(value):
@@ -166,6 +169,9 @@ class SamplingParams:
     with ``ignore_eos``). ``logprobs`` (0 to 20, None off) returns the log-probability of each
     generated token and of the ``logprobs`` most likely ones at its position, from the
     target's raw logits (before the controls and temperature).
+    ``prediction``: token ids of the output the caller expects (OpenAI's Predicted Outputs),
+    drafted from for this request alone (``specdec.engine.prediction``); the output stays
+    what it is without it.
     """
 
     max_tokens: int = attrs.field(default=128, validator=_check_max_tokens)
@@ -190,3 +196,4 @@ class SamplingParams:
         """Whether any of the logits controls (penalties, bias, min-p) is on."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or (self.min_p and self.temperature > 0))
+    prediction: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_check_prediction, repr=False)

@@ -69,3 +69,41 @@ CHAT_PROMPTS = (
 def chat_prompts(count: int) -> list[str]:
     """``count`` plain chat prompts (user messages), cycling through :data:`CHAT_PROMPTS`."""
     return [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(count)]
+
+
+#: The system prompt of the Predicted Outputs workload: the answer is the whole edited code,
+#: so most of it is the original, which the client passes as ``prediction``.
+EDIT_SYSTEM_PROMPT = "You are a code editor. Reply with the complete edited code in one ```python block and nothing else."
+#: Small edits, as an agent asks for them (``{name}``: the function's name).
+EDIT_INSTRUCTIONS = (
+    "Rename the function `{name}` to `{name}_v2`.",
+    "Add a one-line comment at the top of the function.",
+    "Add a docstring to the function `{name}`.",
+    "Rename the first parameter of `{name}` to `value`.",
+)
+#: Modules of the edit tasks: none of them is among the code-edit prompts' modules (held out).
+_EDIT_MODULES = ("shutil", "pprint", "gettext", "mimetypes", "quopri", "netrc", "ipaddress", "locale", "csv",
+                 "tokenize", "imaplib", "ftplib")
+
+
+def code_edit_tasks(count: int, min_lines: int = 8, max_lines: int = 30) -> list[tuple[list[dict], str]]:
+    """``count`` code edits with their predictions: ``(messages, prediction)``, the chat that
+    asks for a small edit of a standard-library function (held out from
+    :func:`code_edit_prompts`), and the original code in the ```python block the answer
+    re-emits, as a client passes it (OpenAI's Predicted Outputs)."""
+    import re
+
+    functions = stdlib_functions(min_lines, max_lines, _EDIT_MODULES)
+    if not functions:
+        raise RuntimeError("no standard-library source found to build edit tasks from")
+    stride = max(1, len(functions) // count)
+    tasks = []
+    for i in range(count):
+        code = functions[(i * stride) % len(functions)]
+        name = re.match(r"def (\w+)", code).group(1)
+        instruction = EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)].format(name=name)
+        block = f"```python\n{code}\n```"
+        messages = [{"role": "system", "content": EDIT_SYSTEM_PROMPT},
+                    {"role": "user", "content": f"{instruction}\n\n{block}"}]
+        tasks.append((messages, block))
+    return tasks

@@ -54,7 +54,9 @@ def metrics_to_dict(metrics: SpecMetrics) -> dict:
     return {"num_steps": metrics.num_steps, "num_drafts": metrics.num_drafts,
             "num_draft_tokens": metrics.num_draft_tokens, "num_accepted_tokens": metrics.num_accepted_tokens,
             "num_emitted_tokens": metrics.num_emitted_tokens,
-            "accepted_per_position": list(metrics.accepted_per_position)}
+            "accepted_per_position": list(metrics.accepted_per_position),
+            "num_prediction_accepted": metrics.num_prediction_accepted,
+            "num_prediction_rejected": metrics.num_prediction_rejected}
 
 
 def metrics_from_dict(data: dict) -> SpecMetrics:

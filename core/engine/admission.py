@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import RequestError
 from ..sampling import SamplingParams
+from .prediction import check_prediction
 
 
 def checked_prompt(prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int, block_size: int,
@@ -63,3 +64,4 @@ def check_sampling(sampling: SamplingParams, num_prompt_tokens: int, vocab_size:
                           f"plus max_tokens {sampling.max_tokens} would need {num_prompt_tokens + sampling.max_tokens};"
                           f" lower max_tokens to at most {max_model_len - num_prompt_tokens}",
             code="context_length_exceeded")
+    check_prediction(sampling.prediction, vocab_size, max_model_len)

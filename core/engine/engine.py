@@ -44,6 +44,7 @@ from .kv_cache import BlockPool, KVCacheManager
 from .logits_processing import apply_row_processors
 from .logprobs import emitted_logprobs, log_softmax
 from .sampling_processors import sampling_processors
+from .prediction import Predictions
 from .request import Request, RequestOutput, step_sources
 from .scheduler import ScheduledStep, Scheduler
 from .tensor_parallel import exit_after_failure
@@ -160,6 +161,8 @@ class Engine:
         #: What the adaptive draft length has learned, per method (see _use_spec_plugins).
         self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
         self._use_spec_plugins(config.speculative)
+        #: Requests' predicted outputs as drafts (``prediction.py``).
+        self.predictions = Predictions()
 
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
@@ -377,6 +380,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - the request is over either way
                 logger.exception("proposer '%s': on_request_finish(%s) failed", self.spec.method, request.request_id)
         self.acceptance.forget(request.request_id)
+        self.predictions.forget(request.request_id)
         self.hidden_states.drop(request)
         self.captured_hidden.drop(request)
         self._finish(request, reason or request.finish_reason)
@@ -430,9 +434,7 @@ class Engine:
         (none for a request that is handed off after its first token)."""
         if request.handoff:
             return 0
-        k = self.num_speculative_tokens
-        if request.sampling.num_speculative_tokens is not None:
-            k = min(k, request.sampling.num_speculative_tokens)
+        k = Predictions.max_draft_len(request, self.num_speculative_tokens)
         room = min(request.remaining, self.max_model_len - request.num_tokens) - 1
         return max(0, min(k, room))
 
@@ -462,6 +464,10 @@ class Engine:
     def _proposal_request(self, request: Request, max_draft_len: int) -> ProposalRequest:
         """What the proposer sees of ``request`` this step (with the hidden states kept for
         it, handed over once, when the proposer reads them)."""
+        method_k = self.num_speculative_tokens  # a prediction may have left more room: not the method's
+        if request.sampling.num_speculative_tokens is not None:
+            method_k = min(method_k, request.sampling.num_speculative_tokens)
+        max_draft_len = min(max_draft_len, method_k)
         proposal = ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len,
                                    sampling=request.sampling, rng=request.rng, tenant=request.tenant)
         if self.proposer.NEEDS_HIDDEN_STATES:
@@ -575,9 +581,11 @@ class Engine:
 
     def _propose(self, batch: ProposalBatch, plan) -> Drafts:
         max_draft_lens = np.fromiter((r.max_draft_len for r in batch.requests), dtype=np.int64, count=len(batch))
-        if not max_draft_lens.any() and not self.proposer.NEEDS_HIDDEN_STATES:
+        rooms = np.asarray(plan.max_draft_lens, dtype=np.int64)  # more than the method's with a prediction
+        if not rooms.any() and not self.proposer.NEEDS_HIDDEN_STATES:
             return Drafts.empty(len(batch))
-        drafts = self.proposer.propose(batch)
+        drafts = self.proposer.propose(batch) if max_draft_lens.any() or self.proposer.NEEDS_HIDDEN_STATES \
+            else Drafts.empty(len(batch))
         if drafts.batch_size != len(batch):
             raise SpecdecError(
                 f"proposer '{self.spec.method}' returned {drafts.batch_size} drafts for {len(batch)} requests"
@@ -588,6 +596,7 @@ class Engine:
                 raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
                                    f"{len(batch)} non-negative integer labels")
             drafts.classes = classes
+        drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, rooms)
         if self.spec.adaptive_draft_length and drafts.lengths.any():
             max_draft_lens = self._adapt_draft_lengths(plan, batch, np.minimum(drafts.lengths, max_draft_lens),
                                                        drafts.classes)
@@ -675,6 +684,7 @@ class Engine:
         accepted = result.accepted_lengths
         counts, reasons = self._emitted_counts(decodes, result.output_tokens, accepted)
         self.acceptance.record([r.request_id for r in decodes], drafts.classes, drafts.lengths, accepted)
+        self.predictions.record(decodes, drafts.lengths, accepted)
         appended_by_request = {}
         for b, request in enumerate(decodes):
             try:

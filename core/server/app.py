@@ -25,6 +25,7 @@ import typing
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Optional, Sequence
 
+import attrs
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -59,11 +60,15 @@ from .protocol import (
 from .responses import ChatShape, CompletionShape, Shape, StreamGroup, event_stream, sse_events
 from .structured import Structured, plan_chat, response_format_grammar
 from .tenant import tenant_of
+from .tokenization import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize
 
 logger = logging.getLogger("specdec.server")
 
 #: The request model of each endpoint (for did-you-mean on unknown fields).
-_BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+#: Paths outside ``/v1/`` that need the API key too (vLLM's tokenizer endpoints).
+_KEYED_PATHS = ("/tokenize", "/detokenize")
 #: Prompts longer than this (characters) tokenize at most ``_BIG_PROMPTS`` at a time: a maximal
 #: prompt takes up to about a second of a core, and a few hundred MB, while it is tokenized.
 _BIG_PROMPT_CHARS = 65536
@@ -151,7 +156,7 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
                        body_timeout=limits.body_timeout, on_reject=metrics.request_rejected)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=metrics.request_rejected,
-                           also=("/metrics",) if metrics_require_key else ())
+                           also=_KEYED_PATHS + (("/metrics",) if metrics_require_key else ()))
     if allowed_hosts is not None:
         app.add_middleware(AllowedHostsMiddleware, allowed_hosts=allowed_hosts, on_reject=metrics.request_rejected)
 
@@ -214,6 +219,17 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         return await handlers.chat_completion(body, request)
 
+    @app.post("/tokenize")
+    async def tokenize_endpoint(body: TokenizeRequest) -> TokenizeResponse:
+        handlers._check_model(body.model)
+        return await tokenize(body, engine_loop.tokenizer, engine_loop.max_model_len, max_prompt_chars,
+                              handlers._big_prompts, _BIG_PROMPT_CHARS)
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(body: DetokenizeRequest) -> DetokenizeResponse:
+        handlers._check_model(body.model)
+        return await detokenize(body, engine_loop.tokenizer)
+
     return app
 
 
@@ -254,8 +270,8 @@ class _Handlers:
             prompt_ids = body.prompt
         # Without max_tokens a completion gets OpenAI's 16 tokens, or what room the context has.
         default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, self._room(prompt_ids))
-        sampling = body.sampling_params(default_max_tokens, self.engine_loop.num_speculative_tokens,
-                                        self.generation_defaults)
+        sampling = await self._with_prediction(body, lambda: body.sampling_params(
+            default_max_tokens, self.engine_loop.num_speculative_tokens, self.generation_defaults))
         structured = _checked(lambda: Structured(response_format_grammar(body.response_format)))
         processors = await self._row_processors(structured)
         shape = CompletionShape(self.model_name, self.hide_speculative_usage, self._token_text)
@@ -277,8 +293,8 @@ class _Handlers:
         prompt_ids = await self._tokenize_prompt(functools.partial(tokenizer.encode_chat, **extra), messages,
                                                  num_chars, "messages")
         # Without max_tokens the answer may run to the end of the context.
-        sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens,
-                                        self.generation_defaults)
+        sampling = await self._with_prediction(body, lambda: body.sampling_params(
+            self._room(prompt_ids), self.engine_loop.num_speculative_tokens, self.generation_defaults))
         processors = await self._row_processors(structured)
         shape = ChatShape(self.model_name, self.hide_speculative_usage, self._token_text, tools=structured.tools)
         return await self._generate(body, request, prompt_ids, sampling, shape, processors)
@@ -332,6 +348,26 @@ class _Handlers:
                 return await _tokenize(param, encode, prompt, loop.max_model_len)
         finally:
             self._tokenizing -= 1
+
+    async def _with_prediction(self, body: GenerationRequest, make_sampling):
+        """``make_sampling()`` with the tokens of the request's ``prediction`` (Predicted
+        Outputs), if it has one: the text alone, without special tokens, held to
+        ``--max-prompt-chars``. The prediction is checked first: with ``n`` > 1 it names itself."""
+        text = body.prediction_text()
+        sampling = make_sampling()
+        if text is None:
+            return sampling
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"prediction.content: {len(text)} characters is more than this server takes "
+                                f"({self.max_prompt_chars}, --max-prompt-chars)", param="prediction.content",
+                           code="context_length_exceeded")
+        encode = functools.partial(self.engine_loop.tokenizer.encode, add_special_tokens=False)
+        if len(text) <= _BIG_PROMPT_CHARS:
+            ids = await _tokenize("prediction.content", encode, text, self.engine_loop.max_model_len)
+        else:
+            async with self._big_prompts:
+                ids = await _tokenize("prediction.content", encode, text, self.engine_loop.max_model_len)
+        return attrs.evolve(sampling, prediction=ids)
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -699,4 +699,5 @@ def _one_line(exc: BaseException) -> str:
 def _copy(metrics: SpecMetrics) -> SpecMetrics:
     return SpecMetrics(metrics.num_steps, metrics.num_drafts, metrics.num_draft_tokens,
                        metrics.num_accepted_tokens, metrics.num_emitted_tokens,
-                       list(metrics.accepted_per_position))
+                       list(metrics.accepted_per_position), metrics.num_prediction_accepted,
+                       metrics.num_prediction_rejected)

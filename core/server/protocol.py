@@ -15,6 +15,10 @@ did-you-mean), and a value must have the field's type (``"5"`` is no int, ``2.0`
 
 ``repetition_penalty``, ``min_p`` and ``stop_token_ids`` are vLLM's extensions, checked like
 the OpenAI fields. ``n`` (1 to 128) asks for that many choices of one prompt.
+``prediction`` (OpenAI's Predicted Outputs, ``{"type": "content", "content": "..."}``) is
+accepted by both endpoints: the predicted text drafts for that request alone
+(``specdec.engine.prediction``), and ``usage.completion_tokens_details`` counts its accepted
+and rejected tokens.
 
 Every other field of the OpenAI request schemas is accepted at its default value (``null``,
 or the value OpenAI documents as the default: ``presence_penalty: 0``, ``logit_bias: {}``,
@@ -82,7 +86,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
     "audio": (),
-    "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
     "verbosity": (),
@@ -156,6 +159,8 @@ class GenerationRequest(_Strict):
     ignore_eos: bool = False
     speculative: Optional[dict[str, Any]] = None
     include_token_sources: bool = False
+    #: Predicted Outputs: checked by :func:`prediction_text` (``None``: no prediction).
+    prediction: Optional[Any] = None
     # Informational: any value of the type is fine.
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
@@ -251,6 +256,42 @@ class GenerationRequest(_Strict):
             raise APIError(400, f"stop_token_ids: expected a list of token ids, got {describe(self.stop_token_ids)}",
                            param="stop_token_ids", code="invalid_value")
         return self.stop_token_ids
+    def prediction_text(self) -> Optional[str]:
+        """The predicted text of ``prediction`` (``None`` without one; an empty prediction is
+        none either); a 400 naming the part of the field that is wrong."""
+        value = self.prediction
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise APIError(400, f'prediction: expected an object {{"type": "content", "content": ...}}, '
+                                f"got {describe(value)}", param="prediction")
+        unknown = sorted(set(value) - {"type", "content"})
+        if unknown:
+            raise APIError(400, f"prediction.{unknown[0]}: unknown field (expected type and content)",
+                           param=f"prediction.{unknown[0]}")
+        if value.get("type") != "content":
+            raise APIError(400, f'prediction.type: must be "content", got {describe(value.get("type"))}',
+                           param="prediction.type")
+        if self.n not in (None, 1):
+            raise APIError(400, "prediction: not supported with n > 1", param="prediction", code="unsupported_value")
+        content = value.get("content")
+        if isinstance(content, list):
+            texts = []
+            for i, part in enumerate(content):
+                if not isinstance(part, dict) or set(part) != {"type", "text"} or part["type"] != "text" \
+                        or not isinstance(part["text"], str):
+                    raise APIError(400, f'prediction.content[{i}]: expected a text part {{"type": "text", '
+                                        f'"text": "..."}}, got {describe(part)}', param=f"prediction.content[{i}]")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise APIError(400, "prediction.content: expected a string or a list of text parts, got "
+                                f"{describe(content)}", param="prediction.content")
+        try:
+            check_text(content)
+        except ValueError as exc:
+            raise APIError(400, f"prediction.content: {exc}", param="prediction.content") from None
+        return content or None
 
     def _check_unsupported_fields(self) -> None:
         for name, allowed in UNSUPPORTED_FIELDS.items():
@@ -388,7 +429,6 @@ class ChatCompletionRequest(GenerationRequest):
     response_format: Optional[Any] = None
     modalities: Optional[Any] = None
     audio: Optional[Any] = None
-    prediction: Optional[Any] = None
     reasoning_effort: Optional[Any] = None
     web_search_options: Optional[Any] = None
     verbosity: Optional[Any] = None
@@ -436,12 +476,22 @@ class SpeculativeUsage(BaseModel):
         return cls(**data)
 
 
+class CompletionTokensDetails(BaseModel):
+    """``usage.completion_tokens_details`` (OpenAI's shape): of the tokens drafted from the
+    request's ``prediction``, how many the model's output accepted and how many it rejected
+    (both 0 without a prediction)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts of one request, exactly as the engine counted them."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
     #: None (left out of the JSON) on a server run with ``--hide-speculative-usage``.
     speculative: Optional[SpeculativeUsage] = None
 
@@ -453,11 +503,17 @@ class Usage(BaseModel):
         return data
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_generated: int, metrics: Optional[SpecMetrics]) -> "Usage":
-        """The usage; ``metrics`` None leaves ``speculative`` out."""
+    def of(cls, num_prompt_tokens: int, num_generated: int, metrics: Optional[SpecMetrics],
+           hide_speculative: bool = False) -> "Usage":
+        """The usage of a request with the figures ``metrics``; ``hide_speculative`` leaves
+        ``speculative`` out (the prediction counts stay: they are about the caller's own text)."""
+        details = CompletionTokensDetails()
+        if metrics is not None:
+            details = CompletionTokensDetails(accepted_prediction_tokens=metrics.num_prediction_accepted,
+                                              rejected_prediction_tokens=metrics.num_prediction_rejected)
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
-                   total_tokens=num_prompt_tokens + num_generated,
-                   speculative=None if metrics is None else SpeculativeUsage.from_metrics(metrics))
+                   total_tokens=num_prompt_tokens + num_generated, completion_tokens_details=details,
+                   speculative=None if metrics is None or hide_speculative else SpeculativeUsage.from_metrics(metrics))
 
 
 class TokenSource(BaseModel):

@@ -305,5 +305,5 @@ def usage_of(finals: Sequence[Finished], hide_speculative: bool = False) -> Usag
     """The usage of a finished request's choices: the prompt counted once (the choices share
     it), the completion tokens and speculative figures of all of them (no ``speculative``
     when ``hide_speculative``)."""
-    metrics = None if hide_speculative else SpecMetrics.total(final.metrics for final in finals)
-    return Usage.of(finals[0].num_prompt_tokens, sum(final.num_generated for final in finals), metrics)
+    return Usage.of(finals[0].num_prompt_tokens, sum(final.num_generated for final in finals),
+                    SpecMetrics.total(final.metrics for final in finals), hide_speculative)

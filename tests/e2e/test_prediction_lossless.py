@@ -1,0 +1,71 @@
+"""Predicted Outputs on the real model: a prediction changes only the speed.
+
+Three code edits (``code_edit_tasks``: the answer re-emits the code the client passes as the
+prediction), greedy, with every method, batched (the three at once) and, for naive, the first
+alone: the tokens equal naive decoding's without a prediction, token for token. One of the
+three predictions is another function's code (mostly wrong: its drafts are rejected, and the
+re-alignment must cope); the good ones must get prediction drafts accepted, or the comparison
+would prove nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import SamplingParams
+from specdec.workloads import code_edit_tasks
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 32
+METHODS = ("naive", "ngram", "suffix", "mtp", "hybrid")
+
+
+@pytest.fixture(scope="module")
+def tasks(llm):
+    """Prompt ids and prediction ids of the three requests (the last one's prediction is the
+    first one's code: wrong for it)."""
+    tokenizer = llm.tokenizer
+    edits = code_edit_tasks(3, max_lines=14)
+    prompts = tuple(tuple(tokenizer.encode_chat(messages)) for messages, _ in edits)
+    predictions = [tokenizer.encode(prediction, add_special_tokens=False) for _, prediction in edits]
+    predictions[2] = predictions[0]
+    return prompts, predictions
+
+
+def _sampling(prediction=()) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, prediction=prediction)
+
+
+@pytest.fixture(scope="module")
+def reference(model_session, tasks):
+    prompts, _ = tasks
+    return [o.token_ids for o in model_session.run(None, prompts, _sampling(), chat=False, max_num_seqs=3)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks, reference, method):
+    prompts, predictions = tasks
+    spec = None if method == "naive" else {"method": method}
+    outputs = model_session.run(spec, prompts, [_sampling(p) for p in predictions], chat=False, max_num_seqs=3,
+                                cache=False)
+    for i, (output, expected) in enumerate(zip(outputs, reference)):
+        assert output.token_ids == expected, \
+            model_session.describe_divergence(prompts[i], expected, output.token_ids, label=f"{method}, request {i}")
+    metrics = [o.metrics for o in outputs]
+    # The right predictions draft, and most of what they draft is the answer.
+    for m in metrics[:2]:
+        assert m.num_prediction_accepted > m.num_prediction_rejected, (method, m)
+    assert metrics[2].num_prediction_rejected > 0, (method, metrics[2])
+    # Drafted and verified tokens include the prediction's.
+    for m in metrics:
+        assert m.num_accepted_tokens >= m.num_prediction_accepted
+        assert m.num_draft_tokens >= m.num_prediction_accepted + m.num_prediction_rejected
+
+
+def test_a_prediction_alone_is_lossless_and_faster_per_step(model_session, tasks, reference):
+    prompts, predictions = tasks
+    [output] = model_session.run(None, prompts[:1], _sampling(predictions[0]), chat=False, cache=False)
+    assert output.token_ids == reference[0]
+    # Naive decoding takes a step per token: the prediction saved steps.
+    assert output.metrics.num_steps < MAX_TOKENS * 0.75, output.metrics
