@@ -180,7 +180,7 @@ def to_loop_event(data: dict) -> Optional[Event]:
     if kind == "rejected":
         return Rejected(data["message"], data.get("param"), data.get("code"))
     if kind == "delta":
-        return Delta(data["text"], data["num_generated"], logprobs_from_list(data.get("logprobs")))
+        return Delta(data["text"], data["num_generated"], logprobs=logprobs_from_list(data.get("logprobs")))
     if kind == "finished":
         return Finished(data["text"], data["num_generated"], data["num_prompt_tokens"], data["finish_reason"],
                         metrics_from_dict(data["metrics"]), data.get("error"),

@@ -44,7 +44,7 @@ from .kv_cache import BlockPool, KVCacheManager
 from .logits_processing import apply_row_processors
 from .logprobs import emitted_logprobs, log_softmax
 from .sampling_processors import sampling_processors
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, step_sources
 from .scheduler import ScheduledStep, Scheduler
 from .tensor_parallel import exit_after_failure
 
@@ -678,6 +678,7 @@ class Engine:
                     self._keep_hidden(state, request, request.context_len, request.num_uncomputed + int(accepted[b]))
                 request.context_len = request.num_tokens + int(accepted[b])
                 appended = self._append(request, result.output_tokens[b, :count], reasons[b])
+                request.token_sources += step_sources(int(drafts.lengths[b]), int(accepted[b]), count)
                 for processor in request.row_processors:
                     processor.on_emitted(appended)
                 if id(request) in state.logprobs:

@@ -41,6 +41,7 @@ from .generation_defaults import GenerationDefaults
 from .hosts import AllowedHostsMiddleware
 from .limits import BodyLimitMiddleware, ServerLimits, default_max_prompt_chars
 from .metrics import ServerMetrics
+from .playground import add_playground
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -50,6 +51,7 @@ from .protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    ServedSpeculation,
 )
 from .responses import ChatShape, CompletionShape, Shape, StreamGroup, event_stream, sse_events
 from .tenant import tenant_of
@@ -101,13 +103,15 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     max_prompt_chars = limits.max_prompt_chars or default_max_prompt_chars(engine_loop.max_model_len,
                                                                            engine_loop.tokenizer)
     if cluster is not None:
-        def submit(prompt_ids, sampling, request_id, streaming, tenant=None):  # the cluster does not route tenants
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, token_sources=False):
+            # The cluster routes neither tenants nor token sources (_check_token_sources refuses those).
             return cluster.submit(prompt_ids, sampling, request_id, streaming=streaming)
     else:
-        def submit(prompt_ids, sampling, request_id, streaming, tenant=None):  # streaming is the cluster's concern
-            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant)
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, token_sources=False):
+            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant,  # streaming: the cluster's
+                                      token_sources=token_sources)
     handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage,
-                         generation_defaults or GenerationDefaults())
+                         clustered=cluster is not None, generation_defaults=generation_defaults or GenerationDefaults())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -159,6 +163,8 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
         return await api_error(request, APIError(500, "internal error; the server log has the details",
                                                  code="internal_error"))
 
+    add_playground(app)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 with the engine state while the engine loop can serve; else 503, with the
@@ -200,10 +206,12 @@ class _Handlers:
     """What the two generation endpoints do, apart from FastAPI's plumbing."""
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit,
-                 hide_speculative_usage: bool = False, generation_defaults: GenerationDefaults = GenerationDefaults()):
+                 hide_speculative_usage: bool = False, clustered: bool = False,
+                 generation_defaults: GenerationDefaults = GenerationDefaults()):
         self.engine_loop = engine_loop
         self.generation_defaults = generation_defaults
         self.hide_speculative_usage = hide_speculative_usage
+        self.clustered = clustered
         self.submit = submit  # the engine loop's, or the cluster's (which routes)
         self.model_name = served_model_name
         self.max_prompt_chars = max_prompt_chars
@@ -212,14 +220,17 @@ class _Handlers:
         self._big_prompts = asyncio.Semaphore(_BIG_PROMPTS)
 
     def model_list(self) -> ModelList:
+        speculative = ServedSpeculation(method=self.engine_loop.method,
+                                        num_speculative_tokens=self.engine_loop.num_speculative_tokens)
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         max_model_len=self.engine_loop.max_model_len,
+                                         max_model_len=self.engine_loop.max_model_len, speculative=speculative,
                                          generation_defaults=self.generation_defaults.values)])
 
     # -- the endpoints -----------------------------------------------------------------------
 
     async def completion(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self._check_model(body.model)
+        self._check_token_sources(body)
         if isinstance(body.prompt, str):
             prompt_ids = await self._tokenize_prompt(self.engine_loop.tokenizer.encode, body.prompt,
                                                      len(body.prompt), "prompt")
@@ -234,6 +245,7 @@ class _Handlers:
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self._check_model(body.model)
+        self._check_token_sources(body)
         body.resolve_max_tokens()
         messages = [message.to_template() for message in body.messages]
         self._check_num_messages(len(messages))
@@ -293,6 +305,21 @@ class _Handlers:
             raise APIError(400, f"messages: {num_messages} messages do not fit the context of {max_model_len} tokens",
                            param="messages", code="context_length_exceeded")
 
+    def _check_token_sources(self, body: GenerationRequest) -> None:
+        """``include_token_sources`` tells which tokens were accepted drafts: refused where
+        ``usage.speculative`` is hidden (it tells as much), and on a clustered server (whose
+        instances do not send them)."""
+        if not body.include_token_sources:
+            return
+        if self.hide_speculative_usage:
+            why = "this server hides how speculation went (--hide-speculative-usage)"
+        elif self.clustered:
+            why = "not available on a server in a cluster (--scheduler)"
+        else:
+            return
+        raise APIError(400, f"include_token_sources: {why}", param="include_token_sources",
+                       code="unsupported_value")
+
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model: '{model}' does not exist; this server serves '{self.model_name}'",
@@ -305,9 +332,10 @@ class _Handlers:
         group = StreamGroup([])
         try:
             for choice_sampling in choice_samplings(sampling, body.num_choices):
-                group.streams.append(await self._submit(prompt_ids, choice_sampling, f"{shape.request_id}-{len(group.streams)}"
-                                                        if body.num_choices > 1 else shape.request_id,
-                                                        shape.prompt_param, bool(body.stream), tenant_of(request)))
+                request_id = f"{shape.request_id}-{len(group.streams)}" if body.num_choices > 1 else shape.request_id
+                group.streams.append(await self._submit(prompt_ids, choice_sampling, request_id, shape.prompt_param,
+                                                        bool(body.stream), tenant_of(request),
+                                                        body.include_token_sources))
         except BaseException:
             group.abort()
             raise
@@ -328,7 +356,7 @@ class _Handlers:
         return shape.response(finals, logprobs)
 
     async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str,
-                      streaming: bool, tenant: Optional[str] = None) -> RequestStream:
+                      streaming: bool, tenant: Optional[str] = None, token_sources: bool = False) -> RequestStream:
         """Check the request against the engine, hand it to the engine loop (or the cluster)
         and wait until an engine has taken it.
 
@@ -336,7 +364,8 @@ class _Handlers:
         thread: converting a prompt of millions of ids there would pause every stream."""
         try:
             self.engine_loop.check_request(prompt_ids, sampling)
-            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant)
+            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant,
+                                 token_sources=token_sources)
         except RequestRejected as exc:
             raise _rejected(exc, prompt_param) from None
         except QueueFull as exc:

@@ -7,6 +7,11 @@ did-you-mean), and a value must have the field's type (``"5"`` is no int, ``2.0`
 - ``speculative``: per-request speculation, ``{"num_speculative_tokens": 0}`` turns it off for
   this request, a smaller k limits it. Validated with the config's strict converter.
 - ``ignore_eos``: generate past EOS (as vLLM has it), for benchmarks and exact token counts.
+- ``include_token_sources``: each choice (of a response, or of a streamed chunk) gets
+  ``token_sources``, its text cut into its tokens, each with how it came: ``draft`` (a draft
+  the target accepted), ``bonus`` (the target's own token that ends a speculative step) or
+  ``decode`` (a step without drafts). See :mod:`specdec.server.token_sources`. A field that
+  OpenAI clients do not know, and ignore.
 
 ``repetition_penalty``, ``min_p`` and ``stop_token_ids`` are vLLM's extensions, checked like
 the OpenAI fields. ``n`` (1 to 128) asks for that many choices of one prompt.
@@ -152,6 +157,7 @@ class GenerationRequest(_Strict):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     speculative: Optional[dict[str, Any]] = None
+    include_token_sources: bool = False
     # Informational: any value of the type is fine.
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
@@ -439,7 +445,30 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class TokenSource(BaseModel):
+    """One entry of ``token_sources``: a generated token (``index``: its place in the output,
+    from 0), its text (or the part of it in this chunk) and how it came."""
+
+    index: int
+    text: str
+    source: Literal["decode", "draft", "bonus"]
+
+
+class _WithTokenSources(BaseModel):
+    """A choice that carries ``token_sources`` when the request asked (``include_token_sources``);
+    the field is left out of the JSON otherwise."""
+
+    token_sources: Optional[list[TokenSource]] = None
+
+    @model_serializer(mode="wrap")
+    def _without_sources(self, handler) -> dict:
+        data = handler(self)
+        if self.token_sources is None:
+            data.pop("token_sources", None)
+        return data
+
+
+class CompletionChoice(_WithTokenSources):
     index: int = 0
     text: str
     logprobs: Optional[CompletionLogprobs] = None
@@ -483,7 +512,7 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_WithTokenSources):
     index: int = 0
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
@@ -504,7 +533,7 @@ class ChatDelta(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithTokenSources):
     index: int = 0
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs] = None
@@ -520,12 +549,22 @@ class ChatCompletionChunk(BaseModel):
     usage: Optional[Usage] = None
 
 
+class ServedSpeculation(BaseModel):
+    """``speculative`` of a model card: the server's method and its k, the most a request's
+    ``speculative.num_speculative_tokens`` may ask for (the method is the server's for every
+    request)."""
+
+    method: str
+    num_speculative_tokens: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specdec"
     max_model_len: int
+    speculative: ServedSpeculation
     #: The sampling values a request gets for the fields it leaves out (``--generation-config``).
     generation_defaults: dict[str, float] = Field(default_factory=dict)
 

@@ -85,8 +85,9 @@ class CompletionShape(_ResponseShape):
     def opening(self, num_choices: int) -> list[BaseModel]:
         return []
 
-    def text(self, index: int, text: str, logprobs: Optional[Sequence[TokenLogprob]]) -> BaseModel:
-        return self._make([CompletionChoice(index=index, text=text,
+    def text(self, index: int, text: str, logprobs: Optional[Sequence[TokenLogprob]],
+             token_sources: Optional[list[dict]] = None) -> BaseModel:
+        return self._make([CompletionChoice(index=index, text=text, token_sources=token_sources,
                                             logprobs=None if logprobs is None else self._logprobs(index, logprobs))])
 
     def finish(self, index: int, finish_reason: str) -> BaseModel:
@@ -97,6 +98,7 @@ class CompletionShape(_ResponseShape):
 
     def response(self, finals: Sequence[Finished], logprobs: bool) -> CompletionResponse:
         return self._make([CompletionChoice(index=i, text=final.text, finish_reason=final.finish_reason,
+                                            token_sources=final.token_sources,
                                             logprobs=self._logprobs(i, final.logprobs) if logprobs else None)
                            for i, final in enumerate(finals)], self.usage_of(finals))
 
@@ -124,8 +126,9 @@ class ChatShape(_ResponseShape):
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 for i in range(num_choices)]
 
-    def text(self, index: int, text: str, logprobs: Optional[Sequence[TokenLogprob]]) -> BaseModel:
-        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
+    def text(self, index: int, text: str, logprobs: Optional[Sequence[TokenLogprob]],
+             token_sources: Optional[list[dict]] = None) -> BaseModel:
+        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text), token_sources=token_sources,
                                             logprobs=None if logprobs is None else self._logprobs(logprobs))])
 
     def finish(self, index: int, finish_reason: str) -> BaseModel:
@@ -136,6 +139,7 @@ class ChatShape(_ResponseShape):
 
     def response(self, finals: Sequence[Finished], logprobs: bool) -> ChatCompletionResponse:
         choices = [ChatChoice(index=i, message=AssistantMessage(content=final.text), finish_reason=final.finish_reason,
+                              token_sources=final.token_sources,
                               logprobs=self._logprobs(final.logprobs) if logprobs else None)
                    for i, final in enumerate(finals)]
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
@@ -181,17 +185,18 @@ class StreamGroup:
 
 
 async def sse_events(group: StreamGroup, shape: Shape, include_usage: bool, logprobs: bool) -> AsyncIterator[str]:
-    """The events of one request: each choice's text (with its tokens' logprobs, when asked
-    for) as it comes, tagged with the choice's index, its finish reason, then the usage of all
-    choices (when asked for), ``[DONE]``."""
+    """The events of one request: each choice's text as it comes (with its tokens' logprobs
+    and token sources, when asked for: a chunk of tokens without text too, such as the
+    end-of-sequence token), tagged with the choice's index, its finish reason, then the usage of
+    all choices (when asked for), ``[DONE]``."""
     for chunk in shape.opening(len(group.streams)):
         yield _sse(chunk)
     finals = []
     events = group.events()
     try:
         async for index, event in events:
-            if event.text or (logprobs and event.logprobs):
-                yield _sse(shape.text(index, event.text, event.logprobs if logprobs else None))
+            if event.text or (logprobs and event.logprobs) or event.token_sources:
+                yield _sse(shape.text(index, event.text, event.logprobs if logprobs else None, event.token_sources))
             if isinstance(event, Finished):
                 if event.error:
                     yield _sse_error(event.error)

@@ -101,7 +101,7 @@ def test_a_password_never_shows_in_messages():
     Admitted(12), Rejected("prompt: too long", "prompt", "context_length_exceeded"), Delta("héllo", 3),
     Finished("!", 4, 12, "stop", SpecMetrics(2, 1, 3, 2, 4, [1, 1]), None),
     Finished("", 0, 12, "error", SpecMetrics(), "instance b stopped"),
-    Delta("ab", 2, (TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5))), TokenLogprob(7, -2.0))),
+    Delta("ab", 2, logprobs=(TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5))), TokenLogprob(7, -2.0))),
     Finished("c", 3, 12, "length", SpecMetrics(), None, logprobs=(TokenLogprob(1, -0.5, ((1, -0.5),)),)),
 ])
 def test_events_survive_the_stream_encoding(event):
