@@ -34,6 +34,7 @@ from typing import Optional
 import attrs
 
 from ..metrics import SpecMetrics
+from ..engine.logprobs import TokenLogprob
 from ..sampling import SamplingParams
 from ..server.engine_loop import Admitted, Delta, Event, Finished, Rejected
 from .records import BadRecord
@@ -48,6 +49,16 @@ def sampling_to_dict(sampling: SamplingParams) -> dict:
 
 def sampling_from_dict(data: dict) -> SamplingParams:
     return SamplingParams(**data)
+
+
+def logprobs_to_list(entries) -> list:
+    """An event's logprob entries as JSON lists: ``[token id, logprob, [[id, logprob], ...]]``."""
+    return [[e.token_id, e.logprob, [list(pair) for pair in e.top]] for e in entries]
+
+
+def logprobs_from_list(data) -> tuple:
+    return tuple(TokenLogprob(int(token), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+                 for token, logprob, top in data or ())
 
 
 def metrics_to_dict(metrics: SpecMetrics) -> dict:
@@ -139,11 +150,13 @@ def encode_event(event: Event, attempt: int, seq: int) -> dict:
     elif isinstance(event, Rejected):
         data.update(type="rejected", message=event.message, param=event.param, code=event.code)
     elif isinstance(event, Delta):
-        data.update(type="delta", text=event.text, num_generated=event.num_generated)
+        data.update(type="delta", text=event.text, num_generated=event.num_generated,
+                    logprobs=logprobs_to_list(event.logprobs))
     elif isinstance(event, Finished):
         data.update(type="finished", text=event.text, num_generated=event.num_generated,
                     num_prompt_tokens=event.num_prompt_tokens, finish_reason=event.finish_reason,
-                    metrics=metrics_to_dict(event.metrics), error=event.error)
+                    metrics=metrics_to_dict(event.metrics), error=event.error,
+                    logprobs=logprobs_to_list(event.logprobs))
     else:  # pragma: no cover - every Event type is above
         raise TypeError(f"not an event: {event!r}")
     return {"e": json.dumps(data)}
@@ -169,8 +182,9 @@ def to_loop_event(data: dict) -> Optional[Event]:
     if kind == "rejected":
         return Rejected(data["message"], data.get("param"), data.get("code"))
     if kind == "delta":
-        return Delta(data["text"], data["num_generated"])
+        return Delta(data["text"], data["num_generated"], logprobs=logprobs_from_list(data.get("logprobs")))
     if kind == "finished":
         return Finished(data["text"], data["num_generated"], data["num_prompt_tokens"], data["finish_reason"],
-                        metrics_from_dict(data["metrics"]), data.get("error"))
+                        metrics_from_dict(data["metrics"]), data.get("error"),
+                        logprobs=logprobs_from_list(data.get("logprobs")))
     return None

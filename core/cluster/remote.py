@@ -100,6 +100,7 @@ class RemoteRequestStream(RequestStream):
         self._text_sent = False
         self._streaming = streaming
         self._held: list[str] = []  # text held back from a client that does not stream
+        self._held_logprobs: list = []  # and the logprob entries of its tokens
         self._task = asyncio.ensure_future(self._follow())
 
     def abort(self) -> None:
@@ -129,6 +130,7 @@ class RemoteRequestStream(RequestStream):
                     logger.warning("request %s: attempt %d lost (%s); running it again", self.request_id,
                                    self._attempt, lost)
                     self._held.clear()
+                    self._held_logprobs.clear()
                     self._num_generated = 0
                     try:
                         route = self._route_again(frozenset(excluded))
@@ -241,11 +243,13 @@ class RemoteRequestStream(RequestStream):
             self._num_generated = event.num_generated
             if not self._streaming:
                 self._held.append(event.text)
+                self._held_logprobs.extend(event.logprobs)
                 return False
             self._text_sent = self._text_sent or bool(event.text)
         if isinstance(event, Finished) and self._held:
             event = Finished("".join(self._held) + event.text, event.num_generated, event.num_prompt_tokens,
-                             event.finish_reason, event.metrics, event.error)
+                             event.finish_reason, event.metrics, event.error,
+                             logprobs=(*self._held_logprobs, *event.logprobs))
         self._deliver(event)
         return not isinstance(event, Delta)  # Rejected or Finished end the request
 

@@ -669,10 +669,11 @@ class EngineLoop:
 
 def _new_logprobs(tracked: _Tracked, request) -> tuple:
     """The request's logprob entries not sent yet (none when it did not ask for them)."""
-    if not request.logprobs:
+    entries = getattr(request, "logprobs", None)  # an engine's Request has them; a stand-in may not
+    if not entries:
         return ()
-    new = tuple(request.logprobs[tracked.emitted_logprobs:])
-    tracked.emitted_logprobs = len(request.logprobs)
+    new = tuple(entries[tracked.emitted_logprobs:])
+    tracked.emitted_logprobs = len(entries)
     return new
 
 

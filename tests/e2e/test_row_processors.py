@@ -1,6 +1,7 @@
 """Row processors on the real model: the mechanism (``specdec.engine.logits_processing``) shows
 every verified row the drafts before it, and the sampling controls (penalties, logit bias)
-keep speculation lossless: at temperature 0 every method gives naive decoding's tokens."""
+keep speculation lossless: at temperature 0 every method gives naive decoding's tokens, and
+the same raw logprobs."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ pytestmark = pytest.mark.slow
 PROMPTS = tuple(code_edit_prompts(3))
 PLAIN = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 CONTROLLED = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, presence_penalty=0.2,
-                            frequency_penalty=0.1, repetition_penalty=1.05, logit_bias={"29": -3.0})
+                            frequency_penalty=0.1, repetition_penalty=1.05, logit_bias={"29": -3.0}, logprobs=2)
+#: Each with the default verify strategy (rejection: greedy at temperature 0).
 METHODS = {
     "ngram": {"method": "ngram", "adaptive_draft_length": False},
     "suffix": {"method": "suffix", "adaptive_draft_length": False},
-    "ngram+rejection": {"method": "ngram", "verify_strategy": "rejection", "adaptive_draft_length": False},
+    "mtp": {"method": "mtp", "adaptive_draft_length": False},
 }
 
 
@@ -41,6 +43,12 @@ def test_penalties_keep_speculation_lossless(model_session, reference, label):
                 for prompt, ref, out in zip(PROMPTS, reference, outputs)]
     assert not any(messages), "\n".join(m for m in messages if m)
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0, f"{label}: no draft accepted"
+    # the raw logprobs, from the rows of accepted drafts too, equal naive decoding's
+    for ref, out in zip(reference, outputs):
+        assert [e.token_id for e in out.logprobs] == out.token_ids
+        for a, b in zip(out.logprobs, ref.logprobs):
+            assert abs(a.logprob - b.logprob) <= 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert all(abs(x - y) <= 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
 
 
 class ForceSequence(RowProcessor):

@@ -92,10 +92,15 @@ def test_stop_token_ids_end_the_choice(server):
 
 def test_n_choices_share_the_prompt_and_derive_their_seeds(server):
     client = server.openai()
-    many = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=8, temperature=1.0,
-                                     seed=123, n=3)
+    pool = server.engine_loop.engine.kv.pool
+    prompt = "A story nobody has asked for yet: " + PROMPT  # not in the prefix cache
+    shared_blocks = len(server.engine_loop.tokenizer.encode(prompt)) // pool.block_size
+    reused = pool.num_reused_blocks
+    many = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=123, n=3)
+    # the choices share the prompt's KV: its full blocks are computed once, and taken twice
+    assert shared_blocks > 0 and pool.num_reused_blocks - reused >= 2 * shared_blocks
     assert [c.index for c in many.choices] == [0, 1, 2]
-    alone = [client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=8, temperature=1.0,
+    alone = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=1.0,
                                        seed=123 + i) for i in range(3)]
     # choice i is the request with seed 123 + i (this server verifies greedily, so the texts
     # agree anyway: test_choice_seeds shows the seeds)

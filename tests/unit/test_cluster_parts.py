@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from specdec.cluster.messages import decode_event, encode_event, to_loop_event
+from specdec.engine.logprobs import TokenLogprob
 from specdec.cluster.records import BadRecord, BadRecords
 from specdec.cluster.redis_link import parse_scheduler_url, redacted
 from specdec.cluster.registry import InstanceInfo, parse_registration
@@ -100,6 +101,8 @@ def test_a_password_never_shows_in_messages():
     Admitted(12), Rejected("prompt: too long", "prompt", "context_length_exceeded"), Delta("héllo", 3),
     Finished("!", 4, 12, "stop", SpecMetrics(2, 1, 3, 2, 4, [1, 1]), None),
     Finished("", 0, 12, "error", SpecMetrics(), "instance b stopped"),
+    Delta("ab", 2, logprobs=(TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5))), TokenLogprob(7, -2.0))),
+    Finished("c", 3, 12, "length", SpecMetrics(), None, logprobs=(TokenLogprob(1, -0.5, ((1, -0.5),)),)),
 ])
 def test_events_survive_the_stream_encoding(event):
     fields = encode_event(event, attempt=2, seq=7)
