@@ -45,7 +45,7 @@ class ScriptedEngine:
     def num_free_kv_blocks(self) -> int:
         return self.num_kv_blocks - len(self.running)
 
-    def add_request(self, prompt_token_ids, sampling, prompt=None, request_id=None, tenant=None):
+    def add_request(self, prompt_token_ids, sampling, prompt=None, request_id=None, tenant=None, row_processors=()):
         if list(prompt_token_ids) == [666]:
             raise ValueError("an engine bug")
         if len(prompt_token_ids) >= self.max_model_len:
