@@ -386,7 +386,9 @@ def run_generate(args) -> int:
         "num_generated_tokens": total_tokens,
         "elapsed_s": round(elapsed, 4),
         "tokens_per_s": round(total_tokens / elapsed, 3) if elapsed > 0 else 0.0,
+        "decode_tokens_per_s": round(_decode_tokens_per_s(outputs, elapsed), 3),
         "metrics": metrics.to_dict(),
+        "engine": _engine_summary(llm.engine),
     }
     if args.output == "json":
         json.dump({"results": [o.to_dict() for o in outputs], "summary": summary}, sys.stdout, indent=2)
@@ -398,6 +400,24 @@ def run_generate(args) -> int:
                 print("-" * 40)
         print(_summary_line(summary), file=sys.stderr)
     return 0
+
+
+def _decode_tokens_per_s(outputs, elapsed: float) -> float:
+    """Decode speed, prefill left out: the tokens after each request's first one, per second
+    from the first request's first token to the end (one request: its own decode speed)."""
+    started = [o.first_token_s for o in outputs if o.num_generated_tokens > 0]
+    decode_time = elapsed - min(started) if started else 0.0
+    decode_tokens = sum(max(o.num_generated_tokens - 1, 0) for o in outputs)
+    return decode_tokens / decode_time if decode_time > 0 else 0.0
+
+
+def _engine_summary(engine) -> dict:
+    """What the engine resolved its ``auto`` settings to (``--output json``'s ``summary.engine``):
+    which kernels and attention backend ran, the weights' dtype and quantization, the KV cache's
+    dtype. Scripts check it to know what they measured (``kernels: cpu``: the native CPU kernels)."""
+    return {"kernels": engine.kernels, "attention_backend": engine.attention_backend,
+            "weight_dtype": engine.weight_dtype, "quantization": engine.quantization,
+            "kv_cache_dtype": engine.kv_cache_dtype}
 
 
 def _summary_line(summary: dict) -> str:
