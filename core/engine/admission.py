@@ -45,6 +45,10 @@ def check_sampling(sampling: SamplingParams, num_prompt_tokens: int, vocab_size:
     if sampling.top_k > vocab:
         raise RequestError("top_k", f"must be between 0 and {vocab} (the vocabulary size), or -1, "
                                     f"got {sampling.top_k}")
+    for field, ids in (("logit_bias", [token for token, _ in sampling.logit_bias]),
+                       ("stop_token_ids", sampling.stop_token_ids)):
+        if ids and max(ids) >= vocab:
+            raise RequestError(field, f"token ids must lie in [0, {vocab}) (the vocabulary), got {max(ids)}")
     stops = sampling.stop
     if len(stops) > max_stop_strings:
         raise RequestError("stop", f"at most {max_stop_strings} stop strings (max_stop_strings), "

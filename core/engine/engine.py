@@ -41,7 +41,10 @@ from .build import build_model, build_spec_plugins, create_cache_layers, spec_pl
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
 from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
-from .request import Request, RequestOutput
+from .logits_processing import apply_row_processors
+from .logprobs import emitted_logprobs, log_softmax
+from .sampling_processors import sampling_processors
+from .request import Request, RequestOutput, step_sources
 from .scheduler import ScheduledStep, Scheduler
 from .tensor_parallel import exit_after_failure
 
@@ -74,6 +77,9 @@ class _StepState:
     #: step captures them for a hand-off.
     hidden: Any = None
     first_rows: dict = attrs.field(factory=dict)
+    #: By ``id(request)``, the raw ``[k+1, V]`` log-probabilities of the requests that asked
+    #: for logprobs (taken before any row processor).
+    logprobs: dict = attrs.field(factory=dict)
 
     def only(self, keep: Callable[[Request], bool]) -> "_StepState":
         rows = [i for i, request in enumerate(self.plan.decodes) if keep(request)]
@@ -87,6 +93,7 @@ class _StepState:
             result=None if self.result is None else self.result.select(pick),
             hidden=self.hidden,
             first_rows=self.first_rows,
+            logprobs=self.logprobs,
         )
 
 
@@ -237,7 +244,8 @@ class Engine:
 
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     prompt: Optional[str] = None, request_id: Optional[str] = None, *,
-                    handoff: bool = False, capture_hidden: bool = False, tenant: Optional[str] = None) -> Request:
+                    handoff: bool = False, capture_hidden: bool = False, tenant: Optional[str] = None,
+                    row_processors: Sequence = ()) -> Request:
         """Queue a request; it joins the running batch at the next step that has room.
 
         :param handoff: run the prompt and the first output token only, without drafts, then
@@ -252,6 +260,9 @@ class Engine:
             nothing from the prefix cache). Ignored without ``handoff``.
         :param tenant: who sent the request (the server's id of its API key), passed to the
             proposer as ``ProposalRequest.tenant``.
+        :param row_processors: :class:`~specdec.engine.logits_processing.RowProcessor` s of
+            this request alone (a grammar's token mask), run before those its sampling asks
+            for (so that min-p and top-k choose among the tokens the grammar allows).
         :raises RequestError: for a prompt or sampling values the engine cannot take.
         :raises SpecdecError: for ``handoff`` with tensor parallelism.
         """
@@ -263,6 +274,7 @@ class Engine:
         request.handoff = handoff
         request.capture_hidden = handoff and capture_hidden
         request.tenant = tenant
+        request.row_processors[:0] = list(row_processors)
         if request.capture_hidden:
             request.prefix_keys = []  # every position's hidden state must be computed here
         self.scheduler.waiting.append(request)
@@ -287,6 +299,8 @@ class Engine:
             num_tokens=len(prompt_ids),
             rng=np.random.default_rng(seed),
             detokenizer=DetokenizeStream(self.tokenizer),
+            row_processors=sampling_processors(sampling, prompt_ids),
+            logprobs=None if sampling.logprobs is None else [],
         )
         if sampling.seed is not None and sampling.temperature > 0 and self.proposer.NEEDS_HIDDEN_STATES:
             # A model proposer's drafts depend on the hidden states it is given, and a cached
@@ -495,6 +509,10 @@ class Engine:
             self.kv.register_computed(request)
         if not state.plan.decodes:
             return
+        # process: raw logprobs, then each request's row processors (penalties, bias, ...)
+        state = self._process_rows(state)
+        if not state.plan.decodes:
+            return
         # verify: verify_strategy.verify on [B, k+1, V] logits
         state.sampling = self._sampling(state.plan.decodes, state.drafts)
         state, state.result = self._isolated(
@@ -520,6 +538,24 @@ class Engine:
         for request in done:
             if request.error is None:
                 self._retire(request, request.finish_reason)
+
+    def _process_rows(self, state: _StepState) -> _StepState:
+        """Keep the raw log-probabilities of the requests that ask for them (``logprobs.py``),
+        then apply the requests' row processors (``logits_processing.py``) to the step's
+        logits; a processor that raises fails its own request alone."""
+        decodes = state.plan.decodes
+        for b, request in enumerate(decodes):
+            if request.sampling.logprobs is not None:
+                state.logprobs[id(request)] = log_softmax(state.logits[b, : int(state.drafts.lengths[b]) + 1])
+        if not any(r.row_processors for r in decodes):
+            return state
+        state.logits, failures = apply_row_processors(decodes, state.logits, state.drafts.token_ids,
+                                                      state.drafts.lengths)
+        if not failures:
+            return state
+        for b, exc in failures:
+            self._fail(decodes[b], "row processor", exc)
+        return state.only(lambda r: r.error is None)
 
     def _checked_result(self, result: VerifyResult, state: _StepState) -> VerifyResult:
         """``result`` when it has the shapes and values of the contract, else a SpecdecError
@@ -648,6 +684,12 @@ class Engine:
                     self._keep_hidden(state, request, request.context_len, request.num_uncomputed + int(accepted[b]))
                 request.context_len = request.num_tokens + int(accepted[b])
                 appended = self._append(request, result.output_tokens[b, :count], reasons[b])
+                request.token_sources += step_sources(int(drafts.lengths[b]), int(accepted[b]), count)
+                for processor in request.row_processors:
+                    processor.on_emitted(appended)
+                if id(request) in state.logprobs:
+                    request.logprobs.extend(emitted_logprobs(state.logprobs[id(request)], appended,
+                                                             request.sampling.logprobs))
                 self.kv.register_computed(request)
                 request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
                 appended_by_request[id(request)] = appended
@@ -673,9 +715,13 @@ class Engine:
         counts = accepted + 1
         reasons = np.full(len(decodes), None, dtype=object)
         eos_ok = np.fromiter((not r.sampling.ignore_eos for r in decodes), dtype=bool, count=len(decodes))
-        if self._eos_array.size and eos_ok.any():
+        stop_ids = [b for b, r in enumerate(decodes) if r.sampling.stop_token_ids]
+        if (self._eos_array.size and eos_ok.any()) or stop_ids:
             positions = np.arange(output_tokens.shape[1])[None, :]
-            is_eos = np.isin(output_tokens, self._eos_array) & (positions < counts[:, None]) & eos_ok[:, None]
+            is_eos = np.isin(output_tokens, self._eos_array) & eos_ok[:, None]
+            for b in stop_ids:  # the request's own stop tokens, with or without ignore_eos
+                is_eos[b] |= np.isin(output_tokens[b], decodes[b].sampling.stop_token_ids)
+            is_eos &= positions < counts[:, None]
             hit = is_eos.any(axis=1)
             counts = np.where(hit, np.argmax(is_eos, axis=1) + 1, counts)
             reasons[hit] = "stop"

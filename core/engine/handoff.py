@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import SpecdecError
 from ..sampling import SamplingParams
+from .request import DECODE
 
 #: The version of the :meth:`HandoffState.to_wire` header; :meth:`HandoffState.from_wire`
 #: refuses another.
@@ -276,6 +277,7 @@ def _restore(request, state: HandoffState, output_ids: np.ndarray) -> None:
     start = request.num_prompt_tokens
     request.tokens[start: start + len(output_ids)] = output_ids
     request.num_tokens = start + len(output_ids)
+    request.token_sources[:] = bytes([DECODE]) * len(output_ids)  # how they came is the exporter's
     try:
         request.rng.bit_generator.state = state.rng_state
     except (TypeError, ValueError, KeyError) as exc:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import json
 import logging
 import secrets
 import time
@@ -29,14 +31,20 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import attrs
+
 from .. import __version__
-from ..errors import SpecdecError
+from ..errors import RequestError, SpecdecError
+from ..structured.grammar import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompiler
+from ..sampling import MAX_SEED, SamplingParams
 from ..model.tokenizer import TooManyTokens
 from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
 from .errors import APIError, validation_error
+from .generation_defaults import GenerationDefaults
 from .hosts import AllowedHostsMiddleware
 from .limits import BodyLimitMiddleware, ServerLimits, default_max_prompt_chars
 from .metrics import ServerMetrics
+from .playground import add_playground
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -46,8 +54,10 @@ from .protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    ServedSpeculation,
 )
-from .responses import ChatShape, CompletionShape, Shape, event_stream, sse_events
+from .responses import ChatShape, CompletionShape, Shape, StreamGroup, event_stream, sse_events
+from .structured import Structured, plan_chat, response_format_grammar
 from .tenant import tenant_of
 
 logger = logging.getLogger("specdec.server")
@@ -63,7 +73,9 @@ _BIG_PROMPTS = 2
 def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optional[str] = None,
               limits: Optional[ServerLimits] = None, enable_docs: bool = False,
               metrics_require_key: bool = False, allowed_hosts: Optional[Sequence[str]] = None,
-              cluster=None, hide_speculative_usage: bool = False) -> FastAPI:
+              cluster=None, hide_speculative_usage: bool = False,
+              generation_defaults: Optional[GenerationDefaults] = None,
+              grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> FastAPI:
     """The server's FastAPI app.
 
     :param engine_loop: runs the engine; the app's lifespan starts and stops it. Its
@@ -82,6 +94,12 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     :param hide_speculative_usage: leave ``usage.speculative`` out of responses: how many
         drafts a request had accepted tells how much its text matched earlier requests' (with
         the ``suffix`` method's global tree, other tenants').
+    :param generation_defaults: the sampling values of the fields a request leaves out
+        (:mod:`~specdec.server.generation_defaults`; ``specdec serve`` loads them per
+        ``--generation-config``); None: the OpenAI API's (temperature 1, no top-k/top-p).
+    :param grammar_compile_timeout: seconds a request's grammar (``response_format``, a
+        constrained ``tool_choice``) may take to compile before the request is refused (400);
+        the compiler is ``app.state.grammar_compiler``.
     """
     if metrics_require_key and not api_key:
         raise ValueError("metrics_require_key needs an api_key")
@@ -93,12 +111,21 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     max_prompt_chars = limits.max_prompt_chars or default_max_prompt_chars(engine_loop.max_model_len,
                                                                            engine_loop.tokenizer)
     if cluster is not None:
-        def submit(prompt_ids, sampling, request_id, streaming, tenant=None):  # the cluster does not route tenants
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, row_processors=(), token_sources=False):
+            # The cluster routes neither tenants, grammars nor token sources (refused before:
+            # _row_processors, _check_token_sources).
             return cluster.submit(prompt_ids, sampling, request_id, streaming=streaming)
     else:
-        def submit(prompt_ids, sampling, request_id, streaming, tenant=None):  # streaming is the cluster's concern
-            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant)
-    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage)
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, row_processors=(), token_sources=False):
+            # streaming is the cluster's concern
+            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant, row_processors=row_processors,
+                                      token_sources=token_sources)
+    # The llguidance tokenizer is built at the first structured request (~1 s), not here.
+    grammar_compiler = GrammarCompiler(engine_loop.tokenizer, engine_loop.vocab_size,
+                                       timeout_s=grammar_compile_timeout)
+    handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage,
+                         generation_defaults or GenerationDefaults(), grammar_compiler,
+                         clustered=cluster is not None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -118,6 +145,7 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     app.state.engine_loop = engine_loop
     app.state.limits = limits
     app.state.max_prompt_chars = max_prompt_chars
+    app.state.grammar_compiler = grammar_compiler
     # The last added runs first: the Host, then the key are checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes, read_timeout=limits.read_timeout,
                        body_timeout=limits.body_timeout, on_reject=metrics.request_rejected)
@@ -149,6 +177,8 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return await api_error(request, APIError(500, "internal error; the server log has the details",
                                                  code="internal_error"))
+
+    add_playground(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -191,8 +221,12 @@ class _Handlers:
     """What the two generation endpoints do, apart from FastAPI's plumbing."""
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit,
-                 hide_speculative_usage: bool = False):
+                 hide_speculative_usage: bool = False, generation_defaults: GenerationDefaults = GenerationDefaults(),
+                 grammar_compiler: Optional[GrammarCompiler] = None, clustered: bool = False):
         self.engine_loop = engine_loop
+        self.grammars = grammar_compiler
+        self.clustered = clustered
+        self.generation_defaults = generation_defaults
         self.hide_speculative_usage = hide_speculative_usage
         self.submit = submit  # the engine loop's, or the cluster's (which routes)
         self.model_name = served_model_name
@@ -202,13 +236,17 @@ class _Handlers:
         self._big_prompts = asyncio.Semaphore(_BIG_PROMPTS)
 
     def model_list(self) -> ModelList:
+        speculative = ServedSpeculation(method=self.engine_loop.method,
+                                        num_speculative_tokens=self.engine_loop.num_speculative_tokens)
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         max_model_len=self.engine_loop.max_model_len)])
+                                         max_model_len=self.engine_loop.max_model_len, speculative=speculative,
+                                         generation_defaults=self.generation_defaults.values)])
 
     # -- the endpoints -----------------------------------------------------------------------
 
     async def completion(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self._check_model(body.model)
+        self._check_token_sources(body)
         if isinstance(body.prompt, str):
             prompt_ids = await self._tokenize_prompt(self.engine_loop.tokenizer.encode, body.prompt,
                                                      len(body.prompt), "prompt")
@@ -216,24 +254,53 @@ class _Handlers:
             prompt_ids = body.prompt
         # Without max_tokens a completion gets OpenAI's 16 tokens, or what room the context has.
         default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, self._room(prompt_ids))
-        sampling = body.sampling_params(default_max_tokens, self.engine_loop.num_speculative_tokens)
-        shape = CompletionShape(self.model_name, hide_speculative=self.hide_speculative_usage)
-        return await self._generate(body, request, prompt_ids, sampling, shape)
+        sampling = body.sampling_params(default_max_tokens, self.engine_loop.num_speculative_tokens,
+                                        self.generation_defaults)
+        structured = _checked(lambda: Structured(response_format_grammar(body.response_format)))
+        processors = await self._row_processors(structured)
+        shape = CompletionShape(self.model_name, self.hide_speculative_usage, self._token_text)
+        return await self._generate(body, request, prompt_ids, sampling, shape, processors)
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self._check_model(body.model)
+        self._check_token_sources(body)
         body.resolve_max_tokens()
-        messages = [message.to_template() for message in body.messages]
-        self._check_num_messages(len(messages))
-        # Every string the template writes counts: a role or a name is prompt text too.
+        self._check_num_messages(len(body.messages))
+        tokenizer = self.engine_loop.tokenizer
+        messages, extra, structured = _checked(lambda: plan_chat(
+            [message.to_template() for message in body.messages], body.tools, body.tool_choice,
+            body.parallel_tool_calls, body.response_format, tokenizer.chat_template))
+        # Every string the template writes counts: a role or a name is prompt text too, and tools.
         num_chars = sum(len(message["role"]) + len(message["content"]) + len(message.get("name") or "")
-                        for message in messages)
-        prompt_ids = await self._tokenize_prompt(self.engine_loop.tokenizer.encode_chat, messages, num_chars,
-                                                 "messages")
+                        + (len(json.dumps(message["tool_calls"])) if message.get("tool_calls") else 0)
+                        for message in messages) + (len(json.dumps(extra["tools"])) if "tools" in extra else 0)
+        prompt_ids = await self._tokenize_prompt(functools.partial(tokenizer.encode_chat, **extra), messages,
+                                                 num_chars, "messages")
         # Without max_tokens the answer may run to the end of the context.
-        sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens)
-        shape = ChatShape(self.model_name, hide_speculative=self.hide_speculative_usage)
-        return await self._generate(body, request, prompt_ids, sampling, shape)
+        sampling = body.sampling_params(self._room(prompt_ids), self.engine_loop.num_speculative_tokens,
+                                        self.generation_defaults)
+        processors = await self._row_processors(structured)
+        shape = ChatShape(self.model_name, self.hide_speculative_usage, self._token_text, tools=structured.tools)
+        return await self._generate(body, request, prompt_ids, sampling, shape, processors)
+
+    async def _row_processors(self, structured: Structured):
+        """A function giving each choice of the request its row processors: its grammar's,
+        compiled once (off the engine thread, in bounded time: see
+        :class:`~specdec.structured.grammar.GrammarCompiler`); None without a grammar. A
+        grammar that does not compile is a 400 naming the field."""
+        if structured.grammar is None:
+            return None
+        if self.clustered:
+            raise APIError(400, f"{structured.grammar.param}: structured output is not supported on a cluster",
+                           param=structured.grammar.param, code="unsupported_value")
+        try:
+            return await structured.processor_factory(self.grammars)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, as ``logprobs`` show it."""
+        return self.engine_loop.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _room(self, prompt_ids) -> int:
         """The most tokens the context has room for after the prompt (at least 1: a prompt that
@@ -276,25 +343,60 @@ class _Handlers:
             raise APIError(400, f"messages: {num_messages} messages do not fit the context of {max_model_len} tokens",
                            param="messages", code="context_length_exceeded")
 
+    def _check_token_sources(self, body: GenerationRequest) -> None:
+        """``include_token_sources`` tells which tokens were accepted drafts: refused where
+        ``usage.speculative`` is hidden (it tells as much), and on a clustered server (whose
+        instances do not send them)."""
+        if not body.include_token_sources:
+            return
+        if self.hide_speculative_usage:
+            why = "this server hides how speculation went (--hide-speculative-usage)"
+        elif self.clustered:
+            why = "not available on a server in a cluster (--scheduler)"
+        else:
+            return
+        raise APIError(400, f"include_token_sources: {why}", param="include_token_sources",
+                       code="unsupported_value")
+
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model: '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
     async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
-                        shape: Shape) -> BaseModel | Response:
-        """Run the request; answer with server-sent events, or the whole response at the end."""
-        stream = await self._submit(prompt_ids, sampling, shape.request_id, shape.prompt_param, bool(body.stream),
-                                    tenant_of(request))
+                        shape: Shape, row_processors=None) -> BaseModel | Response:
+        """Run the request's choices (``n`` engine requests sharing the prompt, whose KV the
+        prefix cache shares); answer with server-sent events, or the whole response at the end."""
+        group = StreamGroup([])
+        try:
+            for choice_sampling in choice_samplings(sampling, body.num_choices):
+                group.streams.append(await self._submit(prompt_ids, choice_sampling, f"{shape.request_id}-{len(group.streams)}"
+                                                        if body.num_choices > 1 else shape.request_id,
+                                                        shape.prompt_param, bool(body.stream), tenant_of(request),
+                                                        row_processors() if row_processors else (),
+                                                        body.include_token_sources))
+        except BaseException:
+            group.abort()
+            raise
+        logprobs = sampling.logprobs is not None
         if body.stream:
-            return event_stream(sse_events(stream, shape, body.include_usage), stream)
-        final = await _wait_final(stream, request)
-        if final is None:
-            return Response(status_code=499)  # the client has gone; nobody reads this
-        return shape.response(final)
+            return event_stream(sse_events(group, shape, body.include_usage, logprobs), group)
+        finals = []
+        for stream in group.streams:
+            try:
+                final = await _wait_final(stream, request)
+            except BaseException:
+                group.abort()
+                raise
+            if final is None:
+                group.abort()
+                return Response(status_code=499)  # the client has gone; nobody reads this
+            finals.append(final)
+        return shape.response(finals, logprobs)
 
     async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str,
-                      streaming: bool, tenant: Optional[str] = None) -> RequestStream:
+                      streaming: bool, tenant: Optional[str] = None, row_processors=(),
+                      token_sources: bool = False) -> RequestStream:
         """Check the request against the engine, hand it to the engine loop (or the cluster)
         and wait until an engine has taken it.
 
@@ -302,7 +404,8 @@ class _Handlers:
         thread: converting a prompt of millions of ids there would pause every stream."""
         try:
             self.engine_loop.check_request(prompt_ids, sampling)
-            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant)
+            stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant,
+                                 row_processors=row_processors, token_sources=token_sources)
         except RequestRejected as exc:
             raise _rejected(exc, prompt_param) from None
         except QueueFull as exc:
@@ -319,6 +422,23 @@ class _Handlers:
             stream.abort()
             raise
         return stream
+
+
+def choice_samplings(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of ``n`` choices: choice ``i`` of a seeded request draws from seed
+    ``seed + i`` (mod 2**64), so every choice is reproducible and none repeats another; without
+    a seed each gets the engine's own stream for it."""
+    if n == 1 or sampling.seed is None:
+        return [sampling] * n
+    return [attrs.evolve(sampling, seed=(sampling.seed + i) % (MAX_SEED + 1)) for i in range(n)]
+
+
+def _checked(build):
+    """``build()``, with a RequestError (a bad tools or response_format field) as its 400."""
+    try:
+        return build()
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 def _rejected(exc: RequestRejected, prompt_param: str) -> APIError:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 from ..errors import RequestError, SpecdecError
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams
+from .token_sources import SourceTracker, joined
 from .watchdog import DEFAULT_STEP_TIMEOUT, StepWatchdog
 
 if TYPE_CHECKING:
@@ -85,10 +86,16 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New text of a running request, and how many tokens it has generated so far."""
+    """New text of a running request, and how many tokens it has generated so far;
+    ``logprobs``: the :class:`~specdec.engine.logprobs.TokenLogprob` of each token generated
+    since the last event, when the request asked for them. ``token_sources``: the text's tokens
+    and how each came, for a request submitted with ``token_sources=True`` (see
+    :mod:`~specdec.server.token_sources`), else None."""
 
     text: str
     num_generated: int
+    logprobs: tuple = ()
+    token_sources: Optional[list[dict]] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +118,10 @@ class Finished:
     metrics: SpecMetrics
     error: Optional[str] = None
     handoff: Optional["HandoffState"] = None
+    #: As :attr:`Delta.logprobs`: the tokens' since the last event (all of them from :meth:`RequestStream.final`).
+    logprobs: tuple = ()
+    #: As :attr:`Delta.token_sources`, for ``text`` (for every token, in :meth:`RequestStream.final`).
+    token_sources: Optional[list[dict]] = None
 
 
 Event = Admitted | Rejected | Delta | Finished
@@ -167,15 +178,19 @@ class RequestStream:
             yield event
 
     async def final(self) -> Finished:
-        """Wait for the end; return the whole text in one :class:`Finished`."""
-        parts = []
+        """Wait for the end; return the whole text (its logprobs and token sources) in one
+        :class:`Finished`."""
+        parts, logprobs, sources = [], [], []
         while True:
             event = await self._queue.get()
             parts.append(event.text)
+            logprobs.extend(event.logprobs)
+            sources.append(event.token_sources)
             if isinstance(event, Finished):
                 self.finished = True
                 return Finished("".join(parts), event.num_generated, event.num_prompt_tokens,
-                                event.finish_reason, event.metrics, event.error, event.handoff)
+                                event.finish_reason, event.metrics, event.error, event.handoff, tuple(logprobs),
+                                joined(sources))
 
     def abort(self) -> None:
         """Cancel the request and free its KV cache (nothing happens once it has finished)."""
@@ -202,13 +217,28 @@ class _Tracked:
     handoff: bool = False
     capture_hidden: bool = False
     tenant: Optional[str] = None  # who sent it: the engine's add_request(tenant=...)
+    row_processors: list = field(default_factory=list)  # the engine's add_request(row_processors=...)
     imported: Optional["HandoffState"] = None  # submit_imported's state
     request: object = None  # the engine's Request once added
     emitted_chars: int = 0
+    emitted_logprobs: int = 0  # entries of request.logprobs already sent
     num_generated: int = 0
     first_token_at: float = 0.0
     spec_seen: SpecMetrics = field(default_factory=SpecMetrics)
     told_end: bool = False  # the client already got its Finished (from the step watchdog)
+    sources: Optional[SourceTracker] = None  # submit(token_sources=True)
+
+    def token_sources(self, text: str, final: bool = False) -> Optional[list[dict]]:
+        """The entries of ``text``, the request's next piece of text (None unless asked for)."""
+        if self.sources is None:
+            return None
+        try:
+            self.sources.update(self.request.generated_ids, self.request.token_sources)
+            return self.sources.entries(self.emitted_chars, text, final)
+        except Exception:  # noqa: BLE001 - a tokenizer failure: the text goes on, without its sources
+            logger.exception("token sources of request %s failed; it goes on without them", self.stream.request_id)
+            self.sources = None
+            return None
 
     def send(self, event: Event) -> None:
         try:
@@ -260,9 +290,19 @@ class EngineLoop:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits (what a grammar's token mask covers)."""
+        return self.engine.model_config.vocab_size
+
+    @property
     def num_speculative_tokens(self) -> int:
         """The engine's k: the most drafts per request and step."""
         return self.engine.spec.num_speculative_tokens or 0
+
+    @property
+    def method(self) -> str:
+        """The engine's speculative method (``naive``: none)."""
+        return self.engine.spec.method
 
     @property
     def running(self) -> bool:
@@ -356,19 +396,25 @@ class EngineLoop:
 
     def submit(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                request_id: Optional[str] = None, *, handoff: bool = False,
-               capture_hidden: bool = False, tenant: Optional[str] = None) -> RequestStream:
+               capture_hidden: bool = False, tenant: Optional[str] = None,
+               row_processors: Sequence = (), token_sources: bool = False) -> RequestStream:
         """Queue a request; call from the event loop. Returns its :class:`RequestStream`.
 
         ``handoff`` and ``capture_hidden`` go to the engine's ``add_request``: the request
         then ends after its first token with a :class:`Finished` of finish reason ``handoff``
         whose ``handoff`` holds the state to continue elsewhere (unless that token ended it).
-        ``tenant`` (who sent it) goes to ``add_request`` too.
+        ``tenant`` (who sent it) and ``row_processors`` (a grammar's, built off this thread)
+        go to ``add_request`` too. ``token_sources``: its events carry ``token_sources`` (the
+        API's ``include_token_sources``).
 
         Raises :class:`QueueFull` when ``max_pending`` requests are already in the loop, and
         :class:`EngineStopped` when the loop is not running.
         """
         tracked = self._track(request_id, prompt_token_ids, sampling)
         tracked.handoff, tracked.capture_hidden, tracked.tenant = handoff, capture_hidden, tenant
+        tracked.row_processors = list(row_processors)
+        if token_sources:
+            tracked.sources = SourceTracker(self.engine.tokenizer)
         self._commands.put(("add", tracked))
         return tracked.stream
 
@@ -506,7 +552,7 @@ class EngineLoop:
             return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
                                            handoff=True, capture_hidden=tracked.capture_hidden, tenant=tracked.tenant)
         return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
-                                       tenant=tracked.tenant)
+                                       tenant=tracked.tenant, row_processors=tracked.row_processors)
 
     def _abort(self, request_id: str) -> None:
         if request_id not in self._tracked:
@@ -533,15 +579,17 @@ class EngineLoop:
                 error = ENGINE_ERROR_MESSAGE if request.finish_reason == "error" else None
                 handoff = request.handoff_state if request.finish_reason == "handoff" else None
                 tracked.send(Finished(text, request.num_generated, request.num_prompt_tokens,
-                                      request.finish_reason, _copy(request.metrics), error, handoff))
+                                      request.finish_reason, _copy(request.metrics), error, handoff,
+                                      _new_logprobs(tracked, request), tracked.token_sources(text, final=True)))
                 self._record_finish(tracked, request, now)
                 done.append(request_id)
                 continue
             visible = len(request.text) - _stop_holdback(tracked.sampling.stop)
             if visible > tracked.emitted_chars:
                 text = request.text[tracked.emitted_chars:visible]
+                sources = tracked.token_sources(text)
                 tracked.emitted_chars = visible
-                tracked.send(Delta(text, request.num_generated))
+                tracked.send(Delta(text, request.num_generated, _new_logprobs(tracked, request), sources))
         for request_id in done:
             del self._tracked[request_id]
             self._release()
@@ -617,6 +665,15 @@ class EngineLoop:
             max_pending=self.max_pending,
             running=running,
         )
+
+
+def _new_logprobs(tracked: _Tracked, request) -> tuple:
+    """The request's logprob entries not sent yet (none when it did not ask for them)."""
+    if not request.logprobs:
+        return ()
+    new = tuple(request.logprobs[tracked.emitted_logprobs:])
+    tracked.emitted_logprobs = len(request.logprobs)
+    return new
 
 
 def _error_end(tracked: _Tracked, message: str) -> Finished:

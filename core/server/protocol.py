@@ -7,10 +7,18 @@ did-you-mean), and a value must have the field's type (``"5"`` is no int, ``2.0`
 - ``speculative``: per-request speculation, ``{"num_speculative_tokens": 0}`` turns it off for
   this request, a smaller k limits it. Validated with the config's strict converter.
 - ``ignore_eos``: generate past EOS (as vLLM has it), for benchmarks and exact token counts.
+- ``include_token_sources``: each choice (of a response, or of a streamed chunk) gets
+  ``token_sources``, its text cut into its tokens, each with how it came: ``draft`` (a draft
+  the target accepted), ``bonus`` (the target's own token that ends a speculative step) or
+  ``decode`` (a step without drafts). See :mod:`specdec.server.token_sources`. A field that
+  OpenAI clients do not know, and ignore.
+
+``repetition_penalty``, ``min_p`` and ``stop_token_ids`` are vLLM's extensions, checked like
+the OpenAI fields. ``n`` (1 to 128) asks for that many choices of one prompt.
 
 Every other field of the OpenAI request schemas is accepted at its default value (``null``,
 or the value OpenAI documents as the default: ``presence_penalty: 0``, ``logit_bias: {}``,
-``tools: []``, ...), because common clients send them on every request; any other value is a 400
+``functions: []``, ...), because common clients send them on every request; any other value is a 400
 naming the field (``unsupported_value``), since specdec would ignore it. ``UNSUPPORTED_FIELDS``
 lists them.
 
@@ -18,6 +26,10 @@ The sampling values (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``se
 are checked by :class:`specdec.SamplingParams` and the engine, the same rules as the CLI and
 the Python API. Text fields must be valid Unicode (JSON's ``\\ud800`` escapes can make a lone
 surrogate, which no tokenizer can encode).
+
+Structured output (``response_format``, on both endpoints) and tool use (``tools``,
+``tool_choice``, ``parallel_tool_calls``, tool calls and tool results in ``messages``) are
+checked and turned into grammars and prompts by :mod:`specdec.server.structured`.
 
 Responses carry the speculative figures of each request in ``usage.speculative`` (left out on a
 server run with ``--hide-speculative-usage``).
@@ -36,11 +48,14 @@ from ..config import MAX_SPECULATIVE_TOKENS, describe, structure
 from ..validators import in_range
 from ..errors import ConfigError, RequestError
 from ..metrics import SpecMetrics
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 from .errors import APIError
+from .generation_defaults import GenerationDefaults
 
 #: ``max_tokens`` of a completion when the request leaves it out (as the OpenAI API has it).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: The most choices one request may ask for (``n``), as the OpenAI API bounds it.
+MAX_N = 128
 
 
 class _Strict(BaseModel):
@@ -60,20 +75,11 @@ def check_text(value: str) -> str:
 #: accepts for them: the defaults (``None``, JSON null, is always accepted). Any other value is
 #: a 400 ``unsupported_value`` naming the field.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False,),  # completions: an int or null; chat: a bool
-    "top_logprobs": (0,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # without tools, "auto" means no tool call either
-    "parallel_tool_calls": (True, False),  # no effect without tools
-    "functions": ([],),
+    "functions": ([],),  # the deprecated form of tools
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -89,8 +95,6 @@ INFORMATIONAL_FIELDS = ("user", "metadata", "service_tier", "prompt_cache_key", 
 
 #: The same for the fields of a chat message.
 MESSAGE_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tool_calls": ([],),
-    "tool_call_id": (),
     "function_call": (),
     "audio": (),
 }
@@ -146,22 +150,28 @@ class GenerationRequest(_Strict):
     top_k: Optional[int] = None
     seed: Optional[int] = None
     stop: Optional[Any] = None
-    n: Optional[int] = Field(None, ge=1)
+    n: Optional[int] = Field(None, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     speculative: Optional[dict[str, Any]] = None
+    include_token_sources: bool = False
     # Informational: any value of the type is fine.
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
-    # Accepted at their defaults only (UNSUPPORTED_FIELDS): checked in sampling_params().
+    # The logits controls, checked by SamplingParams (``repetition_penalty``, ``min_p`` and
+    # ``stop_token_ids`` go beyond the OpenAI API, as vLLM has them).
     frequency_penalty: Optional[Any] = None
     presence_penalty: Optional[Any] = None
+    repetition_penalty: Optional[Any] = None
+    min_p: Optional[Any] = None
     logit_bias: Optional[Any] = None
+    stop_token_ids: Optional[Any] = None
     logprobs: Optional[Any] = None
+    # Accepted at their defaults only (UNSUPPORTED_FIELDS): checked in sampling_params().
     store: Optional[Any] = None
 
     @field_validator("stop", mode="before")
@@ -179,14 +189,18 @@ class GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, default_max_tokens: int, max_speculative_tokens: int) -> SamplingParams:
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def sampling_params(self, default_max_tokens: int, max_speculative_tokens: int,
+                        defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request (``APIError`` 400 when invalid).
 
         ``max_speculative_tokens`` is the server's k: ``speculative.num_speculative_tokens``
-        may lower it, not raise it.
+        may lower it, not raise it. The sampling fields the request leaves out take their
+        value from ``defaults`` (the server's generation config).
         """
-        if self.n not in (None, 1):
-            raise APIError(400, f"n: only n=1 is supported, got {self.n}", param="n", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
         self._check_unsupported_fields()
@@ -195,9 +209,16 @@ class GenerationRequest(_Strict):
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
+                temperature=defaults.value("temperature", self.temperature),
+                top_p=defaults.value("top_p", self.top_p),
+                top_k=defaults.value("top_k", self.top_k),
+                min_p=defaults.value("min_p", self.min_p),
+                repetition_penalty=defaults.value("repetition_penalty", self.repetition_penalty),
+                presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+                frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+                logit_bias=self._logit_bias(),
+                stop_token_ids=self._stop_token_ids(),
+                logprobs=self.num_logprobs(),
                 seed=self.seed,
                 stop=stop,
                 ignore_eos=self.ignore_eos,
@@ -205,6 +226,31 @@ class GenerationRequest(_Strict):
             )
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+
+    def num_logprobs(self) -> Optional[int]:
+        """How many top log-probabilities per token the request asks for (None: no logprobs)."""
+        if self.logprobs is None:
+            return None
+        if type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs: must be an integer between 0 and {MAX_LOGPROBS}, got "
+                                f"{describe(self.logprobs)}", param="logprobs", code="invalid_value")
+        return self.logprobs
+
+    def _logit_bias(self):
+        if self.logit_bias is None:
+            return ()
+        if not isinstance(self.logit_bias, dict):
+            raise APIError(400, f"logit_bias: expected an object mapping token ids to numbers, got "
+                                f"{describe(self.logit_bias)}", param="logit_bias", code="invalid_value")
+        return self.logit_bias
+
+    def _stop_token_ids(self):
+        if self.stop_token_ids is None:
+            return ()
+        if not isinstance(self.stop_token_ids, list):
+            raise APIError(400, f"stop_token_ids: expected a list of token ids, got {describe(self.stop_token_ids)}",
+                           param="stop_token_ids", code="invalid_value")
+        return self.stop_token_ids
 
     def _check_unsupported_fields(self) -> None:
         for name, allowed in UNSUPPORTED_FIELDS.items():
@@ -232,6 +278,8 @@ class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is a string, or a list of token ids (one prompt)."""
 
     prompt: Any
+    #: Structured output, as on chat completions (an extension of the completions API, as vLLM has it).
+    response_format: Optional[Any] = None
     best_of: Optional[Any] = None
     echo: Optional[Any] = None
     suffix: Optional[Any] = None
@@ -250,17 +298,32 @@ class CompletionRequest(GenerationRequest):
         raise ValueError(f"expected a string or a list of token ids, got {describe(value)}")
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant turn made (``messages[i].tool_calls[j]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     """One message: ``role`` and ``content``, a string or a list of text parts
-    (``[{"type": "text", "text": "..."}]``; other part types are not supported)."""
+    (``[{"type": "text", "text": "..."}]``; other part types are not supported). An assistant
+    message may hold the ``tool_calls`` it made, a ``tool`` message the result of one
+    (``tool_call_id``)."""
 
     role: str
     content: Optional[Any] = None
     name: Optional[str] = None
     refusal: Optional[str] = None
-    # Tool use and audio, which specdec does not do: accepted at their defaults only.
-    tool_calls: Optional[Any] = None
-    tool_call_id: Optional[Any] = None
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[str] = None
+    # The deprecated function call and audio, which specdec does not do: accepted at their defaults only.
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
 
@@ -287,15 +350,26 @@ class ChatMessage(_Strict):
         raise ValueError(f"expected a string or a list of text parts, got {describe(value)}")
 
     def check_unsupported_fields(self, index: int) -> None:
-        """A 400 naming ``messages[index].<field>`` for a tool-use or audio field that is set."""
+        """A 400 naming ``messages[index].<field>`` for an unsupported field that is set, or a
+        tool field on a message of another role."""
         for name, allowed in MESSAGE_UNSUPPORTED_FIELDS.items():
             _check_default(f"messages[{index}].{name}", getattr(self, name), allowed)
+        if self.tool_calls and self.role != "assistant":
+            raise APIError(400, f"messages[{index}].tool_calls: only assistant messages make tool calls",
+                           param=f"messages[{index}].tool_calls", code="invalid_value")
+        if self.role == "tool" and not self.tool_call_id:
+            raise APIError(400, f"messages[{index}].tool_call_id: a tool message needs the id of the call it answers",
+                           param=f"messages[{index}].tool_call_id", code="invalid_value")
 
     def to_template(self) -> dict:
-        """The message as the chat template takes it."""
+        """The message as the chat template takes it (tool calls in the OpenAI form)."""
         message = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -318,6 +392,20 @@ class ChatCompletionRequest(GenerationRequest):
     reasoning_effort: Optional[Any] = None
     web_search_options: Optional[Any] = None
     verbosity: Optional[Any] = None
+
+    def num_logprobs(self) -> Optional[int]:
+        """Chat asks with ``logprobs: true`` and ``top_logprobs: N`` (0 to 20)."""
+        if self.logprobs is not None and type(self.logprobs) is not bool:
+            raise APIError(400, f"logprobs: expected true or false, got {describe(self.logprobs)}", param="logprobs", code="invalid_value")
+        top = self.top_logprobs
+        if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+            raise APIError(400, f"top_logprobs: must be an integer between 0 and {MAX_LOGPROBS}, got {describe(top)}",
+                           param="top_logprobs", code="invalid_value")
+        if not self.logprobs:
+            if top:
+                raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+            return None
+        return top or 0
 
     def resolve_max_tokens(self) -> None:
         """Fold ``max_completion_tokens`` into ``max_tokens``."""
@@ -372,9 +460,44 @@ class Usage(BaseModel):
                    speculative=None if metrics is None else SpeculativeUsage.from_metrics(metrics))
 
 
-class CompletionChoice(BaseModel):
+class TokenSource(BaseModel):
+    """One entry of ``token_sources``: a generated token (``index``: its place in the output,
+    from 0), its text (or the part of it in this chunk) and how it came."""
+
+    index: int
+    text: str
+    source: Literal["decode", "draft", "bonus"]
+
+
+class _WithTokenSources(BaseModel):
+    """A choice that carries ``token_sources`` when the request asked (``include_token_sources``);
+    the field is left out of the JSON otherwise."""
+
+    token_sources: Optional[list[TokenSource]] = None
+
+    @model_serializer(mode="wrap")
+    def _without_sources(self, handler) -> dict:
+        data = handler(self)
+        if self.token_sources is None:
+            data.pop("token_sources", None)
+        return data
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs`` (the legacy shape): per token its text, its
+    log-probability, the ``logprobs`` most likely tokens there (``{text: logprob}``) and where
+    its text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_WithTokenSources):
     index: int = 0
     text: str
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
 
 
@@ -391,13 +514,38 @@ class CompletionResponse(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The reply: its text, and the tool calls parsed out of it (then ``content`` is the text
+    around them, null when there is none)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[dict]] = None
 
 
-class ChatChoice(BaseModel):
+class TopLogprob(BaseModel):
+    """One candidate token: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One generated token, with the most likely tokens at its position (``top_logprobs``)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob]
+
+
+class ChatChoice(_WithTokenSources):
     index: int = 0
     message: AssistantMessage
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: str
 
 
@@ -411,13 +559,18 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """A streamed piece: text, or tool-call deltas (``{"index", "id", "type", "function":
+    {"name", "arguments"}}`` first, then ``{"index", "function": {"arguments"}}`` pieces)."""
+
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithTokenSources):
     index: int = 0
     delta: ChatDelta
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
 
 
@@ -430,12 +583,24 @@ class ChatCompletionChunk(BaseModel):
     usage: Optional[Usage] = None
 
 
+class ServedSpeculation(BaseModel):
+    """``speculative`` of a model card: the server's method and its k, the most a request's
+    ``speculative.num_speculative_tokens`` may ask for (the method is the server's for every
+    request)."""
+
+    method: str
+    num_speculative_tokens: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specdec"
     max_model_len: int
+    speculative: ServedSpeculation
+    #: The sampling values a request gets for the fields it leaves out (``--generation-config``).
+    generation_defaults: dict[str, float] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

@@ -22,6 +22,7 @@ from ..engine.tensor_parallel import exit_after_failure
 from ..errors import SpecdecError
 from .app import build_app
 from .engine_loop import EngineLoop
+from .generation_defaults import GenerationDefaults
 from .hosts import default_allowed_hosts
 from .limits import ServerLimits, limited_protocol
 from .metrics import ServerMetrics
@@ -144,7 +145,8 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
                limits: Optional[ServerLimits] = None, enable_docs: bool = False, metrics_require_key: bool = False,
                allowed_hosts: Optional[Sequence[str]] = None, log_level: str = "info",
                metrics_sock: Optional[socket.socket] = None, join_cluster=None,
-               step_timeout: float = DEFAULT_STEP_TIMEOUT, hide_speculative_usage: bool = False) -> None:
+               step_timeout: float = DEFAULT_STEP_TIMEOUT, hide_speculative_usage: bool = False,
+               generation_defaults: Optional[GenerationDefaults] = None) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
 
     ``limits``, ``enable_docs``, ``metrics_require_key``, ``allowed_hosts`` and
@@ -154,7 +156,8 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
     ``/metrics`` alone (:mod:`~specdec.server.metrics_listener`). ``join_cluster(engine_loop, host, port)``, when
     given, returns the :class:`specdec.cluster.Cluster` this server joins (the command line
     builds it: the cluster stands above the server). ``step_timeout`` is the engine loop's
-    (0: no step watchdog)."""
+    (0: no step watchdog). ``generation_defaults`` (``--generation-config``) are the sampling
+    values of the fields a request leaves out; the ready line names them."""
     limits = limits or ServerLimits()
     configure_logging(log_level)
     warning = raise_open_file_limit(limits.max_connections)
@@ -174,14 +177,16 @@ def run_server(engine, sock: socket.socket, *, served_model_name: str, api_key: 
         allowed_hosts = default_allowed_hosts(host)
     app = build_app(engine_loop, served_model_name=served_model_name, api_key=api_key, limits=limits,
                     enable_docs=enable_docs, metrics_require_key=metrics_require_key, allowed_hosts=allowed_hosts,
-                    cluster=cluster, hide_speculative_usage=hide_speculative_usage)
+                    cluster=cluster, hide_speculative_usage=hide_speculative_usage,
+                    generation_defaults=generation_defaults)
     # uvicorn's own timeout is the last resort: by then the engine loop has ended every request.
     config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5.0)
     shown = f"[{host}]" if ":" in host else host
     ready = (f"specdec serve: listening on http://{shown}:{port} (model '{served_model_name}', "
              f"max_num_seqs {engine.config.max_num_seqs}, method {engine.spec.method}"
              f"{', API key required' if api_key else ''}"
-             f"{f', cluster role {cluster.options.role}' if cluster else ''})")
+             f"{f', cluster role {cluster.options.role}' if cluster else ''}; "
+             f"{(generation_defaults or GenerationDefaults()).describe()})")
     server = Server(config, engine_loop, drain_timeout=shutdown_timeout, ready_line=ready, cluster=cluster)
     listener = None if metrics_sock is None else MetricsListener(
         metrics_sock, engine_loop.metrics, api_key=api_key if metrics_require_key else None)

@@ -21,6 +21,7 @@ import pytest
 import specdec
 from specdec.attention import AttentionBackend, AttentionMetadata
 from specdec.engine.handoff import HandoffState, KVLayout
+from specdec.engine.request import DECODE
 from specdec.errors import SpecdecError
 from specdec.workloads import code_edit_prompts
 
@@ -187,6 +188,8 @@ def test_greedy_handoff_equals_one_engine(pair, method):
     for batched in (True, False):
         requests, outputs = _import_and_run(decode, states, batched)
         assert all(r.kv_imported for r in requests)
+        # One source per token; the handed-off first token counts as plain decoding.
+        assert all(len(r.token_sources) == r.num_generated and r.token_sources[0] == DECODE for r in requests)
         _assert_same(prefill, prompts, references, outputs, f"{method}, {'batched' if batched else 'alone'}")
         if method == "mtp" and batched:
             # The head drafts from the handed-off hidden states exactly as it does on one engine

@@ -10,6 +10,7 @@ the stream in flight with its last chunk and exits 0 within seconds.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -119,6 +120,39 @@ def served(tmp_path_factory):
     if process.poll() is None:
         process.kill()
         process.wait()
+
+
+#: What ``--generation-config auto`` gives the default model (a GGUF): llama.cpp's defaults.
+LLAMA_CPP = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+@pytest.mark.slow
+def test_fields_left_out_get_the_models_generation_defaults(served, tmp_path):
+    """``llm`` (simonw's) sends no temperature: the server fills in the model's recommended
+    settings, which keep the small default model on track. (Before ``serve`` stops below.)"""
+    import openai
+
+    process, url, log = served
+    ready = next(line for line in log.read_text().splitlines() if "listening on" in line)
+    assert "sampling defaults temperature 0.8, top_p 0.95, top_k 40, min_p 0.05 (llama.cpp's defaults" in ready
+    models = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["generation_defaults"] == LLAMA_CPP
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    # Seeded, a request without the fields equals one that sends the defaults.
+    texts = [client.completions.create(model="tiny", prompt="My favourite animal is", max_tokens=12, seed=11,
+                                       **fields).choices[0].text
+             for fields in ({}, {"temperature": 0.8, "top_p": 0.95, "extra_body": {"top_k": 40, "min_p": 0.05}})]
+    assert texts[0] == texts[1]
+
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f'- model_id: specdec\n  model_name: tiny\n  api_base: "{url}/v1"\n  api_key_name: specdec\n')
+    (tmp_path / "keys.json").write_text(json.dumps({"specdec": KEY}))
+    env = {**_env(), "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""}
+    result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "llm"), "-m", "specdec", "--no-log",
+                             "-o", "seed", "1", "What is the capital of France? One word."],
+                            capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Paris" in result.stdout, result.stdout
 
 
 @pytest.mark.slow

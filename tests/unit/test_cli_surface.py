@@ -59,6 +59,7 @@ def test_serve_help_groups_its_flags():
     for title in ("model", "speculation (docs/methods.md)", "batching and KV cache (docs/batching.md)",
                   "diagnostics", "server (docs/server.md)", "security (docs/deployment.md#security)",
                   "limits and timeouts (docs/server.md#server-limits)",
+                  "sampling defaults (docs/server.md#sampling-defaults)",
                   "logging and metrics (docs/server.md#metrics)", "cluster (docs/deployment.md)"):
         assert titled.get(title), f"no flags in the group {title!r}: {sorted(titled)}"
         assert f"\n{title}:\n" in help_text

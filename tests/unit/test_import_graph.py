@@ -32,7 +32,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                   "specdec.workloads", "specdec.model.quant")),
     ("model", ("specdec.model",)),
     ("plugin host", ("specdec.registry", "specdec.plugin_manager", "specdec.config")),
-    ("engine", ("specdec.engine",)),
+    ("engine", ("specdec.engine", "specdec.structured")),
     ("applications", ("specdec.api", "specdec.tools", "specdec.recording", "specdec.testing",
                       "specdec.testing_attention", "specdec.testing_verify", "specdec.demo", "specdec.server",
                       "specdec.bench", "specdec.chat")),

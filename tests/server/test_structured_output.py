@@ -1,0 +1,259 @@
+"""Structured output and tool calls through the official ``openai`` client, on the real server
+(the session's, default model), with every speculative method.
+
+- ``response_format`` ``json_schema``: every output of the schemas of
+  ``tests/fixtures/json_schemas.json`` (nested objects, arrays, enums, numbers, anyOf, $ref)
+  parses and validates (``jsonschema``), with naive, ngram, suffix, mtp and hybrid, sent at
+  once; the texts are the same with every method (the mask applies at every verified
+  position, and drafts were accepted under it).
+- An agent loop of 6 tool-call turns (call, result, next call) and a last answer, with a
+  named tool choice, streamed and not in turns: the same transcript with every method.
+- Bad input is a 400 naming the field (a schema llguidance cannot compile names the path of
+  the subschema), and a grammar that takes long to compile is refused in bounded time while
+  other requests go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+from server_harness import MODEL_NAME
+
+pytestmark = pytest.mark.slow
+
+SCHEMAS = json.loads((Path(__file__).parents[1] / "fixtures" / "json_schemas.json").read_text())
+METHODS = ("naive", "ngram", "suffix", "mtp", "hybrid")
+SCHEMA_MAX_TOKENS = 48
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers and return the sum.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                   "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+NOTE_TOOL = {"type": "function", "function": {
+    "name": "note", "description": "Write a short note.",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 20}},
+                   "required": ["text"], "additionalProperties": False}}}
+AGENT_TURNS = 6
+
+
+@contextlib.contextmanager
+def speculative_method(server, method: str, **keys):
+    """The session server's engine switched to ``method`` (and ``keys``; defaults otherwise), then back."""
+    from specdec.api import _speculative
+
+    engine = server.engine_loop.engine
+    original = engine.spec
+    server.wait_idle()
+    engine.set_speculative_config(_speculative({"method": method, **keys}, engine.plugins))
+    try:
+        yield
+    finally:
+        server.wait_idle()
+        engine.set_speculative_config(original)
+
+
+def _response_format(entry: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": entry["name"], "schema": entry["schema"], "strict": True}}
+
+
+async def _schema_outputs(server) -> list[tuple[str, str, int]]:
+    client = server.async_openai()
+    async with client:
+        async def one(entry):
+            response = await client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": entry["prompt"] + " Answer in JSON."}],
+                max_tokens=SCHEMA_MAX_TOKENS, temperature=0, response_format=_response_format(entry))
+            accepted = response.usage.model_extra.get("speculative", {}).get("num_accepted_tokens", 0)
+            return response.choices[0].message.content, response.choices[0].finish_reason, accepted
+
+        return await asyncio.gather(*(one(entry) for entry in SCHEMAS))
+
+
+def test_every_schema_validates_with_every_method(server):
+    assert len(SCHEMAS) >= 20
+    texts = {}
+    for method in METHODS:
+        # Every draft verified (no adaptive draft length), so that drafts meet the mask.
+        with speculative_method(server, method, adaptive_draft_length=False, num_speculative_tokens=3):
+            outputs = asyncio.run(_schema_outputs(server))
+        problems = []
+        for entry, (text, finish_reason, _) in zip(SCHEMAS, outputs):
+            try:
+                jsonschema.validate(json.loads(text), entry["schema"])
+            except (ValueError, jsonschema.ValidationError) as exc:
+                problems.append(f"{method} {entry['name']} ({finish_reason}): {text!r}: {str(exc)[:200]}")
+        assert not problems, "\n".join(problems)
+        if method != "naive":
+            assert sum(accepted for *_, accepted in outputs) > 0, f"{method}: no draft accepted under the grammar"
+        texts[method] = [text for text, *_ in outputs]
+    for method in METHODS[1:]:
+        assert texts[method] == texts["naive"], f"{method} differs from naive at temperature 0"
+
+
+def test_completions_stream_a_schema(server):
+    entry = SCHEMAS[0]
+    chunks = server.openai().completions.create(
+        model=MODEL_NAME, prompt="A person, as JSON: ", max_tokens=SCHEMA_MAX_TOKENS, temperature=0, stream=True,
+        extra_body={"response_format": _response_format(entry)})
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), entry["schema"])
+
+
+# -- tools --------------------------------------------------------------------------------------
+
+
+def _streamed_message(stream) -> tuple[dict, str]:
+    """The assistant message a stream of chunks makes, assembled as a client does, and the
+    finish reason. Checks the deltas' shape: the first delta of each call has its id, type and
+    name, the later ones only arguments."""
+    content, calls, finish_reason = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or ():
+            if delta.index not in calls:
+                assert delta.id and delta.type == "function" and delta.function.name, delta
+                calls[delta.index] = {"id": delta.id, "type": "function",
+                                      "function": {"name": delta.function.name, "arguments": ""}}
+            else:
+                assert delta.id is None and delta.function.name is None, delta
+            calls[delta.index]["function"]["arguments"] += delta.function.arguments or ""
+        finish_reason = choice.finish_reason or finish_reason
+    message = {"role": "assistant", "content": content or None, "tool_calls": [calls[i] for i in sorted(calls)]}
+    return message, finish_reason
+
+
+def _agent_transcript(server) -> list:
+    """Six turns of: the model calls ``add``, the tool result goes back. Odd turns stream.
+    Returns the arguments of each call."""
+    client = server.openai()
+    messages = [{"role": "user", "content": "Start at 5. Add 7, then keep adding 7 to the last result."}]
+    transcript = []
+    for turn in range(AGENT_TURNS):
+        options = dict(model=MODEL_NAME, messages=messages, tools=[ADD_TOOL], max_tokens=40, temperature=0,
+                       tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False)
+        if turn % 2:
+            message, finish_reason = _streamed_message(client.chat.completions.create(stream=True, **options))
+        else:
+            choice = client.chat.completions.create(**options).choices[0]
+            message = choice.message.model_dump(include={"role", "content", "tool_calls"})
+            message["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in message["tool_calls"] or ()]
+            finish_reason = choice.finish_reason
+        assert finish_reason == "tool_calls", (turn, message)
+        [call] = message["tool_calls"]
+        assert call["function"]["name"] == "add" and call["id"].startswith("call_")
+        arguments = json.loads(call["function"]["arguments"])
+        jsonschema.validate(arguments, ADD_TOOL["function"]["parameters"])
+        transcript.append(arguments)
+        messages.append(message)
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": str(arguments["a"] + arguments["b"])})
+    return transcript
+
+
+def test_agent_loop_is_the_same_with_every_method(server):
+    transcripts = {}
+    for method in METHODS:
+        with speculative_method(server, method):
+            transcripts[method] = _agent_transcript(server)
+    for method in METHODS[1:]:
+        assert transcripts[method] == transcripts["naive"], f"{method}: {transcripts[method]} != {transcripts['naive']}"
+
+
+def test_tool_choice_none_answers_in_text(server):
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    choice = server.openai().chat.completions.create(model=MODEL_NAME, messages=messages, tools=[ADD_TOOL],
+                                                     tool_choice="none", max_tokens=6, temperature=0).choices[0]
+    assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason != "tool_calls"
+
+
+def test_required_tool_choice_gives_valid_calls_of_the_offered_tools(server):
+    response = server.openai().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Write a note saying hello."}],
+        tools=[ADD_TOOL, NOTE_TOOL], tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    tool = {"add": ADD_TOOL, "note": NOTE_TOOL}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def _post_chat(server, **fields):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    return server.http.post("/v1/chat/completions", json=body)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"age": {"type": "integer"}, "tags": {"type": "array", "items": {
+            "type": "string", "pattern": "(unclosed"}}}}}}},
+     "response_format.json_schema.schema.properties.tags.items"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}},
+     "response_format.json_schema.schema.properties.a"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
+    ({"tools": [ADD_TOOL], "tool_choice": {"type": "function", "function": {"name": "multiply"}}},
+     "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [ADD_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters.properties.x"),
+    ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
+])
+def test_bad_structured_input_is_a_400_naming_the_field(server, fields, param):
+    response = _post_chat(server, **fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_a_slow_grammar_is_refused_in_bounded_time_while_others_run(server):
+    """A 20,000-value enum takes llguidance about 0.3 s to compile; with a 0.05 s bound the
+    request is a 400 within about that, and a plain request sent meanwhile is served."""
+    compiler = server.uvicorn_server.config.app.state.grammar_compiler
+    slow_schema = {"enum": [f"value_{i}_{'x' * (i % 13)}" for i in range(20_000)]}
+    saved, compiler.timeout_s = compiler.timeout_s, 0.05
+
+    async def both():
+        client = server.async_openai()
+        async with client:
+            async def slow():
+                started = time.monotonic()
+                with pytest.raises(Exception) as caught:
+                    await client.chat.completions.create(
+                        model=MODEL_NAME, messages=[{"role": "user", "content": "Pick one."}], max_tokens=4,
+                        response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": slow_schema}})
+                return caught.value, time.monotonic() - started
+
+            async def plain():
+                await asyncio.sleep(0.1)
+                response = await client.chat.completions.create(
+                    model=MODEL_NAME, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
+                return response.choices[0].finish_reason
+
+            return await asyncio.gather(slow(), plain())
+
+    try:
+        (error, seconds), finish_reason = asyncio.run(both())
+    finally:
+        compiler.timeout_s = saved
+    assert getattr(error, "status_code", None) == 400, error
+    assert error.body["code"] == "grammar_too_complex" and error.body["param"] == "response_format.json_schema.schema"
+    assert seconds < 5, seconds
+    assert finish_reason in ("stop", "length")
