@@ -102,7 +102,7 @@ def run_bench(args, engine_config_of) -> int:
     """Run the benchmark ``args`` describe; ``engine_config_of(args, plugins)`` builds the
     in-process engine's config from the engine flags."""
     from .bench.prompts import load_workload
-    from .bench.results import cpu_name, format_table, results_document, summarize
+    from .bench.results import cpu_name, format_table, model_label, results_document, summarize
 
     batch_sizes = _check_args(args)
     conversations = load_workload(args.workload, args.num_prompts)
@@ -114,7 +114,7 @@ def run_bench(args, engine_config_of) -> int:
                  temperature=args.temperature, ignore_eos=args.ignore_eos, batch_sizes=batch_sizes,
                  cpu=cpu_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     summaries = summarize(samples, walls)
-    title = (f"{setup['target']} - {setup['model']}, {args.workload} x{len(conversations)}, "
+    title = (f"{setup['target']} - {model_label(setup['model'])}, {args.workload} x{len(conversations)}, "
              f"{args.max_tokens} tokens, CPU {setup['cpu']}")
     print(title)
     print(format_table(summaries))
@@ -135,6 +135,7 @@ def run_bench(args, engine_config_of) -> int:
 
 def _bench_server(args, conversations, batch_sizes):
     from .bench.remote import OpenAIServer, run_remote
+    from .bench.results import model_label
 
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or os.environ.get("OPENAI_API_KEY")
     server = OpenAIServer(args.base_url, api_key, timeout=args.request_timeout)
@@ -143,7 +144,9 @@ def _bench_server(args, conversations, batch_sizes):
         body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
         if args.ignore_eos:
             body["ignore_eos"] = True
-        samples, walls = run_remote(server, model, body, conversations, batch_sizes, progress=args.progress)
+        # requests name the model as the server does; the table and plots by model_label
+        samples, walls = run_remote(server, model_label(model), body, conversations, batch_sizes,
+                                    progress=args.progress)
     finally:
         server.close()
     return samples, walls, {"target": server.base_url, "model": model}

@@ -152,60 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
     _add_engine_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $SPECDEC_API_KEY; "
-                            "prefer that: a flag is visible to every user in ps)")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    serve.add_argument("--max-pending-requests", type=int, default=None, metavar="N",
-                       help="requests in flight (running or waiting) before new ones get 503 (default 1024)")
-    serve.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
-                       help="on SIGINT/SIGTERM, how long requests in flight may finish (default 5)")
-    serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
-                       help="the largest request body; a larger one gets 413 (default 4194304, 4 MiB)")
-    serve.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
-                       help="the longest prompt in characters, checked before tokenizing; a longer one gets 400 "
-                            "(default: the context length times the longest token, 663552 for the default model)")
-    serve.add_argument("--max-connections", type=int, default=None, metavar="N",
-                       help="open connections; a request on one beyond them gets 503 (default 2048)")
-    serve.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
-                       help="how long a client may take to send a request head, and pause while sending a "
-                            "body; then 408 and the connection closes (default 10)")
-    serve.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
-                       help="how long one engine step may run; past it (a plugin that hangs) the requests in "
-                            "flight fail and /health answers 503 until the step returns; 0 turns the "
-                            "watchdog off (default 300)")
-    serve.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
-                       help="how long after its head a request's whole body may take to arrive, however "
-                            "steadily it trickles; then 408 (default 60)")
-    serve.add_argument("--send-timeout", type=float, default=None, metavar="SECONDS",
-                       help="how long a client may leave its response unread (the socket's buffers full); then "
-                            "the connection is cut and its request aborted (default 30)")
-    serve.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
-                       help="comma-separated names the Host header may give (any port; '*.example.com', '*' "
-                            "for any); others get 421, which stops DNS rebinding (default: on loopback "
-                            "localhost,127.0.0.1,[::1]; elsewhere *)")
-    serve.add_argument("--enable-docs", action="store_true",
-                       help="serve /docs, /redoc and /openapi.json (default: off, 404)")
-    serve.add_argument("--metrics-require-key", action="store_true",
-                       help="/metrics needs the API key too (default: open, like /health)")
-    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                       help="also serve /metrics on this port of --host, alone (FastDeploy's flag; default: none)")
-    serve.add_argument("--hide-speculative-usage", action="store_true",
-                       help="leave usage.speculative out of responses (acceptance figures tell how much a "
-                            "request matched earlier ones; docs/deployment.md#security)")
-    serve.add_argument("--generation-config", default="auto", metavar="auto|none|PATH",
-                       help="the sampling values of the fields a request leaves out: auto (the checkpoint's "
-                            "generation_config.json; for a GGUF, llama.cpp's defaults: temperature 0.8, top_k 40, "
-                            "top_p 0.95, min_p 0.05), none (temperature 1, no top-k/top-p), or a "
-                            "generation_config.json file or folder (default auto; as vLLM has it)")
-    serve.add_argument("--override-generation-config", default=None, metavar="JSON",
-                       help='set single values over --generation-config, e.g. \'{"temperature": 0.5}\' '
-                            "(keys: temperature, top_p, top_k, min_p, repetition_penalty)")
-    serve.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                       help="the log level of the server and of specdec's own loggers (engine, cluster, "
-                            "plugins; a stats line every 10 s while busy at info)")
+    _add_serve_flags(serve)
     _add_cluster_flags(serve)
     serve.set_defaults(func=run_serve)
 
@@ -240,6 +187,75 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugins_subcommand(sub)
     register_commands(get_plugins(), sub)  # the plugins' own commands (train-mtp is the mtp plugin's)
     return parser
+
+
+
+def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """The server's own flags, in titled groups (``specdec serve --help`` lists them apart from
+    the engine's): listening, security, limits and timeouts, sampling defaults, logging and metrics."""
+    server = serve.add_argument_group("server (docs/server.md)")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    server.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    server.add_argument("--enable-docs", action="store_true",
+                        help="serve /docs, /redoc and /openapi.json (default: off, 404)")
+
+    security = serve.add_argument_group("security (docs/deployment.md#security)")
+    security.add_argument("--api-key", default=None,
+                          help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $SPECDEC_API_KEY; "
+                               "prefer that: a flag is visible to every user in ps)")
+    security.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                          help="comma-separated names the Host header may give (any port; '*.example.com', '*' "
+                               "for any); others get 421, which stops DNS rebinding (default: on loopback "
+                               "localhost,127.0.0.1,[::1]; elsewhere *)")
+    security.add_argument("--metrics-require-key", action="store_true",
+                          help="/metrics needs the API key too (default: open, like /health)")
+    security.add_argument("--hide-speculative-usage", action="store_true",
+                          help="leave usage.speculative out of responses (acceptance figures tell how much a "
+                               "request matched earlier ones; docs/deployment.md#security)")
+
+    limits = serve.add_argument_group("limits and timeouts (docs/server.md#server-limits)")
+    limits.add_argument("--max-pending-requests", type=int, default=None, metavar="N",
+                        help="requests in flight (running or waiting) before new ones get 503 (default 1024)")
+    limits.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                        help="the largest request body; a larger one gets 413 (default 4194304, 4 MiB)")
+    limits.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                        help="the longest prompt in characters, checked before tokenizing; a longer one gets 400 "
+                             "(default: the context length times the longest token, 663552 for the default model)")
+    limits.add_argument("--max-connections", type=int, default=None, metavar="N",
+                        help="open connections; a request on one beyond them gets 503 (default 2048)")
+    limits.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long a client may take to send a request head, and pause while sending a "
+                             "body; then 408 and the connection closes (default 10)")
+    limits.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long after its head a request's whole body may take to arrive, however "
+                             "steadily it trickles; then 408 (default 60)")
+    limits.add_argument("--send-timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long a client may leave its response unread (the socket's buffers full); then "
+                             "the connection is cut and its request aborted (default 30)")
+    limits.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long one engine step may run; past it (a plugin that hangs) the requests in "
+                             "flight fail and /health answers 503 until the step returns; 0 turns the "
+                             "watchdog off (default 300)")
+    limits.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
+                        help="on SIGINT/SIGTERM, how long requests in flight may finish (default 5)")
+
+    defaults = serve.add_argument_group("sampling defaults (docs/server.md#sampling-defaults)")
+    defaults.add_argument("--generation-config", default="auto", metavar="auto|none|PATH",
+                          help="the sampling values of the fields a request leaves out: auto (the checkpoint's "
+                               "generation_config.json; for a GGUF, llama.cpp's defaults: temperature 0.8, top_k "
+                               "40, top_p 0.95, min_p 0.05), none (temperature 1, no top-k/top-p), or a "
+                               "generation_config.json file or folder (default auto; as vLLM has it)")
+    defaults.add_argument("--override-generation-config", default=None, metavar="JSON",
+                          help='set single values over --generation-config, e.g. \'{"temperature": 0.5}\' '
+                               "(keys: temperature, top_p, top_k, min_p, repetition_penalty)")
+
+    logs = serve.add_argument_group("logging and metrics (docs/server.md#metrics)")
+    logs.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                      help="the log level of the server and of specdec's own loggers (engine, cluster, "
+                           "plugins; a stats line every 10 s while busy at info)")
+    logs.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                      help="also serve /metrics on this port of --host, alone (FastDeploy's flag; default: none)")
 
 
 def _add_cluster_flags(serve: argparse.ArgumentParser) -> None:
@@ -380,7 +396,9 @@ def run_generate(args) -> int:
         "num_generated_tokens": total_tokens,
         "elapsed_s": round(elapsed, 4),
         "tokens_per_s": round(total_tokens / elapsed, 3) if elapsed > 0 else 0.0,
+        "decode_tokens_per_s": round(_decode_tokens_per_s(outputs, elapsed), 3),
         "metrics": metrics.to_dict(),
+        "engine": _engine_summary(llm.engine),
     }
     if args.output == "json":
         json.dump({"results": [o.to_dict() for o in outputs], "summary": summary}, sys.stdout, indent=2)
@@ -392,6 +410,24 @@ def run_generate(args) -> int:
                 print("-" * 40)
         print(_summary_line(summary), file=sys.stderr)
     return 0
+
+
+def _decode_tokens_per_s(outputs, elapsed: float) -> float:
+    """Decode speed, prefill left out: the tokens after each request's first one, per second
+    from the first request's first token to the end (one request: its own decode speed)."""
+    started = [o.first_token_s for o in outputs if o.num_generated_tokens > 0]
+    decode_time = elapsed - min(started) if started else 0.0
+    decode_tokens = sum(max(o.num_generated_tokens - 1, 0) for o in outputs)
+    return decode_tokens / decode_time if decode_time > 0 else 0.0
+
+
+def _engine_summary(engine) -> dict:
+    """What the engine resolved its ``auto`` settings to (``--output json``'s ``summary.engine``):
+    which kernels and attention backend ran, the weights' dtype and quantization, the KV cache's
+    dtype. Scripts check it to know what they measured (``kernels: cpu``: the native CPU kernels)."""
+    return {"kernels": engine.kernels, "attention_backend": engine.attention_backend,
+            "weight_dtype": engine.weight_dtype, "quantization": engine.quantization,
+            "kv_cache_dtype": engine.kv_cache_dtype}
 
 
 def _summary_line(summary: dict) -> str:

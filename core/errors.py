@@ -37,8 +37,12 @@ def require_paddle():
             warnings.simplefilter("ignore")  # paddle warns about ccache and such on import
             import paddle  # noqa: F401
     except ImportError as exc:
+        if exc.name not in (None, "paddle") and not exc.name.startswith("paddle."):
+            # paddle is there, but a module it imports is not (setuptools, in a venv made by uv
+            # or Python >= 3.12, before specdec declared it)
+            raise SpecdecError(f"paddle failed to import: {exc}") from exc
         raise SpecdecError(
-            "paddle is not installed: pip install 'specdec[cpu]' (or 'specdec[gpu]' on a CUDA machine)"
+            "paddle is not installed: pip install 'paddle-specdec[cpu]' (or 'paddle-specdec[gpu]' on a CUDA machine)"
         ) from exc
     return paddle
 

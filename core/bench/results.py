@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+from pathlib import PurePosixPath
 from typing import Optional
 
 import attrs
@@ -108,6 +109,13 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def model_label(model: str) -> str:
+    """How the table, the plots and their title name a model: a GGUF file by its name alone
+    (llama-server names the model it serves by the path it was started with, and a whole path
+    pushed the table's columns and the plots' titles out of sight); any other name as it is."""
+    return PurePosixPath(model).name if model.lower().endswith(".gguf") else model
 
 
 def format_table(summaries: list[Summary]) -> str:

@@ -142,6 +142,7 @@ class Engine:
                 self._closed = True
             raise
         self.kernels, self.weight_dtype, self.quantization = built.kernels, built.weight_dtype, built.quantization
+        self.attention_backend = built.backend
         self.attention, self.kv_cache_dtype, self.tokenizer = built.attention, built.kv_cache_dtype, built.tokenizer
         self.model_config, self.max_model_len, self.model = built.model_config, built.max_model_len, built.model
         if rank_zero is not None:

@@ -40,7 +40,7 @@ class RequestOutput:
     elapsed_s: float
     finish_reason: str
     metrics: SpecMetrics
-    #: Seconds from arrival to the first generated token (prefill included); not in to_dict().
+    #: Seconds from arrival to the first generated token (prefill, and any wait for a place in the batch).
     first_token_s: float = 0.0
     #: Why the request failed (``finish_reason`` ``error``): which phase raised what.
     error: Optional[str] = None
@@ -62,6 +62,8 @@ class RequestOutput:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "elapsed_s": round(self.elapsed_s, 4),
+            "first_token_s": round(self.first_token_s, 4),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.to_dict(),
         }

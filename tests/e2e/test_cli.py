@@ -239,10 +239,10 @@ def test_plugins_reports_a_broken_plugin(broken_site):
 PROMPT = code_edit_prompts(5)[2]
 MAX_TOKENS = 24
 RESULT_KEYS = {"prompt", "text", "token_ids", "num_prompt_tokens", "num_generated_tokens", "elapsed_s",
-               "finish_reason", "metrics"}
+               "first_token_s", "decode_tokens_per_s", "finish_reason", "metrics"}
 METRICS_KEYS = {"num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
                 "mean_acceptance_length", "accepted_per_position"}
-SUMMARY_KEYS = {"num_generated_tokens", "elapsed_s", "tokens_per_s", "metrics"}
+SUMMARY_KEYS = {"num_generated_tokens", "elapsed_s", "tokens_per_s", "decode_tokens_per_s", "metrics", "engine"}
 
 
 def _default_model_link(directory: Path) -> Path:
@@ -302,7 +302,9 @@ def _check_schema(data, num_results):
         assert all(isinstance(t, int) for t in item["token_ids"])
         assert len(item["token_ids"]) == item["num_generated_tokens"] == MAX_TOKENS
         assert item["finish_reason"] == "length"
-        assert item["num_prompt_tokens"] > 0 and item["elapsed_s"] > 0
+        assert item["num_prompt_tokens"] > 0 and 0 < item["first_token_s"] < item["elapsed_s"]
+        decode_time = item["elapsed_s"] - item["first_token_s"]
+        assert item["decode_tokens_per_s"] == pytest.approx((MAX_TOKENS - 1) / decode_time, rel=0.01)
         m = item["metrics"]
         assert sum(m["accepted_per_position"]) == m["num_accepted_tokens"] <= m["num_draft_tokens"]
         assert m["mean_acceptance_length"] == round(MAX_TOKENS / m["num_steps"], 4)
@@ -321,6 +323,11 @@ def _check_schema(data, num_results):
     assert summary["elapsed_s"] > 0
     assert summary["tokens_per_s"] == pytest.approx(summary["num_generated_tokens"] / summary["elapsed_s"],
                                                     rel=0.01)
+    # decode alone (prefill left out) is faster than end to end
+    assert summary["decode_tokens_per_s"] > summary["tokens_per_s"] > 0
+    # what the engine resolved `auto` to on this CPU: the native kernels on the GGUF file's blocks
+    assert summary["engine"] == {"kernels": "cpu", "attention_backend": "cpu", "weight_dtype": "float16",
+                                 "quantization": "gguf", "kv_cache_dtype": "float16"}
 
 
 @pytest.mark.slow

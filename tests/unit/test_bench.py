@@ -1,11 +1,13 @@
 """``specdec bench`` without a model: its workloads (built-ins, JSONL, ShareGPT JSON), its
 one-line errors, and the client against a server that is not specdec.
 
-llama-server cannot run here, so a minimal real HTTP server (the standard library's) stands in
-for it, answering as llama-server does: OpenAI's streaming chat format, a final ``usage`` chunk
-without ``usage.speculative`` (or, like older servers, no usage at all). The bench must then
-count the tokens itself, report acceptance as n/a, and still write results.json and the plots.
-It also checks that the client sends only standard OpenAI fields.
+llama-server is not built in CI (docs/benchmarks.md records a run against the real one), so a
+minimal real HTTP server (the standard library's) stands in for it, answering as llama-server
+does: the model named by the path it was started with, OpenAI's streaming chat format, a final
+``usage`` chunk without ``usage.speculative`` (or, like older servers, no usage at all). The
+bench must then send that name, show the file's name alone, count the tokens itself, report
+acceptance as n/a, and still write results.json and the plots. It also checks that the client
+sends only standard OpenAI fields.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from specdec.cli import main
 #: only with --ignore-eos).
 STANDARD_FIELDS = {"model", "messages", "max_tokens", "temperature", "stream", "stream_options"}
 PIECES = ["Hello", ",", " world", "!"]
+#: llama-server's model id: the path given to -m.
+MODEL_ID = "/srv/models/llama-test.Q4_1.gguf"
 
 
 class OpenAIStreamHandler(BaseHTTPRequestHandler):
@@ -40,7 +44,7 @@ class OpenAIStreamHandler(BaseHTTPRequestHandler):
         if self.path != "/v1/models":
             self.send_error(404)
             return
-        self._reply("application/json", json.dumps({"object": "list", "data": [{"id": "llama-test"}]}).encode())
+        self._reply("application/json", json.dumps({"object": "list", "data": [{"id": MODEL_ID}]}).encode())
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -81,19 +85,20 @@ def test_bench_against_a_server_without_speculative_usage(llama_like_server, tmp
     out = capsys.readouterr().out
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["setup"]["model"] == "llama-test" and results["setup"]["target"] == url + "/v1"
+    assert results["setup"]["model"] == MODEL_ID and results["setup"]["target"] == url + "/v1"
     assert [(s["method"], s["batch_size"], s["requests"]) for s in results["summaries"]] == [
-        ("llama-test", 1, 2), ("llama-test", 2, 2)]
+        ("llama-test.Q4_1.gguf", 1, 2), ("llama-test.Q4_1.gguf", 2, 2)]
     for summary in results["summaries"]:
         assert summary["tokens"] == 2 * len(PIECES)  # from usage, or counted chunk by chunk
         assert summary["mean_acceptance_length"] is None and summary["acceptance_per_position"] is None
-    assert "n/a" in out and "llama-test" in out
+    assert "n/a" in out and "llama-test.Q4_1.gguf" in out and "/srv/models" not in out
     for name in ("tokens_per_s.png", "acceptance_per_position.png", "batch_scaling.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # warm-up + 2 requests per batch size, each with standard fields only
     assert len(handler.bodies) == 5
     assert all(set(body) <= STANDARD_FIELDS for body in handler.bodies), handler.bodies
     assert handler.bodies[-1]["messages"][0]["role"] == "user" and handler.bodies[-1]["max_tokens"] == 8
+    assert {body["model"] for body in handler.bodies} == {MODEL_ID}
 
 
 def test_workloads_from_sharegpt_and_jsonl(tmp_path):

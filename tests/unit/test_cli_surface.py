@@ -47,10 +47,24 @@ def test_every_flag_says_its_default():
 
 
 def test_serve_help_groups_its_flags():
-    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
-    for title in ("model:", "speculation (docs/methods.md):", "batching and KV cache (docs/batching.md):",
-                  "diagnostics:"):
-        assert title in help_text
+    """Every flag of ``specdec serve`` (the engine's and the server's own) sits in a titled group,
+    none in argparse's catch-all "options" group but --help, and --help shows each title."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    ungrouped = [action.option_strings[0] for action in serve._optionals._group_actions
+                 if action.option_strings and action.default is not argparse.SUPPRESS]
+    assert not ungrouped, f"serve flags outside a titled group: {ungrouped}"
+    titled = {group.title: [(action.option_strings or [action.dest])[0] for action in group._group_actions]
+              for group in serve._action_groups if group not in (serve._optionals, serve._positionals)}
+    help_text = serve.format_help()
+    for title in ("model", "speculation (docs/methods.md)", "batching and KV cache (docs/batching.md)",
+                  "diagnostics", "server (docs/server.md)", "security (docs/deployment.md#security)",
+                  "limits and timeouts (docs/server.md#server-limits)",
+                  "sampling defaults (docs/server.md#sampling-defaults)",
+                  "logging and metrics (docs/server.md#metrics)", "cluster (docs/deployment.md)"):
+        assert titled.get(title), f"no flags in the group {title!r}: {sorted(titled)}"
+        assert f"\n{title}:\n" in help_text
+    assert "--api-key" in titled["security (docs/deployment.md#security)"]
+    assert "--read-timeout" in titled["limits and timeouts (docs/server.md#server-limits)"]
 
 
 def test_a_model_named_twice_differently_is_one_line(capsys):

@@ -24,4 +24,17 @@ def test_missing_paddle_is_one_line_naming_the_extra():
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: paddle is not installed: pip install 'specdec[cpu]'"), lines[0]
+    assert lines[0].startswith("error: paddle is not installed: pip install 'paddle-specdec[cpu]'"), lines[0]
+
+
+def test_paddle_missing_a_module_it_imports_names_that_module():
+    """paddle installed but failing to import (setuptools missing, as in a venv made by uv or
+    Python >= 3.12 before specdec declared it) is not "paddle is not installed"."""
+    code = (
+        "import sys; sys.modules['setuptools'] = None\n"
+        "from specdec.errors import SpecdecError, require_paddle\n"
+        "try:\n    require_paddle()\nexcept SpecdecError as exc:\n    print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("paddle failed to import: ") and "setuptools" in result.stdout, result.stdout
