@@ -106,6 +106,7 @@ def test_tenants_over_http_and_hidden_usage(model_session):
     with TestClient(build_app(EngineLoop(llm.engine), served_model_name="m", hide_speculative_usage=True)) as client:
         hidden = complete(client, "key-of-a")
         stream = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
-    assert set(hidden["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    # The prediction counts stay: they are about the caller's own text, not other tenants'.
+    assert set(hidden["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "completion_tokens_details"}
     last_chunk = [line for line in stream.text.splitlines() if line.startswith("data: {")][-1]
     assert '"usage"' in last_chunk and "speculative" not in last_chunk
