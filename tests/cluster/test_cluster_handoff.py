@@ -39,7 +39,7 @@ def solo():
     return solo_outputs(PROMPTS, MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["ngram", "suffix", "mtp"])
+@pytest.fixture(scope="module", params=["ngram", "mtp"])
 def pd_pair(request, directory, redis_server):
     """A prefill and a decode instance of one speculative method (each method's pair starts
     once and serves every test that takes it)."""

@@ -56,7 +56,8 @@ def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks
     # The right predictions draft, and most of what they draft is the answer.
     for m in metrics[:2]:
         assert m.num_prediction_accepted > m.num_prediction_rejected, (method, m)
-    assert metrics[2].num_prediction_rejected > 0, (method, metrics[2])
+    if method == "naive":  # with a method's own drafts, a short prediction match gives way to them
+        assert metrics[2].num_prediction_rejected > 0, (method, metrics[2])
     # Drafted and verified tokens include the prediction's.
     for m in metrics:
         assert m.num_accepted_tokens >= m.num_prediction_accepted
