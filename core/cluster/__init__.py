@@ -9,7 +9,16 @@ blocks then travel over a direct TCP connection (:mod:`.transfer`) to a decode i
 generates the rest. :class:`Cluster` (:mod:`.node`) ties these together for the server.
 """
 
-from .node import Cluster, ClusterOptions
-from .redis_link import SchedulerConfig, parse_scheduler_url
+import importlib
 
 __all__ = ["Cluster", "ClusterOptions", "SchedulerConfig", "parse_scheduler_url"]
+_HOMES = {"Cluster": ".node", "ClusterOptions": ".node", "SchedulerConfig": ".redis_link",
+          "parse_scheduler_url": ".redis_link"}
+
+
+def __getattr__(name: str):
+    # Imported on first use: the node pulls in the HTTP server (FastAPI, 1-1.5 s), which
+    # `specdec generate` and the CLI's flag parsing (.flags) never need.
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -103,6 +103,30 @@ def _stderr_to(file):
         os.close(saved)
 
 
+OPS_NAME = "specdec_cpu_ops"
+#: Written into a build folder once paddle has built and loaded the library there.
+BUILT_MARKER = ".built"
+
+
+def _load_built(build_dir: Path):
+    """The library already built in ``build_dir`` (one folder per version of the sources, see
+    :func:`kernel_build_dir`), loaded without asking paddle to rebuild it, or ``None``.
+
+    ``paddle.utils.cpp_extension.load`` runs a setuptools build in a subprocess on every call,
+    even when nothing changed: 2-3 s of every process start. Its last step, loading the library
+    and registering its operators, is ``_import_module_from_library``, a private function: if a
+    paddle release renames it, or the load fails, the caller falls back to ``load``."""
+    library = build_dir / OPS_NAME / f"{OPS_NAME}.so"
+    if not (build_dir / BUILT_MARKER).is_file() or not library.is_file():
+        return None
+    try:
+        from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
+
+        return _import_module_from_library(OPS_NAME, str(library.parent), False)
+    except Exception:  # noqa: BLE001 - any failure: let paddle's own load build and load it
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def load_cpu_ops():
     """Compile (once per source version) and load the CPU operators."""
@@ -131,14 +155,19 @@ def load_cpu_ops():
             from paddle.utils.cpp_extension import load
 
             logging.getLogger("utils.cpp_extension").setLevel(logging.WARNING)
-            return load(
-                name="specdec_cpu_ops",
+            module = _load_built(build_dir)
+            if module is not None:
+                return module
+            module = load(
+                name=OPS_NAME,
                 sources=[str(path) for path in SOURCES],
                 extra_cxx_cflags=list(CXX_FLAGS),
                 extra_ldflags=["-pthread"],
                 build_directory=str(build_dir),
                 verbose=False,
             )
+            (build_dir / BUILT_MARKER).write_text(OPS_NAME + "\n")
+            return module
     except Exception as exc:  # a compiler error, a missing compiler, ...
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         build_log.seek(0)

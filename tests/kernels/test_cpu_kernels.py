@@ -194,3 +194,33 @@ def test_processes_starting_at_once_on_an_empty_cache_all_load_the_kernels(tmp_p
         [err[-2000:] for _, err in results]
     libraries = list((tmp_path / "cache").rglob("specdec_cpu_ops*.so"))
     assert libraries, "no library was built into the given cache"
+
+
+def test_a_built_library_loads_again_without_a_rebuild(tmp_path):
+    """Once built and loaded, the library is found by its folder's marker and loaded directly
+    (paddle's ``load`` would run a setuptools build in a subprocess on every process start);
+    a folder without the marker, or without the library, is left to paddle's ``load``."""
+    import shutil
+
+    from specdec.kernels.cpu import BUILT_MARKER, OPS_NAME, _load_built, kernel_build_dir, load_cpu_ops
+
+    import os
+    import subprocess
+    import sys
+
+    load_cpu_ops()
+    build_dir = kernel_build_dir()
+    assert (build_dir / BUILT_MARKER).is_file()
+    # in a process of its own: paddle registers a library's operators once per process
+    check = ("from specdec.kernels.cpu import _load_built, kernel_build_dir\n"
+             "module = _load_built(kernel_build_dir())\n"
+             "print(module is not None and hasattr(module, 'specdec_skinny_matmul'))\n")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "MKL_DEBUG_CPU_TYPE": "5"})
+    assert result.stdout.strip() == "True", result.stderr[-2000:]
+    copy = tmp_path / "copy"
+    shutil.copytree(build_dir / OPS_NAME, copy / OPS_NAME)
+    assert _load_built(copy) is None  # no marker: not known to be a whole build
+    (copy / BUILT_MARKER).write_text(OPS_NAME)
+    (copy / OPS_NAME / f"{OPS_NAME}.so").unlink()
+    assert _load_built(copy) is None

