@@ -11,9 +11,11 @@ run: install
 	$(BIN)/specdec demo
 
 # The docs site (broken links fail it), the suite, and the example third-party packages' own
-# tests (examples/*/tests).
+# tests (examples/*/tests). Two workers (pytest-xdist), each taking whole modules (--dist
+# loadscope: a module's server or engine is built once): on the 2-core CI machine half the
+# suite's time is spent waiting on subprocesses and sockets, which the other worker fills.
 test: install-test docs
-	$(BIN)/python -m pytest tests examples/specdec-plugin-medusa/tests -q --durations=20
+	$(BIN)/python -m pytest tests examples/specdec-plugin-medusa/tests -q --durations=20 -n 2 --dist loadscope
 
 # The documentation site into site/ (mkdocs.yml). --strict: a broken link or anchor, or a page
 # left out of the nav, fails the build. `python -m mkdocs`, not the script: see mkdocs.yml.

@@ -37,14 +37,32 @@ DECAY = 0.8
 SHARED_DECAY = 0.995
 
 
+#: A step measured at more than this many times what the fit predicts for its rows was
+#: interrupted (another process on the core, a page fault, a garbage collection): it counts
+#: as this many times the prediction, so that one such step cannot tilt the line. A real change
+#: of speed still moves the fit within a few steps.
+OUTLIER_FACTOR = 2.0
+#: Steps the fit needs before it judges a step an outlier.
+OUTLIER_MIN_STEPS = 4.0
+
+
 class StepCostModel:
-    """``seconds ~ fixed + per_row * rows``, fitted to recent steps with exponential forgetting."""
+    """``seconds ~ fixed + per_row * rows``, fitted to recent steps with exponential forgetting.
+
+    Robust to the noise of a shared machine: a step far slower than predicted is clipped
+    (:data:`OUTLIER_FACTOR`), and a row never costs more than the fixed part of a step (a
+    decode row's multiply-adds take less time than reading every weight once: measured ratios
+    are 0.1-0.5 on the CPUs in docs/benchmarks/batch.md), so a noisy slope cannot switch
+    drafting off for good."""
 
     def __init__(self, decay: float = 0.97):
         self.decay = decay
         self._sums = np.zeros(5)  # weight, rows, seconds, rows^2, rows*seconds
 
     def observe(self, rows: int, seconds: float) -> None:
+        if self._sums[0] >= OUTLIER_MIN_STEPS:
+            fixed, per_row = self.costs()
+            seconds = min(seconds, OUTLIER_FACTOR * (fixed + per_row * rows))
         self._sums *= self.decay
         self._sums += (1.0, rows, seconds, rows * rows, rows * seconds)
 
@@ -63,6 +81,7 @@ class StepCostModel:
             return fixed, PRIOR_ROW_COST * fixed
         per_row = (rows_seconds / weight - mean_rows * mean_seconds) / variance
         per_row = max(per_row, 0.02 * mean_seconds / max(mean_rows, 1.0))
+        per_row = min(per_row, mean_seconds / (1.0 + mean_rows))  # at most the fixed cost
         fixed = max(mean_seconds - per_row * mean_rows, 0.05 * mean_seconds)
         return fixed, per_row
 

@@ -39,6 +39,8 @@ PROMPT = "Write a short story about a lighthouse keeper and a seagull."
 REQUESTS, MAX_TOKENS = 4, 48
 #: The wheel's decode speed must be at least this share of the editable install's.
 MIN_SPEED_RATIO = 0.9
+#: Turns each install gets at most when the first runs differ by more than the goal allows.
+MEASUREMENT_ROUNDS = 4
 
 pytestmark = pytest.mark.slow
 
@@ -159,13 +161,15 @@ def test_the_installed_wheel_generates_on_the_cpu_kernels_as_fast_as_the_editabl
     assert Path(location).is_relative_to(fresh_venv), location
 
     # The editable install, run the same way (its own process, the same command and flags), so
-    # that only the install differs; the two take turns when a second measurement is needed.
+    # that only the install differs. The suite runs on two workers: the other one's tests come
+    # and go, so the two installs take turns, up to MEASUREMENT_ROUNDS times, and each keeps
+    # its best run.
     editable = [sys.executable, "-m", "specdec.cli"]
     reference = _generate(editable, dict(os.environ), prompts_file)[0]
     assert [r["token_ids"] for r in data["results"]] == [r["token_ids"] for r in reference["results"]]
     wheel_speeds = [_best_decode_speed(data)]
     editable_speeds = [_best_decode_speed(reference)]
-    if max(wheel_speeds) < MIN_SPEED_RATIO * max(editable_speeds):  # measure both again, once
+    while max(wheel_speeds) < MIN_SPEED_RATIO * max(editable_speeds) and len(wheel_speeds) < MEASUREMENT_ROUNDS:
         wheel_speeds.append(_best_decode_speed(_generate(command, env, prompts_file)[0]))
         editable_speeds.append(_best_decode_speed(_generate(editable, dict(os.environ), prompts_file)[0]))
     ratio = max(wheel_speeds) / max(editable_speeds)

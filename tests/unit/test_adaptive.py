@@ -139,3 +139,29 @@ def test_cost_model_ignores_the_slope_of_a_narrow_row_range():
         model.observe(rows, 0.2 * rng.uniform(0.8, 1.2))  # no real dependence on rows
     fixed, per_row = model.costs()
     assert abs(per_row / fixed - PRIOR_ROW_COST) < 1e-9
+
+
+def test_an_interrupted_step_does_not_switch_drafting_off():
+    """One step of 4 rows measured 20x too slow (the core was taken away): the fitted row cost
+    stays near the truth, and a draft with a fair chance is still verified."""
+    clean, noisy = StepCostModel(), StepCostModel()
+    rng = np.random.default_rng(3)
+    for step in range(40):
+        rows = int(rng.integers(1, 6))
+        seconds = 0.010 + 0.001 * rows
+        clean.observe(rows, seconds)
+        noisy.observe(rows, seconds * (20.0 if step == 30 else 1.0))
+    (fixed, per_row), (clean_fixed, clean_per_row) = noisy.costs(), clean.costs()
+    assert per_row < 2 * clean_per_row and fixed > 0.5 * clean_fixed
+    chosen = choose_draft_lengths(np.array([4]), PRIOR_ACCEPTANCE ** np.arange(1, 5)[None, :], base_rows=1,
+                                  base_tokens=1, fixed=fixed, per_row=per_row)
+    assert chosen[0] > 0
+
+
+def test_a_row_never_costs_more_than_the_fixed_part_of_a_step():
+    model = StepCostModel()
+    for step in range(60):  # timing noise that happens to grow with the rows
+        rows = 1 + step % 3
+        model.observe(rows, 0.001 + 0.010 * rows)
+    fixed, per_row = model.costs()
+    assert per_row <= fixed * 1.0001
