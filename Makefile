@@ -12,10 +12,13 @@ run: install
 
 # The docs site (broken links fail it), the suite, and the example third-party packages' own
 # tests (examples/*/tests). Two workers (pytest-xdist), each taking whole modules (--dist
-# loadscope: a module's server or engine is built once): on the 2-core CI machine half the
-# suite's time is spent waiting on subprocesses and sockets, which the other worker fills.
+# loadscope: a module's server or engine is built once), one thread each: on the 2-core CI
+# machine two workers with two kernel threads each spent 80% more CPU (threads spinning and
+# descheduled) for 55% more time than with one. tests/kernels still runs the thread pool on
+# two threads.
 test: install-test docs
-	$(BIN)/python -m pytest tests examples/specdec-plugin-medusa/tests -q --durations=20 -n 2 --dist loadscope
+	SPECDEC_NUM_THREADS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests examples/specdec-plugin-medusa/tests \
+		-q --durations=20 -n 2 --dist loadscope
 
 # The documentation site into site/ (mkdocs.yml). --strict: a broken link or anchor, or a page
 # left out of the nav, fails the build. `python -m mkdocs`, not the script: see mkdocs.yml.

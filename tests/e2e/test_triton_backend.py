@@ -53,12 +53,11 @@ def test_triton_engine_uses_the_triton_backend(triton_llm):
 
 
 def test_greedy_generation_equals_the_reference(triton_llm, reference_llm):
-    # 4 tokens: a prefill step, then decode steps batched beside it and alone (each step runs
-    # every layer's kernels in Triton's interpreter, which is slow).
+    # 4 tokens: a prefill step, then decode steps batched (each step runs every layer's kernels
+    # in Triton's interpreter, which is slow; a request alone runs in the ngram test below).
     sampling = specdec.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     expected = _tokens(reference_llm, PROMPTS, sampling)
     assert _tokens(triton_llm, PROMPTS, sampling) == expected  # batched: a prefill next to decode rows
-    assert _tokens(triton_llm, PROMPTS[1:], sampling) == expected[1:]  # alone
 
 
 def test_ngram_on_triton_equals_naive_reference(triton_llm, reference_llm):

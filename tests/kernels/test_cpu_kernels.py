@@ -170,7 +170,8 @@ import numpy as np, paddle
 from specdec.kernels.cpu import load_cpu_ops, packing, reference
 ops = load_cpu_ops()
 rng = np.random.default_rng(0)
-weight, x = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((3, 64)).astype(np.float32)
+# 512 columns: 32 panels, split over the pool's threads
+weight, x = rng.standard_normal((64, 512)).astype(np.float32), rng.standard_normal((3, 64)).astype(np.float32)
 panels = packing.pack_panels(weight, np.float32)
 got = ops.specdec_skinny_matmul(paddle.to_tensor(x), paddle.to_tensor(panels)).numpy()
 np.testing.assert_allclose(got, reference.skinny_matmul(x, panels), rtol=1e-5, atol=1e-4)
@@ -186,7 +187,9 @@ def test_processes_starting_at_once_on_an_empty_cache_all_load_the_kernels(tmp_p
     import subprocess
     import sys
 
-    env = {**os.environ, "SPECDEC_KERNEL_CACHE": str(tmp_path / "cache"), "MKL_DEBUG_CPU_TYPE": "5"}
+    # two threads each, whatever the suite runs with: the kernels' thread pool is exercised here
+    env = {**os.environ, "SPECDEC_KERNEL_CACHE": str(tmp_path / "cache"), "MKL_DEBUG_CPU_TYPE": "5",
+           "SPECDEC_NUM_THREADS": "2"}
     processes = [subprocess.Popen([sys.executable, "-c", _LOAD_AND_CHECK], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for _ in range(4)]
     results = [process.communicate(timeout=900) for process in processes]

