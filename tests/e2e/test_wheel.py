@@ -114,10 +114,16 @@ def test_the_wheel_holds_every_package_file_and_entry_point(wheel):
     assert dict(entry_points["specdec"]) == pyproject["project"]["entry-points"]["specdec"]
 
 
+#: specdec's environment variables the wheel's runs keep: how many threads the kernels use is
+#: the machine's setting (the suite's workers run one each), and both installs must share it.
+KEPT_SPECDEC_VARIABLES = ("SPECDEC_NUM_THREADS",)
+
+
 def _fresh_env(**extra) -> dict:
     """This process's environment less what points at the editable install or changes specdec."""
     env = {key: value for key, value in os.environ.items()
-           if key not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME") and not key.startswith("SPECDEC_")}
+           if key not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")
+           and (not key.startswith("SPECDEC_") or key in KEPT_SPECDEC_VARIABLES)}
     env.update(extra)
     return env
 
