@@ -44,16 +44,18 @@ SHARED_DECAY = 0.995
 OUTLIER_FACTOR = 2.0
 #: Steps the fit needs before it judges a step an outlier.
 OUTLIER_MIN_STEPS = 4.0
+#: The most a row may cost, in fixed costs of a step: a decode row's multiply-adds take less
+#: time than reading every weight once (measured 0.1-0.5 with all cores, docs/benchmarks/batch.md;
+#: about twice that on one thread), so a fitted slope above this is timing noise.
+MAX_ROW_COST = 2.0
 
 
 class StepCostModel:
     """``seconds ~ fixed + per_row * rows``, fitted to recent steps with exponential forgetting.
 
     Robust to the noise of a shared machine: a step far slower than predicted is clipped
-    (:data:`OUTLIER_FACTOR`), and a row never costs more than the fixed part of a step (a
-    decode row's multiply-adds take less time than reading every weight once: measured ratios
-    are 0.1-0.5 on the CPUs in docs/benchmarks/batch.md), so a noisy slope cannot switch
-    drafting off for good."""
+    (:data:`OUTLIER_FACTOR`), and a row never costs more than :data:`MAX_ROW_COST` times the
+    fixed part of a step, so that one noisy slope cannot switch drafting off for good."""
 
     def __init__(self, decay: float = 0.97):
         self.decay = decay
@@ -81,7 +83,8 @@ class StepCostModel:
             return fixed, PRIOR_ROW_COST * fixed
         per_row = (rows_seconds / weight - mean_rows * mean_seconds) / variance
         per_row = max(per_row, 0.02 * mean_seconds / max(mean_rows, 1.0))
-        per_row = min(per_row, mean_seconds / (1.0 + mean_rows))  # at most the fixed cost
+        # at most MAX_ROW_COST times the fixed cost (fixed = mean - per_row * mean_rows)
+        per_row = min(per_row, MAX_ROW_COST * mean_seconds / (1.0 + MAX_ROW_COST * mean_rows))
         fixed = max(mean_seconds - per_row * mean_rows, 0.05 * mean_seconds)
         return fixed, per_row
 

@@ -6,6 +6,10 @@ alone: the tokens equal naive decoding's without a prediction, token for token. 
 three predictions is another function's code (mostly wrong: its drafts are rejected, and the
 re-alignment must cope); the good ones must get prediction drafts accepted, or the comparison
 would prove nothing.
+
+Every draft is verified (``adaptive_draft_length`` off): which drafts pay for their rows is
+the adaptive policy's call, made from step times measured on a machine the suite shares
+(tests/unit/test_adaptive.py tests the policy); here the prediction's drafts must be verified.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ def tasks(llm):
     return prompts, predictions
 
 
+def _spec(method: str) -> dict:
+    return {"method": method, "adaptive_draft_length": False}
+
+
 def _sampling(prediction=()) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, prediction=prediction)
 
@@ -46,8 +54,7 @@ def reference(model_session, tasks):
 @pytest.mark.parametrize("method", METHODS)
 def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks, reference, method):
     prompts, predictions = tasks
-    spec = None if method == "naive" else {"method": method}
-    outputs = model_session.run(spec, prompts, [_sampling(p) for p in predictions], chat=False, max_num_seqs=3,
+    outputs = model_session.run(_spec(method), prompts, [_sampling(p) for p in predictions], chat=False, max_num_seqs=3,
                                 cache=False)
     for i, (output, expected) in enumerate(zip(outputs, reference)):
         assert output.token_ids == expected, \
@@ -66,7 +73,7 @@ def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks
 
 def test_a_prediction_alone_is_lossless_and_faster_per_step(model_session, tasks, reference):
     prompts, predictions = tasks
-    [output] = model_session.run(None, prompts[:1], _sampling(predictions[0]), chat=False, cache=False)
+    [output] = model_session.run(_spec("naive"), prompts[:1], _sampling(predictions[0]), chat=False, cache=False)
     assert output.token_ids == reference[0]
     # Naive decoding takes a step per token: the prediction saved steps.
     assert output.metrics.num_steps < MAX_TOKENS * 0.75, output.metrics
