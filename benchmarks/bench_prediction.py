@@ -5,8 +5,8 @@
                                           [--skip-edits] [--agent-cache warm|cold|both]
 
 Two workloads, greedy, one request at a time (batch 1), one run, each request timed end to
-end (submitted to finished: prefill included) in this process (``specdec.LLM``), every
-request from a cold prefix cache:
+end (submitted to finished: prefill included) in this process (``specdec.LLM``), from a
+cold prefix cache unless said otherwise:
 
 1. Code edits (``specdec.workloads.code_edit_tasks``: held-out standard-library functions, a
    small edit each: rename, a comment, a docstring; the system prompt asks for the whole edited
@@ -165,7 +165,7 @@ def main() -> None:
     llm = specdec.LLM(**({"model": args.model} if args.model else {}), progress=False)
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; model: {llm.engine.config.model}; "
-          f"python {sys.version.split()[0]}; batch 1, greedy, one run, end to end from a cold prefix cache")
+          f"python {sys.version.split()[0]}; batch 1, greedy, one run, end to end")
     print()
     if not args.skip_edits:
         tallies = code_edits(llm, args.tasks, args.max_tokens, args.max_lines)
