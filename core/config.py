@@ -289,11 +289,13 @@ class SpeculativeConfig:
     :ivar quantization: quantization of the draft model.
     :ivar verify_strategy: the verify strategy's ``NAME``.
     :ivar accept_policy: the accept policy's ``NAME``.
-    :ivar adaptive_draft_length: verify only the drafts worth their cost: each step the engine
+    :ivar adaptive_draft_length: draft and verify only where it pays: each step the engine
         keeps a draft when its expected acceptance (learned per draft class and position,
         shared across requests and per request) raises the batch's expected tokens per
-        second, given the measured cost of a verified row; off, every draft up to
-        ``num_speculative_tokens`` is verified.
+        second, given the measured cost of a verified row, and stops calling the proposer for
+        a request whose drafts do not earn their rows and the proposer's measured time
+        (probing now and then); off, the proposer runs for every request every step and every
+        draft up to ``num_speculative_tokens`` is verified.
     :ivar method_config: the proposer's structured ``Config`` (``None`` if it declares none).
     :ivar verify_config: the verify strategy's structured ``Config``.
     :ivar accept_config: the accept policy's structured ``Config``.

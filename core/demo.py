@@ -4,7 +4,8 @@ Generates from one code-edit prompt on the default model with plain decoding (``
 with each method that declares how it is shown (``Proposer.DEMO_CONFIG``; or the one
 ``--speculative-config`` names), checks they gave the
 same tokens (greedy decoding is lossless), and prints the text and a table of tokens/s,
-decode speedup and mean acceptance length.
+decode speedup and mean acceptance length, and a line for each method the drafting
+controller kept off for most of the prompt (its drafts did not pay there).
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def demo_methods(plugins) -> dict:
         if demo is not None:
             methods[name] = {"method": name, **demo}
     return methods
+
+
+def controller_line(name: str, metrics) -> str:
+    """One line when the drafting controller kept ``name``'s proposer off for most of a run
+    (its drafts did not pay on this prompt), else ''."""
+    off, steps = metrics.num_proposer_off_steps, metrics.num_steps
+    if not steps or off < steps / 2:
+        return ""
+    return (f"{name}: switched off by the controller on this prompt ({off} of {steps} steps decoded plainly: "
+            f"its drafts did not pay for their time)")
 
 
 def run_demo(config: EngineConfig, plugins, max_tokens: int = 128, progress: bool = True) -> int:
@@ -78,6 +89,10 @@ def run_demo(config: EngineConfig, plugins, max_tokens: int = 128, progress: boo
               f"{speedup:>8.2f}x{output.metrics.mean_acceptance_length:>12.2f}{same:>6}")
     for name, reason in unavailable.items():
         print(f"{name:<10}unavailable: {reason}")
+    for name, output in results.items():
+        line = controller_line(name, output.metrics)
+        if line:
+            print(line)
     print("tokens/s: end to end (prefill included); decode tok/s and speedup: after the first token")
     if any(output.token_ids != plain.token_ids for output in results.values()):
         print("warning: a method produced other tokens than naive (see docs/verify.md on near-ties)", file=sys.stderr)

@@ -15,7 +15,9 @@ class SpecMetrics:
     ``accepted_per_position[i]`` counts the drafts whose token ``i`` was accepted.
     ``num_prediction_accepted`` / ``num_prediction_rejected`` count the draft tokens taken from
     the request's prediction (Predicted Outputs) that verification accepted / rejected; they
-    are part of the draft counts too.
+    are part of the draft counts too. ``num_proposer_off_steps`` counts the decode steps in
+    which the controller did not call the proposer for the request (its drafts did not pay:
+    docs/config.md, "Adaptive draft length").
     """
 
     num_steps: int = 0
@@ -26,9 +28,11 @@ class SpecMetrics:
     accepted_per_position: list[int] = attrs.field(factory=list)
     num_prediction_accepted: int = 0
     num_prediction_rejected: int = 0
+    num_proposer_off_steps: int = 0
 
-    def record_step(self, draft_len: int, accepted: int, emitted: int) -> None:
+    def record_step(self, draft_len: int, accepted: int, emitted: int, proposer_off: bool = False) -> None:
         self.num_steps += 1
+        self.num_proposer_off_steps += proposer_off
         self.num_emitted_tokens += emitted
         if draft_len:
             self.num_drafts += 1
@@ -63,6 +67,7 @@ class SpecMetrics:
             accepted_per_position=per_position.tolist(),
             num_prediction_accepted=self.num_prediction_accepted + other.num_prediction_accepted,
             num_prediction_rejected=self.num_prediction_rejected + other.num_prediction_rejected,
+            num_proposer_off_steps=self.num_proposer_off_steps + other.num_proposer_off_steps,
         )
 
     @classmethod
@@ -81,4 +86,5 @@ class SpecMetrics:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "num_proposer_off_steps": self.num_proposer_off_steps,
         }

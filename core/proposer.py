@@ -150,6 +150,23 @@ class Drafts:
                       probs=None if self.probs is None else self.probs[rows],
                       classes=None if self.classes is None else self.classes[rows])
 
+    def placed(self, rows: Sequence[int], batch_size: int) -> "Drafts":
+        """These drafts (of a part of a batch) at ``rows`` of a batch of ``batch_size``
+        requests; the other requests get none."""
+        rows = np.asarray(rows, dtype=np.int64)
+        token_ids = np.full((batch_size, self.width), DRAFT_PAD, dtype=np.int64)
+        token_ids[rows] = self.token_ids
+        lengths = np.zeros(batch_size, dtype=np.int64)
+        lengths[rows] = self.lengths
+        probs = classes = None
+        if self.probs is not None:
+            probs = np.zeros((batch_size, *self.probs.shape[1:]), dtype=self.probs.dtype)
+            probs[rows] = self.probs
+        if self.classes is not None:
+            classes = np.zeros(batch_size, dtype=np.int64)
+            classes[rows] = self.classes
+        return Drafts(token_ids=token_ids, lengths=lengths, probs=probs, classes=classes)
+
     def to_lists(self) -> list[list[int]]:
         return [self.token_ids[b, : self.lengths[b]].tolist() for b in range(self.batch_size)]
 
@@ -204,9 +221,10 @@ class Proposer(Plugin):
     #: ``None`` leaves the method out of the demo.
     DEMO_CONFIG: ClassVar[Optional[Mapping[str, Any]]] = None
     #: Set to True to receive ``hidden_states``, ``hidden_positions`` and ``block_table`` in
-    #: every :class:`ProposalRequest`. The engine then calls :meth:`propose` every step, also
-    #: when no request may draft (``max_draft_len`` 0 for all), so that no hidden state is
-    #: missed; the method must still return no drafts longer than ``max_draft_len``.
+    #: every :class:`ProposalRequest`. The engine then calls :meth:`propose` for every decoding
+    #: request, also when it may not draft (``max_draft_len`` 0; the method must still return
+    #: no drafts longer than that), except for a request whose drafting the controller has
+    #: switched off: that one's next proposal brings every state since its previous one.
     NEEDS_HIDDEN_STATES: ClassVar[bool] = False
 
     def setup(self, context: Any) -> None:

@@ -67,7 +67,8 @@ def metrics_to_dict(metrics: SpecMetrics) -> dict:
             "num_emitted_tokens": metrics.num_emitted_tokens,
             "accepted_per_position": list(metrics.accepted_per_position),
             "num_prediction_accepted": metrics.num_prediction_accepted,
-            "num_prediction_rejected": metrics.num_prediction_rejected}
+            "num_prediction_rejected": metrics.num_prediction_rejected,
+            "num_proposer_off_steps": metrics.num_proposer_off_steps}
 
 
 def metrics_from_dict(data: dict) -> SpecMetrics:

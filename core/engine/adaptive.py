@@ -68,10 +68,15 @@ class StepCostModel:
         self._sums *= self.decay
         self._sums += (1.0, rows, seconds, rows * rows, rows * seconds)
 
+    @property
+    def measured(self) -> bool:
+        """Whether :meth:`costs` are in seconds (else relative to a fixed cost of 1)."""
+        return self._sums[0] >= 1.0
+
     def costs(self) -> tuple[float, float]:
         """``(fixed, per_row)``; relative units (``fixed`` 1) until there are measurements."""
         weight, rows, seconds, rows2, rows_seconds = self._sums
-        if weight < 1.0:
+        if not self.measured:
             return 1.0, PRIOR_ROW_COST
         mean_rows, mean_seconds = rows / weight, seconds / weight
         variance = rows2 / weight - mean_rows ** 2

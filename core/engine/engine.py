@@ -35,7 +35,7 @@ from ..proposer_context import ProposerContext, TargetModel
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
 from . import admission
-from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
+from .controller import DraftController
 from .batch import SequenceRows, pack_step
 from .build import build_model, build_spec_plugins, create_cache_layers, spec_plugin_classes
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
@@ -81,6 +81,14 @@ class _StepState:
     #: By ``id(request)``, the raw ``[k+1, V]`` log-probabilities of the requests that asked
     #: for logprobs (taken before any row processor).
     logprobs: dict = attrs.field(factory=dict)
+    #: ``[B]`` bool: the requests the proposer was called for with room to draft, and those
+    #: with room that the controller left out.
+    proposed: Optional[np.ndarray] = None
+    proposer_off: Optional[np.ndarray] = None
+    #: Seconds of this step's proposer call and forward pass, and whether it had prompt rows.
+    proposer_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    decode_only: bool = False
 
     def only(self, keep: Callable[[Request], bool]) -> "_StepState":
         rows = [i for i, request in enumerate(self.plan.decodes) if keep(request)]
@@ -95,6 +103,11 @@ class _StepState:
             hidden=self.hidden,
             first_rows=self.first_rows,
             logprobs=self.logprobs,
+            proposed=None if self.proposed is None else self.proposed[pick],
+            proposer_off=None if self.proposer_off is None else self.proposer_off[pick],
+            proposer_seconds=self.proposer_seconds,
+            forward_seconds=self.forward_seconds,
+            decode_only=self.decode_only,
         )
 
 
@@ -159,8 +172,8 @@ class Engine:
         self.hidden_states = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
         #: The prompt's hidden states of requests that capture them for a hand-off.
         self.captured_hidden = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
-        #: What the adaptive draft length has learned, per method (see _use_spec_plugins).
-        self._adaptive_state: dict[str, tuple[AcceptanceModel, StepCostModel]] = {}
+        #: What the drafting controller has learned, per method (see _use_spec_plugins).
+        self._controllers: dict[str, DraftController] = {}
         self._use_spec_plugins(config.speculative)
         #: Requests' predicted outputs as drafts (``prediction.py``).
         self.predictions = Predictions()
@@ -203,11 +216,11 @@ class Engine:
         self.spec: SpeculativeConfig = spec
         self.num_speculative_tokens = spec.num_speculative_tokens or 0
         self.proposer, self.verifier, self.accept_policy = built.proposer, built.verifier, built.accept_policy
-        # The adaptive policy's statistics belong to the method (draft classes mean what its
+        # The controller's statistics belong to the method (draft classes mean what its
         # proposer says; the step-cost fit needs its multi-row steps, which another method's
-        # 1-row steps would drown): switching methods and back resumes them.
-        self.acceptance, self.step_costs = self._adaptive_state.setdefault(
-            spec.method, (AcceptanceModel(), StepCostModel()))
+        # 1-row steps would drown; the proposer's time is its own): switching methods and back
+        # resumes them.
+        self.controller = self._controllers.setdefault(spec.method, DraftController())
 
     def _proposer_context(self, create_proposer: Callable) -> ProposerContext:
         """What a proposer's ``setup`` gets: the target, its tokenizer and the cache geometry."""
@@ -380,7 +393,7 @@ class Engine:
                 self.proposer.on_request_finish(request.request_id)
             except Exception:  # noqa: BLE001 - the request is over either way
                 logger.exception("proposer '%s': on_request_finish(%s) failed", self.spec.method, request.request_id)
-        self.acceptance.forget(request.request_id)
+        self.controller.forget(request.request_id)
         self.predictions.forget(request.request_id)
         self.hidden_states.drop(request)
         self.captured_hidden.drop(request)
@@ -463,18 +476,22 @@ class Engine:
         return [request for request in touched.values() if request.finished]
 
     def _proposal_request(self, request: Request, max_draft_len: int) -> ProposalRequest:
-        """What the proposer sees of ``request`` this step (with the hidden states kept for
-        it, handed over once, when the proposer reads them)."""
+        """What the proposer sees of ``request`` this step (the hidden states kept for it are
+        handed over when it is proposed for: :meth:`_with_hidden_states`)."""
         method_k = self.num_speculative_tokens  # a prediction may have left more room: not the method's
         if request.sampling.num_speculative_tokens is not None:
             method_k = min(method_k, request.sampling.num_speculative_tokens)
         max_draft_len = min(max_draft_len, method_k)
-        proposal = ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len,
-                                   sampling=request.sampling, rng=request.rng, tenant=request.tenant)
-        if self.proposer.NEEDS_HIDDEN_STATES:
+        return ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len,
+                               sampling=request.sampling, rng=request.rng, tenant=request.tenant)
+
+    def _with_hidden_states(self, proposal: ProposalRequest, request: Request) -> ProposalRequest:
+        """``proposal`` with every hidden state kept for ``request`` since its last proposal
+        (more than one step's when the controller left it out of some) and its block table."""
+        if proposal.hidden_positions is None:  # not taken by an earlier try of this step
             proposal.hidden_states, proposal.hidden_positions = self.hidden_states.take(request)
-            proposal.block_table = np.asarray(request.block_table, dtype=np.int32)
-            proposal.block_table.flags.writeable = False
+        proposal.block_table = np.asarray(request.block_table, dtype=np.int32)
+        proposal.block_table.flags.writeable = False
         return proposal
 
     def start_request(self, request: Request) -> None:
@@ -497,13 +514,13 @@ class Engine:
     def _run_step(self, plan: ScheduledStep) -> None:
         """Propose, pack and forward, verify, accept and update for the requests of ``plan``;
         each phase narrows the step to the requests that have not failed."""
+        started = time.perf_counter()
         state = _StepState(plan, ProposalBatch([
             self._proposal_request(r, max_draft_len) for r, max_draft_len in zip(plan.decodes, plan.max_draft_lens)
         ]))
         decoding = lambda s: s.plan.decodes  # noqa: E731 - the members of the decode-only phases
         # propose: proposer.propose, then the caps and the adaptive draft length
-        state, state.drafts = self._isolated(f"proposer '{self.spec.method}'", state,
-                                             lambda s: self._propose(s.batch, s.plan), decoding)
+        state, state.drafts = self._isolated(f"proposer '{self.spec.method}'", state, self._propose, decoding)
         if state.drafts is None:  # every decoding request failed; prefill chunks go on
             state.drafts = Drafts.empty(0)
         # pack and forward: one model call for every row of the step
@@ -544,6 +561,8 @@ class Engine:
         for request in done:
             if request.error is None:
                 self._retire(request, request.finish_reason)
+        if state.decode_only:
+            self.controller.host_time(time.perf_counter() - started - state.forward_seconds - state.proposer_seconds)
 
     def _process_rows(self, state: _StepState) -> _StepState:
         """Keep the raw log-probabilities of the requests that ask for them (``logprobs.py``),
@@ -580,50 +599,61 @@ class Engine:
             raise SpecdecError(f"returned token ids outside [0, {self.model_config.vocab_size})")
         return result
 
-    def _propose(self, batch: ProposalBatch, plan) -> Drafts:
+    def _propose(self, state: _StepState) -> Drafts:
+        """The step's drafts: the proposer's for the requests the controller proposes for
+        (``controller.py``), composed with the requests' predictions, cut by the adaptive
+        draft length."""
+        batch, plan = state.batch, state.plan
         max_draft_lens = np.fromiter((r.max_draft_len for r in batch.requests), dtype=np.int64, count=len(batch))
         rooms = np.asarray(plan.max_draft_lens, dtype=np.int64)  # more than the method's with a prediction
-        if not rooms.any() and not self.proposer.NEEDS_HIDDEN_STATES:
-            return Drafts.empty(len(batch))
-        drafts = self.proposer.propose(batch) if max_draft_lens.any() or self.proposer.NEEDS_HIDDEN_STATES \
-            else Drafts.empty(len(batch))
-        if drafts.batch_size != len(batch):
-            raise SpecdecError(
-                f"proposer '{self.spec.method}' returned {drafts.batch_size} drafts for {len(batch)} requests"
-            )
-        if drafts.classes is not None:
-            classes = valid_draft_classes(drafts.classes, len(batch))
-            if classes is None:
-                raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
-                                   f"{len(batch)} non-negative integer labels")
-            drafts.classes = classes
+        request_ids = [r.request_id for r in batch.requests]
+        adaptive = self.spec.adaptive_draft_length
+        needs_hidden = self.proposer.NEEDS_HIDDEN_STATES
+        # A model proposer also gets the requests without room to draft: it catches up on
+        # their states. Left out, a request's states wait for its next proposal.
+        wanted = (max_draft_lens > 0) | needs_hidden
+        if adaptive:
+            wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes))
+        rows = np.flatnonzero(wanted)
+        state.proposed = wanted & (max_draft_lens > 0)
+        state.proposer_off = ~wanted & (max_draft_lens > 0)
+        drafts = Drafts.empty(len(batch))
+        if len(rows) and (needs_hidden or max_draft_lens[rows].any()):
+            proposals = [batch.requests[b] for b in rows]
+            if needs_hidden:
+                proposals = [self._with_hidden_states(p, plan.decodes[b]) for p, b in zip(proposals, rows)]
+            started = time.perf_counter()
+            proposed = self.proposer.propose(ProposalBatch(proposals))
+            state.proposer_seconds = time.perf_counter() - started
+            if proposed.batch_size != len(rows):
+                raise SpecdecError(
+                    f"proposer '{self.spec.method}' returned {proposed.batch_size} drafts for {len(rows)} requests")
+            if proposed.classes is not None:
+                classes = valid_draft_classes(proposed.classes, len(rows))
+                if classes is None:
+                    raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
+                                       f"{len(rows)} non-negative integer labels")
+                proposed.classes = classes
+            self.controller.proposer_time(len(rows), state.proposer_seconds)
+            drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))
         drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, rooms)
-        if self.spec.adaptive_draft_length and drafts.lengths.any():
-            max_draft_lens = self._adapt_draft_lengths(plan, batch, np.minimum(drafts.lengths, max_draft_lens),
-                                                       drafts.classes)
-        if (drafts.lengths > max_draft_lens).any() or drafts.width > max_draft_lens.max():
+        lengths = np.minimum(drafts.lengths, max_draft_lens)
+        # A request proposed for because it is seeded and sampled keeps its drafts (see
+        # _keeps_drafts), as does one probed this step.
+        max_draft_lens = self.controller.draft_lengths(request_ids, lengths, drafts.classes, len(plan.decodes),
+                                                       len(batch), adaptive)
+        if (drafts.lengths > max_draft_lens).any() or drafts.width > max_draft_lens.max(initial=0):
             drafts = drafts.clipped(max_draft_lens)
         return drafts
 
-    def _adapt_draft_lengths(self, plan, batch: ProposalBatch, lengths: np.ndarray,
-                             classes: Optional[np.ndarray]) -> np.ndarray:
-        """The adaptive policy (``adaptive.py``): cut drafts that would not pay for their rows.
-
-        A seeded sampled request keeps its drafts: its tokens then depend on its seed alone,
-        not on what else shares the batch (which drafts are verified changes which samples a
-        lossless strategy draws, though not their distribution).
-
-        The bar is what this batch earns in a plain decode step: one row per request. Prompt
-        rows (prefill chunks, or a prompt's last chunk before its first token) emit no token
-        this step and are owed anyway; counted in the base, they would make every draft look
-        cheap."""
-        base_rows = len(plan.decodes)
-        fixed, per_row = self.step_costs.costs()
-        chances = self.acceptance.chances([r.request_id for r in batch.requests], classes, int(lengths.max()))
-        chosen = choose_draft_lengths(lengths, chances, base_rows, len(batch), fixed, per_row)
-        keep = np.fromiter((r.sampling.seed is not None and r.sampling.temperature > 0 for r in plan.decodes),
-                           dtype=bool, count=len(plan.decodes))
-        return np.where(keep, lengths, chosen)
+    @staticmethod
+    def _keeps_drafts(requests: list[Request]) -> np.ndarray:
+        """``[B]`` bool: the seeded requests at temperature > 0, which are always proposed for
+        and keep all their drafts: which drafts are verified decides which random numbers a
+        lossless strategy draws, and their tokens must depend on their seed alone, not on
+        what else shares the batch."""
+        return np.fromiter((r.sampling.seed is not None and r.sampling.temperature > 0 for r in requests),
+                           dtype=bool, count=len(requests))
 
     def _forward(self, state: _StepState) -> np.ndarray:
         """Pack every scheduled request's rows (``batch.py``), run the model, return the
@@ -638,6 +668,7 @@ class Engine:
              for r, rows in plan.chunks],
             self.block_size)
         started = time.perf_counter()
+        state.decode_only = packed.is_decode_only
         # The fused verify kernels read the logits where the model left them.
         options = {"device_logits": True} if self.kernels == "triton" else {}
         if self.proposer.NEEDS_HIDDEN_STATES or any(r.capture_hidden for r in plan.requests):
@@ -647,10 +678,11 @@ class Engine:
             state.first_rows = {id(r): int(starts[i]) for i, r in enumerate(plan.requests)}
         else:
             logits = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows, **options)
+        state.forward_seconds = time.perf_counter() - started
         if packed.is_decode_only:
             # Only decode steps feed the cost model: a prefill row also attends over its
             # whole prompt, which would make every draft row look dearer than it is.
-            self.step_costs.observe(packed.meta.num_rows, time.perf_counter() - started)
+            self.controller.forward_time(packed.meta.num_rows, state.forward_seconds)
         return packed.verify_logits(logits)
 
     @staticmethod
@@ -684,7 +716,8 @@ class Engine:
         decodes, drafts, result = state.plan.decodes, state.drafts, state.result
         accepted = result.accepted_lengths
         counts, reasons = self._emitted_counts(decodes, result.output_tokens, accepted)
-        self.acceptance.record([r.request_id for r in decodes], drafts.classes, drafts.lengths, accepted)
+        self.controller.record([r.request_id for r in decodes], state.proposed, drafts.classes, drafts.lengths,
+                               accepted)
         self.predictions.record(decodes, drafts.lengths, accepted)
         appended_by_request = {}
         for b, request in enumerate(decodes):
@@ -701,7 +734,8 @@ class Engine:
                     request.logprobs.extend(emitted_logprobs(state.logprobs[id(request)], appended,
                                                              request.sampling.logprobs))
                 self.kv.register_computed(request)
-                request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count)
+                request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count,
+                                            proposer_off=bool(state.proposer_off[b]))
                 appended_by_request[id(request)] = appended
                 self._check_stop_strings(request)
                 if request.handoff and not request.finished:

@@ -29,6 +29,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
+import attrs
+
 from ..errors import RequestError, SpecdecError
 from ..metrics import SpecMetrics
 from ..sampling import SamplingParams
@@ -698,7 +700,4 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _copy(metrics: SpecMetrics) -> SpecMetrics:
-    return SpecMetrics(metrics.num_steps, metrics.num_drafts, metrics.num_draft_tokens,
-                       metrics.num_accepted_tokens, metrics.num_emitted_tokens,
-                       list(metrics.accepted_per_position), metrics.num_prediction_accepted,
-                       metrics.num_prediction_rejected)
+    return attrs.evolve(metrics, accepted_per_position=list(metrics.accepted_per_position))

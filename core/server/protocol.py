@@ -468,6 +468,9 @@ class SpeculativeUsage(BaseModel):
     acceptance_rate: float
     mean_acceptance_length: float
     accepted_per_position: list[int]
+    #: Decode steps in which the drafting controller did not call the proposer for this
+    #: request (its drafts did not pay: docs/config.md, "Adaptive draft length").
+    num_proposer_off_steps: int = 0
 
     @classmethod
     def from_metrics(cls, metrics: SpecMetrics) -> "SpeculativeUsage":

@@ -67,7 +67,9 @@ class HiddenStateRecorder:
 
         plugins = load_plugins()
         plugins.proposers.register(_RecordingProposer, "specdec.tools.recording")
-        self.llm = LLM(model, {"method": _RecordingProposer.NAME}, plugins=plugins, progress=progress,
+        # adaptive_draft_length off: the controller would leave a proposer that drafts nothing
+        # out of steps, and the states of a request that finishes meanwhile would be lost.
+        self.llm = LLM(model, {"method": _RecordingProposer.NAME, "adaptive_draft_length": False}, plugins=plugins, progress=progress,
                        enable_prefix_caching=False, max_num_seqs=batch_size)
         self._proposer: _RecordingProposer = self.llm.engine.proposer
         self.context = self._proposer.context

@@ -241,7 +241,7 @@ MAX_TOKENS = 24
 RESULT_KEYS = {"prompt", "text", "token_ids", "num_prompt_tokens", "num_generated_tokens", "elapsed_s",
                "first_token_s", "decode_tokens_per_s", "finish_reason", "metrics"}
 METRICS_KEYS = {"num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
-                "mean_acceptance_length", "accepted_per_position"}
+                "mean_acceptance_length", "accepted_per_position", "num_proposer_off_steps"}
 SUMMARY_KEYS = {"num_generated_tokens", "elapsed_s", "tokens_per_s", "decode_tokens_per_s", "metrics", "engine"}
 
 

@@ -23,7 +23,7 @@ def _check_usage(usage, reference: dict) -> None:
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     spec = usage.model_extra["speculative"]
     assert set(spec) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
-                         "mean_acceptance_length", "accepted_per_position"}
+                         "mean_acceptance_length", "accepted_per_position", "num_proposer_off_steps"}
     assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
     assert spec["mean_acceptance_length"] >= 1.0
 

@@ -355,22 +355,23 @@ def test_adaptive_bar_is_a_plain_decode_step_even_beside_prompt_rows(model_sessi
     a plain decode step of the same requests: the prompt rows emit no token this step, and
     counting them made every draft look cheap (a batch of 64 verified every draft while it
     prefilled). Small ``max_num_batched_tokens`` makes such mixed steps happen here."""
-    from specdec.engine import engine as engine_module
+    from specdec.engine import controller as controller_module
 
     engine = model_session.llm.engine
     calls, mixed_steps = [], []
-    real_choose, real_adapt = engine_module.choose_draft_lengths, engine._adapt_draft_lengths
+    real_choose, real_propose = controller_module.choose_draft_lengths, engine._propose
 
     def choose(lengths, chances, base_rows, base_tokens, fixed, per_row):
         calls.append((base_rows, base_tokens))
         return real_choose(lengths, chances, base_rows, base_tokens, fixed, per_row)
 
-    def adapt(plan, batch, lengths, classes):
+    def propose(state):
+        plan = state.plan
         mixed_steps.append(bool(plan.chunks) or any(r.num_uncomputed > 1 for r in plan.decodes))
-        return real_adapt(plan, batch, lengths, classes)
+        return real_propose(state)
 
-    monkeypatch.setattr(engine_module, "choose_draft_lengths", choose)
-    monkeypatch.setattr(engine, "_adapt_draft_lengths", adapt)
+    monkeypatch.setattr(controller_module, "choose_draft_lengths", choose)
+    monkeypatch.setattr(engine, "_propose", propose)
     monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 48)
     spec = {"method": "ngram", "verify_strategy": "greedy", "min_ngram_size": 1}
     model_session.run(spec, CODE[:3], SamplingParams(max_tokens=24, ignore_eos=True), max_num_seqs=3, cache=False)
@@ -386,12 +387,12 @@ def test_adaptive_statistics_are_kept_per_method(model_session):
     engine = llm.engine
     model_session.run(NGRAM_GREEDY | {"adaptive_draft_length": True}, [CODE[1]], SamplingParams(max_tokens=24),
                       cache=False)
-    learned = engine.acceptance, engine.step_costs
-    assert learned[1].costs() != StepCostModel().costs()  # it has measured steps
+    learned = engine.controller
+    assert learned.step_costs.costs() != StepCostModel().costs()  # it has measured steps
     model_session.run(None, [CAPITAL], SamplingParams(max_tokens=8), cache=False)
-    assert engine.step_costs is not learned[1]
+    assert engine.controller is not learned
     llm.set_speculative_config({"method": "ngram"})
-    assert (engine.acceptance, engine.step_costs) == learned
+    assert engine.controller is learned
 
 
 def test_proposer_draft_classes_are_checked(model_session, monkeypatch):

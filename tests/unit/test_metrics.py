@@ -18,7 +18,8 @@ def test_empty():
     m = SpecMetrics()
     assert m.acceptance_rate == 0.0 and m.mean_acceptance_length == 0.0
     assert m.to_dict() == {"num_steps": 0, "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                           "acceptance_rate": 0.0, "mean_acceptance_length": 0.0, "accepted_per_position": []}
+                           "acceptance_rate": 0.0, "mean_acceptance_length": 0.0, "accepted_per_position": [],
+                           "num_proposer_off_steps": 0}
 
 
 def test_record_steps():
@@ -72,7 +73,7 @@ def test_to_dict_rounds_derived_values():
     d = m.to_dict()
     assert d == {"num_steps": 3, "num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 1,
                  "acceptance_rate": 0.1111, "mean_acceptance_length": 1.3333,
-                 "accepted_per_position": [1, 0, 0]}
+                 "accepted_per_position": [1, 0, 0], "num_proposer_off_steps": 0}
     d["accepted_per_position"].append(99)
     assert m.accepted_per_position == [1, 0, 0]  # a copy
 

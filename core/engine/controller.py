@@ -1,0 +1,174 @@
+"""The drafting controller: per request and step, whether to call the proposer and how many of
+its drafts to verify, so that speculation never makes decoding slower.
+
+Drafting costs time twice: the proposer's own call (a model head or a draft model: a good part
+of a step) and a verified row per draft token (``adaptive.py``). Both are measured here, the
+proposer's per request it drafted for, and so is what a step costs outside the forward pass.
+Each step a request's drafting earns ``accepted`` tokens and costs ``per_row * verified +
+proposer share`` seconds, which the batch would otherwise have spent on plain decoding at
+``bar`` tokens per second: its *net* is ``accepted - bar * cost`` tokens. The controller keeps a
+decayed mean of it per request (a new request starts from the method's mean) and:
+
+- stops calling the proposer for a request whose mean net is below ``-MIN_LOSS`` tokens per
+  step (drafting loses there; a plain step is what it gets instead);
+- *probes* a request that has had no draft verified for ``interval`` steps (its proposer off,
+  or every draft cut by the adaptive draft length): that step it is proposed for and its
+  drafts are verified uncut, so that the acceptance it would get is measured again, not
+  assumed. A probe that does not switch drafting back on for long doubles the interval, up
+  to :data:`PROBE_INTERVAL_MAX` steps: a proposer that only wastes time is called once in
+  that many steps.
+
+A request whose proposer was off gets the hidden states of every step it skipped at its next
+proposal (the engine keeps them): a model proposer catches up over them in one call.
+
+A seeded request at temperature > 0 is always proposed for and verified uncut: which drafts
+are verified decides which random numbers it draws, and its tokens must depend on its seed
+alone. Temperature-0 output never depends on these choices (verification is lossless).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
+
+#: A request whose drafting loses more than this many tokens per step, on its decayed mean,
+#: stops calling the proposer. Below it a proposer's time is noise (a lookup proposer's
+#: tenth of a millisecond), and such a proposer stays on even while it finds no draft.
+MIN_LOSS = 0.02
+#: How much of its net a request keeps each step it is proposed for (about 5 steps count).
+REQUEST_DECAY = 0.8
+#: How much of the method's net is kept per request-step (a new request starts from it).
+SHARED_DECAY = 0.98
+#: Steps without a verified draft before a request is probed, at first and at most.
+PROBE_INTERVAL_MIN = 8
+PROBE_INTERVAL_MAX = 64
+#: How much of its mean a proposer call may take before it counts as interrupted.
+PROPOSER_OUTLIER_FACTOR = 3.0
+
+
+@attrs.define(slots=True)
+class _RequestState:
+    net: float
+    proposing: bool = True
+    idle_steps: int = 0  # steps in a row without a verified draft
+    interval: int = PROBE_INTERVAL_MIN
+    steps_since_probe: int = PROBE_INTERVAL_MAX
+    probing: bool = False
+
+
+class DraftController:
+    """What the engine learned about one method: acceptance per draft class and position
+    (:class:`AcceptanceModel`), a step's cost per row (:class:`StepCostModel`), the proposer's
+    time per request, the host time of a step, and each request's on/off state.
+
+    The engine calls, each step: :meth:`proposing` (whom to propose for), :meth:`proposer_time`
+    (after the call), :meth:`draft_lengths` (how many drafts to verify), :meth:`forward_time`,
+    :meth:`record` (what was accepted), :meth:`host_time`; and :meth:`forget` when a request
+    ends."""
+
+    def __init__(self):
+        self.acceptance = AcceptanceModel()
+        self.step_costs = StepCostModel()
+        #: Mean proposer seconds per request proposed for (None until measured).
+        self.proposer_seconds: float | None = None
+        #: Mean seconds of a decode step outside the forward pass and the proposer.
+        self.host_seconds = 0.0
+        self.shared_net = 0.0
+        self._requests: dict[str, _RequestState] = {}
+        self._bar = 0.0  # tokens per second of this step without drafts (set by draft_lengths)
+
+    def _state(self, request_id: str) -> _RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestState(net=self.shared_net,
+                                                               proposing=self.shared_net >= -MIN_LOSS)
+        return state
+
+    def proposing(self, request_ids: list[str], always: np.ndarray) -> np.ndarray:
+        """``[B]`` bool: the requests the proposer is called for this step: those whose
+        drafting pays, those due for a probe, and those ``always`` marks (seeded, sampled)."""
+        out = np.empty(len(request_ids), dtype=bool)
+        for b, request_id in enumerate(request_ids):
+            state = self._state(request_id)
+            state.probing = bool(always[b]) or state.idle_steps >= state.interval
+            out[b] = state.proposing or state.probing
+        return out
+
+    def proposer_time(self, num_requests: int, seconds: float) -> None:
+        """One proposer call took ``seconds`` for ``num_requests`` requests."""
+        if num_requests <= 0:
+            return
+        share = seconds / num_requests
+        if self.proposer_seconds is None:
+            self.proposer_seconds = share
+            return
+        share = min(share, PROPOSER_OUTLIER_FACTOR * self.proposer_seconds)
+        self.proposer_seconds = 0.9 * self.proposer_seconds + 0.1 * share
+
+    def forward_time(self, rows: int, seconds: float) -> None:
+        """A decode-only forward pass of ``rows`` rows took ``seconds``."""
+        self.step_costs.observe(rows, seconds)
+
+    def host_time(self, seconds: float) -> None:
+        """A decode step spent ``seconds`` outside its forward pass and its proposer call."""
+        self.host_seconds = 0.9 * self.host_seconds + 0.1 * max(seconds, 0.0)
+
+    def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
+                      base_tokens: int, adaptive: bool = True) -> np.ndarray:
+        """``[B]`` drafts to verify of the ``lengths`` proposed: the adaptive draft length's
+        cut (``adaptive``), except for the requests probed this step, which keep them all.
+
+        ``base_rows`` / ``base_tokens``: the rows and tokens of this step without drafts."""
+        fixed, per_row = self.step_costs.costs()
+        if self.step_costs.measured:
+            fixed += self.host_seconds
+            self._bar = base_tokens / (fixed + per_row * base_rows)
+        else:  # relative units: nothing to weigh a proposer's seconds against yet
+            self._bar = 0.0
+        if not adaptive or not lengths.any():
+            return lengths
+        chances = self.acceptance.chances(request_ids, classes, int(lengths.max()))
+        chosen = choose_draft_lengths(lengths, chances, base_rows, base_tokens, fixed, per_row)
+        probing = np.fromiter((self._state(r).probing for r in request_ids), dtype=bool, count=len(request_ids))
+        return np.where(probing, lengths, chosen)
+
+    def record(self, request_ids: list[str], proposed: np.ndarray, classes, verified: np.ndarray,
+               accepted: np.ndarray) -> None:
+        """Fold in one step: request ``b`` was proposed for (``proposed[b]``), verified
+        ``verified[b]`` drafts of class ``classes[b]`` and accepted ``accepted[b]`` of them."""
+        self.acceptance.record(request_ids, classes, verified, accepted)
+        _, per_row = self.step_costs.costs()
+        proposer = self.proposer_seconds or 0.0
+        for b, request_id in enumerate(request_ids):
+            state = self._state(request_id)
+            state.steps_since_probe += 1
+            state.idle_steps = 0 if verified[b] else state.idle_steps + 1
+            if not proposed[b]:
+                continue
+            net = float(accepted[b]) - self._bar * (per_row * float(verified[b]) + proposer)
+            self.shared_net = SHARED_DECAY * self.shared_net + (1.0 - SHARED_DECAY) * net
+            state.net = net if state.probing else REQUEST_DECAY * state.net + (1.0 - REQUEST_DECAY) * net
+            paying = state.net >= -MIN_LOSS
+            if state.probing:
+                state.probing = False
+                state.steps_since_probe = state.idle_steps = 0
+                if not paying:  # a failed probe: wait twice as long for the next one
+                    state.interval = min(2 * state.interval, PROBE_INTERVAL_MAX)
+            elif state.proposing and not paying:
+                # Switched off: soon after a probe switched it on, the next probe waits longer;
+                # after a good while on, it comes soon again.
+                longer = min(2 * state.interval, PROBE_INTERVAL_MAX)
+                state.interval = longer if state.steps_since_probe <= state.interval else PROBE_INTERVAL_MIN
+                state.idle_steps = 0
+            state.proposing = paying
+
+    def is_proposing(self, request_id: str) -> bool:
+        """Whether the proposer is on for ``request_id`` (a request not seen yet: the method's mean)."""
+        state = self._requests.get(request_id)
+        return self.shared_net >= -MIN_LOSS if state is None else state.proposing
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.forget(request_id)
+        self._requests.pop(request_id, None)

@@ -1,0 +1,111 @@
+"""The drafting controller on the real default model: a proposer that only wastes time is
+left out of nearly every step, and switching a request's proposer off and on mid-request
+changes no token; a model proposer catches up over the steps it skipped and then drafts what
+it would have drafted had it run every step."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import specdec
+from specdec import SamplingParams
+from specdec.engine.controller import DraftController
+from specdec.plugin_manager import load_plugins
+from specdec.plugins.mtp import MtpProposer
+from specdec.workloads import chat_prompts, code_edit_prompts
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = (*code_edit_prompts(2), *chat_prompts(1))
+SAMPLING = SamplingParams(max_tokens=48, ignore_eos=True)
+
+
+class SlowGarbage(specdec.Proposer):
+    """Sleeps 20 ms per call (two naive steps of the default model) and drafts random tokens."""
+
+    NAME = "test_slow_garbage"
+    calls = 0
+
+    def propose(self, batch: specdec.ProposalBatch) -> specdec.Drafts:
+        type(self).calls += 1
+        time.sleep(0.02)
+        rng = np.random.default_rng(type(self).calls)
+        return specdec.Drafts.from_lists([rng.integers(0, 49152, r.max_draft_len).tolist() for r in batch.requests])
+
+
+def test_a_proposer_that_only_wastes_time_is_left_out_once_seen(model_session, monkeypatch):
+    plugins = load_plugins()
+    plugins.proposers.register(SlowGarbage, "tests/e2e/test_draft_controller.py")
+    monkeypatch.setattr(model_session.llm.engine, "plugins", plugins)
+    naive = model_session.run(None, PROMPTS, SAMPLING)
+    try:
+        first = model_session.run({"method": SlowGarbage.NAME}, PROMPTS[:1], SAMPLING, cache=False)
+        calls_before = SlowGarbage.calls
+        seen = model_session.run({"method": SlowGarbage.NAME}, PROMPTS[1:], SAMPLING, cache=False)
+    finally:
+        model_session.llm.set_speculative_config(None)
+    assert [o.token_ids for o in first + seen] == [o.token_ids for o in naive]
+    assert first[0].metrics.num_proposer_off_steps >= 0.6 * first[0].metrics.num_steps
+    # Seen before, it starts off and is probed after 8, 16, 32 steps at most: 48 tokens, 2 requests.
+    steps = sum(o.metrics.num_steps for o in seen)
+    assert SlowGarbage.calls - calls_before <= 6
+    assert sum(o.metrics.num_proposer_off_steps for o in seen) >= steps - 6
+
+
+def off_now_and_then(monkeypatch, period: int = 5) -> None:
+    """Leave every request out of the proposer for ``period`` steps in every ``2 * period``
+    (what the controller does to a request whose drafts stop paying), whatever it measures."""
+    real = DraftController.proposing
+    steps = iter(range(10 ** 9))
+
+    def proposing(self, request_ids, always):
+        self._requests.clear()  # its own judgement does not carry into the next step
+        real(self, request_ids, always)
+        return np.full(len(request_ids), (next(steps) // period) % 2 == 0)
+
+    monkeypatch.setattr(DraftController, "proposing", proposing)
+
+
+@pytest.mark.parametrize("method", ["mtp", "hybrid", "ngram", "suffix"])
+def test_switching_the_proposer_off_and_on_mid_request_changes_no_token(model_session, monkeypatch, method):
+    naive = model_session.run(None, PROMPTS, SAMPLING, max_num_seqs=3)
+    off_now_and_then(monkeypatch)
+    outputs = model_session.run({"method": method}, PROMPTS, SAMPLING, max_num_seqs=3, cache=False)
+    for output, reference in zip(outputs, naive):
+        assert output.token_ids == reference.token_ids
+        assert 0 < output.metrics.num_proposer_off_steps < output.metrics.num_steps
+
+
+def record_mtp_drafts(monkeypatch) -> dict:
+    """``{(prompt length, tokens so far): greedy drafts}`` of every MTP proposal from now on."""
+    drafts_at: dict = {}
+    real = MtpProposer.propose
+
+    def propose(self, batch):
+        drafts = real(self, batch)
+        for request, draft in zip(batch.requests, drafts.to_lists()):
+            if draft:
+                drafts_at[(request.num_prompt_tokens, len(request.token_ids))] = draft
+        return drafts
+
+    monkeypatch.setattr(MtpProposer, "propose", propose)
+    return drafts_at
+
+
+def test_mtp_catches_up_over_skipped_steps_to_the_drafts_it_would_have_made(model_session, monkeypatch):
+    """The head's cache rows for the skipped positions are computed in one call when the
+    request is proposed for again: its drafts then are those of a head that ran every step."""
+    spec = {"method": "mtp", "num_model_steps": 2, "num_speculative_tokens": 2}
+    every_step = record_mtp_drafts(monkeypatch)
+    model_session.run(spec | {"adaptive_draft_length": False}, PROMPTS, SAMPLING, max_num_seqs=3, cache=False)
+    monkeypatch.undo()
+    after_gaps = record_mtp_drafts(monkeypatch)
+    off_now_and_then(monkeypatch, period=4)
+    model_session.run(spec, PROMPTS, SAMPLING, max_num_seqs=3, cache=False)
+    both = sorted(set(every_step) & set(after_gaps))
+    assert len(both) >= 10, "too few positions drafted in both runs to compare"
+    same = sum(every_step[key] == after_gaps[key] for key in both)
+    assert same >= 0.95 * len(both), f"{same} of {len(both)} drafts equal"

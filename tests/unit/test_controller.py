@@ -1,0 +1,120 @@
+"""The drafting controller (core/engine/controller.py): it weighs what a request's drafts
+earn against the rows they cost and the proposer's own time, switches the proposer off where
+drafting loses, and probes now and then to re-learn."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specdec.engine.controller import MIN_LOSS, PROBE_INTERVAL_MAX, PROBE_INTERVAL_MIN, DraftController
+
+#: A measured plain step: 10 ms fixed, 1 ms per row.
+FIXED, PER_ROW = 0.010, 0.001
+
+
+def measured_controller() -> DraftController:
+    controller = DraftController()
+    for rows in (1, 2, 4, 6) * 4:
+        controller.forward_time(rows, FIXED + PER_ROW * rows)
+    return controller
+
+
+def run_steps(controller: DraftController, steps: int, proposer_seconds: float, accept, k: int = 4,
+              request_id: str = "r", always: bool = False) -> list[bool]:
+    """``steps`` engine steps of one request whose proposer takes ``proposer_seconds`` and
+    drafts ``k`` tokens of which ``accept(drafted)`` are accepted; returns whether it was
+    proposed for, step by step."""
+    proposed_steps = []
+    for _ in range(steps):
+        proposed = controller.proposing([request_id], np.array([always]))
+        lengths = np.array([k if proposed[0] else 0])
+        if proposed[0]:
+            controller.proposer_time(1, proposer_seconds)
+        verified = controller.draft_lengths([request_id], lengths, None, 1, 1)
+        accepted = np.array([min(accept(int(verified[0])), int(verified[0]))])
+        controller.record([request_id], proposed, None, verified, accepted)
+        proposed_steps.append(bool(proposed[0]))
+    return proposed_steps
+
+
+def test_a_proposer_that_only_wastes_time_is_called_once_in_many_steps():
+    controller = measured_controller()
+    calls = run_steps(controller, 400, proposer_seconds=0.020, accept=lambda drafted: 0)
+    assert calls[0] and not calls[1]  # one step shows it loses
+    # Probes back off to one every PROBE_INTERVAL_MAX steps.
+    assert sum(calls[-4 * PROBE_INTERVAL_MAX:]) <= 5
+    gaps = np.diff(np.flatnonzero(calls))
+    assert gaps[0] == PROBE_INTERVAL_MIN + 1 and gaps.max() == PROBE_INTERVAL_MAX + 1
+    assert (np.diff(gaps) >= 0).all()
+    # A new request of the same method starts off: the method's record says drafting loses.
+    assert controller.shared_net < -MIN_LOSS
+    assert not controller.proposing(["new"], np.array([False]))[0]
+
+
+def test_a_proposer_whose_drafts_pay_stays_on():
+    controller = measured_controller()
+    calls = run_steps(controller, 100, proposer_seconds=0.002, accept=lambda drafted: drafted)
+    assert all(calls)
+    assert controller.shared_net > 1.0
+
+
+def test_a_cheap_proposer_stays_on_while_it_finds_nothing():
+    """A lookup proposer's call costs a tenth of a millisecond: switching it off would only
+    miss the next match."""
+    controller = measured_controller()
+    assert all(run_steps(controller, 100, proposer_seconds=0.0001, accept=lambda drafted: 0, k=0))
+
+
+def test_a_proposer_that_starts_to_pay_is_switched_back_on_by_a_probe():
+    controller = measured_controller()
+    assert sum(run_steps(controller, 40, proposer_seconds=0.020, accept=lambda drafted: 0)) < 10
+    # Now it is fast and right: the next probe switches it on for good.
+    calls = run_steps(controller, 40, proposer_seconds=0.001, accept=lambda drafted: drafted)
+    first = calls.index(True)
+    assert first <= PROBE_INTERVAL_MAX and all(calls[first:])
+
+
+def test_a_probe_verifies_every_draft_the_policy_would_cut():
+    """A class of drafts the adaptive length cuts whole is never verified, so its acceptance
+    is never learned: a probe verifies it uncut."""
+    controller = measured_controller()
+    lengths = []
+    for _ in range(3 * PROBE_INTERVAL_MIN):
+        proposed = controller.proposing(["r"], np.array([False]))
+        # chances of 0.05 never pay for a row
+        controller.acceptance.record(["r"], None, np.array([8]), np.array([0]))
+        verified = controller.draft_lengths(["r"], np.array([4]), None, 1, 1)
+        lengths.append(int(verified[0]))
+        controller.record(["r"], proposed, None, verified, np.zeros(1, dtype=np.int64))
+    assert 0 in lengths and 4 in lengths
+    assert lengths.count(4) <= 3
+
+
+def test_a_seeded_sampled_request_is_always_proposed_for_and_kept_whole():
+    controller = measured_controller()
+    calls = run_steps(controller, 30, proposer_seconds=0.020, accept=lambda drafted: 0, always=True)
+    assert all(calls)
+    assert controller.proposing(["r"], np.array([True]))[0]
+    assert controller.draft_lengths(["r"], np.array([4]), None, 1, 1)[0] == 4
+
+
+def test_the_proposer_time_is_a_mean_per_request_robust_to_one_interrupted_call():
+    controller = DraftController()
+    controller.proposer_time(4, 0.004)
+    assert controller.proposer_seconds == 0.001
+    controller.proposer_time(1, 1.0)  # the process was descheduled
+    assert controller.proposer_seconds < 0.002
+
+
+def test_steps_without_the_proposer_are_counted_and_the_demo_says_so():
+    from specdec.demo import controller_line
+    from specdec.metrics import SpecMetrics
+
+    metrics = SpecMetrics()
+    for off in (True, True, False):
+        metrics.record_step(0, 0, 1, proposer_off=off)
+    total = metrics + metrics
+    assert total.num_proposer_off_steps == 4 and total.to_dict()["num_proposer_off_steps"] == 4
+    assert controller_line("mtp", total) == ("mtp: switched off by the controller on this prompt (4 of 6 steps "
+                                             "decoded plainly: its drafts did not pay for their time)")
+    assert controller_line("ngram", SpecMetrics(num_steps=6, num_proposer_off_steps=2)) == ""
