@@ -4,10 +4,13 @@ As FastDeploy's ``mtp_strategy: with_ngram``: each step the model proposer (``mt
 drafts up to ``num_model_steps`` tokens; then the lookup proposer (``ngram``) continues from
 the request's tokens followed by those drafts, up to ``num_speculative_tokens`` in all. Where
 the model drafts nothing (a request whose state it has not caught up with), the lookup drafts
-alone. With ``draft_lookup_first: n`` a request whose context the lookup matches over at
-least ``n`` tokens gets the lookup's draft alone (a long match is a near-certain draft that
-a model draft in front of it would only put at risk). Both parts are other registered
-proposers, built through the public
+alone. Where the lookup matches the context on its own, its draft may go first and alone
+instead: by default when drafts of that match length have been accepted at least as well as
+the model's (learned per step from what the target accepted: ``leader.py``); with
+``draft_lookup_first: n`` whenever the match is ``n`` tokens or longer; with 0 never
+(FastDeploy's order). A request the lookup leads skips the model that step: its hidden
+states wait in the proposer and go to the model with its next model-first step, in one
+catch-up. Both parts are other registered proposers, built through the public
 :meth:`specdec.ProposerContext.create_proposer`; any model proposer and any proposer that
 drafts from a request's own tokens compose this way.
 
@@ -19,11 +22,15 @@ which the compiled index makes cheap next to a forward pass.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import Drafts, ProposalBatch, ProposalRequest, in_range, one_of
+from specdec.sdk import Drafts, ProposalBatch, ProposalRequest, in_range, one_of, require_paddle
+
+from .leader import MODEL, LeaderStats
 
 #: Appended to a request id for the lookup proposer's one-step request.
 LOOKUP_SUFFIX = "/hybrid-lookup"
@@ -37,15 +44,17 @@ class HybridConfig:
     :ivar draft_lookup_method: the proposer that continues the draft.
     :ivar draft_lookup_first: when the lookup, on the context alone, matches a suffix of at
         least this many tokens (its ``Drafts.classes``), its draft goes first and the model
-        drafts nothing for that request this step; 0 (the default, FastDeploy's order)
-        never. A long match is a near-certain draft the model's would only cut short.
+        drafts nothing for that request this step; 0 never (FastDeploy's order); ``None``
+        (the default) where drafts of that match length have been accepted at least as well
+        as the model's (``leader.py``). A long match is a near-certain draft the model's
+        would only cut short.
     :ivar mtp_strategy: FastDeploy's key: ``with_ngram`` with ``method: mtp`` selects this
         method; it changes nothing here.
     """
 
     draft_model_method: str = "mtp"
     draft_lookup_method: str = "ngram"
-    draft_lookup_first: int = attrs.field(default=0, validator=in_range(0, 64))
+    draft_lookup_first: Optional[int] = attrs.field(default=None, validator=attrs.validators.optional(in_range(0, 64)))
     mtp_strategy: str = attrs.field(default="default", validator=one_of("default", "with_ngram"))
 
 
@@ -72,35 +81,55 @@ class HybridProposer(specdec.Proposer):
         self.lookup = context.create_proposer(self.config.draft_lookup_method)
         self.NEEDS_HIDDEN_STATES = bool(self.model.NEEDS_HIDDEN_STATES)
         self.model_steps = self.spec_config.num_model_steps if self.spec_config is not None else 1
+        self.leaders = LeaderStats()
+        #: Per request: the kind of draft it got this step (leader.py), until on_step.
+        self._led: dict[str, int] = {}
+        #: Per request led by the lookup: the hidden states the model has not seen yet.
+        self._waiting: dict[str, list[tuple[object, np.ndarray]]] = {}
 
     def on_request_start(self, request: ProposalRequest) -> None:
         self.model.on_request_start(request)
 
     def on_step(self, batch: ProposalBatch, accepted: list[np.ndarray]) -> None:
+        for request, tokens in zip(batch.requests, accepted):
+            kind = self._led.pop(request.request_id, None)
+            if kind is not None:  # all but the last token appended were accepted drafts
+                self.leaders.record(kind, max(len(tokens) - 1, 0))
         self.model.on_step(batch, accepted)
 
     def on_request_finish(self, request_id: str) -> None:
+        self._led.pop(request_id, None)
+        self._waiting.pop(request_id, None)
         self.model.on_request_finish(request_id)
 
     def propose(self, batch: ProposalBatch) -> Drafts:
-        """Model drafts then lookup drafts after them; with ``draft_lookup_first``, the lookup's
-        own draft for requests where it matched a long suffix. Classes: 0 for a model-first
-        draft, the matched length for a lookup-first one (the adaptive draft length learns
-        each kind's acceptance)."""
+        """Per request, the lookup's own draft where it leads, else model drafts then lookup
+        drafts after them. Classes: 0 for a model-first draft, the matched length for a
+        lookup-first one (the adaptive draft length learns each kind's acceptance)."""
+        self.leaders.next_step()
         rest: dict[int, list[int]] = {}
         classes = np.zeros(len(batch), dtype=np.int64)
-        if self.config.draft_lookup_first:
-            for b, (draft, matched) in self._long_matches(batch).items():
+        for b, (draft, matched) in self._matches(batch).items():
+            if self._lookup_leads(matched):
                 rest[b], classes[b] = draft, matched
-        # The model runs for every request (it must see every hidden state); it drafts for the others.
+                self._led[batch.requests[b].request_id] = self.leaders.kind(matched)
+        model_rows = [b for b in range(len(batch)) if b not in rest]
+        for b in rest:
+            self._wait(batch.requests[b])
         model_batch = ProposalBatch([
-            attrs.evolve(r, max_draft_len=0 if b in rest else min(r.max_draft_len, self.model_steps))
-            for b, r in enumerate(batch.requests)])
-        model_drafts = self.model.propose(model_batch).clipped(
-            np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64))
+            self._with_waiting_states(attrs.evolve(batch.requests[b],
+                                                   max_draft_len=min(batch.requests[b].max_draft_len, self.model_steps)))
+            for b in model_rows])
+        model_drafts = Drafts.empty(len(batch))
+        if model_rows:
+            model_drafts = self.model.propose(model_batch).clipped(
+                np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64)).placed(model_rows, len(batch))
         first = model_drafts.to_lists()
-        lookups = [(b, self._lookup_request(r, first[b])) for b, r in enumerate(batch.requests)
-                   if b not in rest and r.max_draft_len > len(first[b])]
+        for b in model_rows:
+            if first[b]:
+                self._led[batch.requests[b].request_id] = MODEL
+        lookups = [(b, self._lookup_request(batch.requests[b], first[b])) for b in model_rows
+                   if batch.requests[b].max_draft_len > len(first[b])]
         if lookups:
             found = self._look_up([request for _, request in lookups])
             for row, (b, _) in enumerate(lookups):
@@ -108,18 +137,43 @@ class HybridProposer(specdec.Proposer):
         drafts = [first[b] + rest.get(b, []) for b in range(len(batch))]
         return Drafts.from_lists(drafts, probs=self._probs(model_drafts, drafts), classes=classes)
 
-    def _long_matches(self, batch: ProposalBatch) -> dict[int, tuple[list[int], int]]:
-        """Per batch row: the lookup's draft on the context alone and its matched length,
-        where that length is at least ``draft_lookup_first``."""
+    def _lookup_leads(self, matched: int) -> bool:
+        setting = self.config.draft_lookup_first
+        if setting is None:
+            return self.leaders.lookup_leads(matched)
+        return 0 < setting <= matched
+
+    def _matches(self, batch: ProposalBatch) -> dict[int, tuple[list[int], int]]:
+        """Per batch row that may draft: the lookup's draft on the context alone and its
+        matched length, where it found one (none with ``draft_lookup_first: 0``)."""
         rows = [b for b, r in enumerate(batch.requests) if r.max_draft_len > 0]
-        if not rows:
+        if not rows or self.config.draft_lookup_first == 0:
             return {}
         found = self._look_up([self._lookup_request(batch.requests[b], []) for b in rows])
         if found.classes is None:
             return {}
         return {b: (found.token_ids[row, : found.lengths[row]].tolist(), int(found.classes[row]))
-                for row, b in enumerate(rows)
-                if found.lengths[row] > 0 and found.classes[row] >= self.config.draft_lookup_first}
+                for row, b in enumerate(rows) if found.lengths[row] > 0}
+
+    def _wait(self, request: ProposalRequest) -> None:
+        """Keep the hidden states of a request the model skips this step for its next turn."""
+        if request.hidden_positions is not None and len(request.hidden_positions):
+            self._waiting.setdefault(request.request_id, []).append((request.hidden_states,
+                                                                     np.asarray(request.hidden_positions)))
+
+    def _with_waiting_states(self, request: ProposalRequest) -> ProposalRequest:
+        """``request`` with the states that waited for it in front of its own (dropped when
+        its own start again at or before them: it was preempted and recomputes)."""
+        waiting = self._waiting.pop(request.request_id, None)
+        if not waiting or request.hidden_positions is None:
+            return request
+        positions = np.asarray(request.hidden_positions)
+        if len(positions) and int(positions[0]) <= int(waiting[-1][1][-1]):
+            return request
+        parts = [states for states, _ in waiting] + ([request.hidden_states] if len(positions) else [])
+        request.hidden_states = require_paddle().concat(parts, axis=0)
+        request.hidden_positions = np.concatenate([p for _, p in waiting] + [positions])
+        return request
 
     def _lookup_request(self, request: ProposalRequest, drafted: list[int]) -> ProposalRequest:
         tokens = np.concatenate([request.token_ids, np.asarray(drafted, dtype=np.int64)])

@@ -46,6 +46,54 @@ def test_hybrid_with_lookup_first_is_lossless(model_session):
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
 
 
+def test_a_lookup_led_step_skips_the_model_which_catches_up_later(model_session, monkeypatch):
+    """Where the lookup leads, the model is not run for that request; its states wait and go
+    with the next model-first step: the model's drafts are then those of a model run every step."""
+    from specdec.plugins.mtp import MtpProposer
+
+    def record(drafts_at: dict, seen: list):
+        real = MtpProposer.propose
+
+        def propose(self, batch):
+            drafts = real(self, batch)
+            seen.append(len(batch))
+            for request, draft in zip(batch.requests, drafts.to_lists()):
+                if draft:
+                    drafts_at[(request.num_prompt_tokens, len(request.token_ids))] = draft
+            return drafts
+
+        monkeypatch.setattr(MtpProposer, "propose", propose)
+
+    every_step, seen = {}, []
+    record(every_step, seen)
+    model_session.run({**SEED_SPEC, "draft_lookup_first": 0}, PROMPTS, SAMPLING, max_num_seqs=3, cache=False)
+    lookup_first, seen = {}, []
+    record(lookup_first, seen)
+    outputs = assert_equal_to_naive(model_session, {**SEED_SPEC, "draft_lookup_first": 2}, 3, "hybrid (lookup first)")
+    # the model saw a request in fewer than 80% of its steps: the lookup led the rest
+    assert sum(seen) < 0.8 * sum(o.metrics.num_steps for o in outputs), "the lookup never led"
+    both = set(every_step) & set(lookup_first)
+    assert len(both) >= 10
+    assert sum(every_step[key] == lookup_first[key] for key in both) >= 0.95 * len(both)
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
+
+
+def test_by_default_the_lookup_leads_where_its_drafts_have_done_better():
+    from specdec.plugins.hybrid.leader import MODEL, RETRY_STEPS, LeaderStats
+
+    stats = LeaderStats()
+    for _ in range(20):
+        stats.next_step()
+        stats.record(MODEL, 1)
+        stats.record(LeaderStats.kind(4), 3)
+        stats.record(LeaderStats.kind(1), 0)
+    assert stats.lookup_leads(4)
+    assert not stats.lookup_leads(1) and not stats.lookup_leads(0)
+    for _ in range(RETRY_STEPS + 1):
+        stats.next_step()
+    assert stats.lookup_leads(1)  # not led for long: measured again
+
+
 def test_hybrid_with_suffix_lookup_is_lossless(model_session):
     spec = {"method": "hybrid", "draft_lookup_method": "suffix", "num_model_steps": 1, "num_speculative_tokens": 4,
             "adaptive_draft_length": False}
