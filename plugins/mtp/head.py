@@ -1,5 +1,8 @@
-"""One MTP layer in paddle: ``h' = proj([enorm(embed(t)); hnorm(h)])``, a decoder layer whose
-attention runs over the proposer's cache layer, then the LM head.
+"""One MTP layer: ``h' = proj([enorm(embed(t)); hnorm(h)])``, a decoder layer whose attention
+runs over the proposer's cache layer, then the LM head; on the quantized CPU kernels through the
+public SDK (``QuantizedLinear``, ``QuantizedDecoderLayer``: with the target's embedding and the
+cache layer's attention, seven kernel calls and one add for a forward and its logits), or in
+float32 eager paddle ops.
 
 The row at position ``p`` is built from the hidden state at ``p - 1`` and the token at ``p``
 (so it depends on tokens ``0 .. p`` only, as the shared prefix blocks require); its output

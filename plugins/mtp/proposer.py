@@ -30,8 +30,8 @@ from .weights import load_mtp_layers
 
 #: The head's ``quantization``: ``wint8``/``wint4``, its matrices quantized at load and run by
 #: the engine's quantized kernels (specdec.sdk.QuantizedDecoderLayer, QuantizedLinear), a few
-#: native calls per forward; ``none``, float32 eager paddle ops (about 4x the time per step on
-#: the default model's CPU runs, for the same drafts within quantization error).
+#: native calls per forward; ``none``, float32 eager paddle ops (about 3x the head's time per
+#: step on the default model, benchmarks/bench_mtp_head.py, for the same acceptance).
 QUANTIZATIONS = ("wint8", "wint4", "none")
 #: What null means: int8 per channel, whose drafts measured the same acceptance as float32's.
 DEFAULT_QUANTIZATION = "wint8"
