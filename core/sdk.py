@@ -7,7 +7,7 @@ and their data, the ``hookimpl`` marker, the contract of model-based proposers
 that strategies share (with a strategy's fused device kernel, :class:`DeviceVerifyKernel`,
 which :func:`verify_on_device` dispatches), the validators of a plugin's ``Config``, the
 errors, and the native code a plugin may use (the CPU and Triton kernel loaders,
-:class:`QuantizedLinear`).
+:class:`QuantizedLinear`, :class:`QuantizedDecoderLayer`).
 docs/plugins.md ("The SDK") lists every name with what it is for.
 
 The SDK stands on the ground floor: importing it (or any plugin written against it) loads no
@@ -24,6 +24,7 @@ from .hookspecs import hookimpl
 from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
 from .kernels.triton import load_triton_kernels
 from .model.quant import QuantizedLinear
+from .model.quant_layer import QuantizedDecoderLayer
 from .plugin import Plugin
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
                     target_choice, target_distribution, top_tokens)
@@ -45,6 +46,7 @@ __all__ = [
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
     "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_triton_kernels", "QuantizedLinear",
+    "QuantizedDecoderLayer",
     "DeviceVerifyKernel",
 ]
 

@@ -122,9 +122,12 @@ class LlamaModel:
     def embed_tokens(self, token_ids):
         """``[n, H]`` float32 paddle embeddings of ``token_ids`` (numpy or paddle int64)."""
         p = self.paddle
-        ids = token_ids if isinstance(token_ids, p.Tensor) else p.to_tensor(np.asarray(token_ids, np.int64))
         with p.no_grad():
-            return self.weights.embed(ids.reshape([-1]).astype("int64"))
+            if not isinstance(token_ids, p.Tensor):  # one op (each costs tens of us on a CPU)
+                return self.weights.embed(p.to_tensor(np.ascontiguousarray(token_ids, np.int64).reshape(-1)))
+            if token_ids.dtype != p.int64:
+                token_ids = token_ids.astype("int64")
+            return self.weights.embed(token_ids if len(token_ids.shape) == 1 else token_ids.reshape([-1]))
 
     def forward(self, token_ids: np.ndarray, meta: AttentionMetadata,
                 logit_rows: np.ndarray, return_hidden: bool = False, device_logits: bool = False):

@@ -156,31 +156,57 @@ def layout_array(matrix: QuantizedMatrix, out: np.ndarray | None = None) -> tupl
     return data_out, np.array(layout, dtype=np.int64)
 
 
+def load_quantized_ops(method: str):
+    """The CPU kernels for ``quantization: method``, or a one-line :class:`specdec.SpecdecError`
+    for a method other than ``wint8``/``wint4`` or kernels that are not built."""
+    from specdec.errors import SpecdecError
+    from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
+
+    if method not in LOAD_TIME_FORMATS:
+        raise SpecdecError(f"quantization: must be one of {', '.join(LOAD_TIME_FORMATS)}, got {method!r}")
+    try:
+        return load_cpu_ops()
+    except KernelUnavailable as exc:
+        raise SpecdecError(f"quantization: {method} needs the CPU kernels: {exc}") from None
+
+
+def to_paddle(paddle, matrix: QuantizedMatrix):
+    """``matrix`` as the kernels' ``(data, layout)`` paddle tensors (:func:`layout_array`)."""
+    data, layout = layout_array(matrix)
+    return paddle.to_tensor(data), paddle.to_tensor(layout)
+
+
 class QuantizedLinear:
     """``x @ W^T`` with ``W`` quantized at construction, through the CPU kernels: for plugins
     that quantize their own matrices (an MTP or draft model's ``quantization``), exported as
     ``specdec.sdk.QuantizedLinear``.
 
+    With ``norm_gain`` the call is ``(rms_norm(x) * norm_gain) @ W^T``, still one native call
+    (the kernel normalizes each row on the way in): an RMSNorm followed by a projection (an MTP
+    head's ``enorm`` and ``embed_proj``, a final norm and an LM head) without the five eager
+    paddle ops the norm costs written out. Blocks stay as quantized, so the gain is applied to
+    the activations rather than folded into ``W``.
+
     :param weight: ``[out, in]`` float weight (Hugging Face orientation); ``in`` a multiple of 32.
     :param method: ``wint8`` or ``wint4`` (see :func:`quantize`).
+    :param norm_gain: ``[in]`` RMSNorm gain (numpy array or paddle tensor), or None for a plain matmul.
+    :param eps: the RMSNorm's epsilon (with ``norm_gain``).
     """
 
-    def __init__(self, weight: np.ndarray, method: str):
-        from specdec.errors import SpecdecError, require_paddle
-        from specdec.kernels.cpu import KernelUnavailable, load_cpu_ops
+    def __init__(self, weight: np.ndarray, method: str, *, norm_gain=None, eps: float = 1e-6):
+        from specdec.errors import require_paddle
 
-        if method not in LOAD_TIME_FORMATS:
-            raise SpecdecError(f"quantization: must be one of {', '.join(LOAD_TIME_FORMATS)}, got {method!r}")
-        try:
-            self._ops = load_cpu_ops()
-        except KernelUnavailable as exc:
-            raise SpecdecError(f"quantization: {method} needs the CPU kernels: {exc}") from None
+        self._ops = load_quantized_ops(method)
         paddle = require_paddle()
         self.out_features, self.in_features = weight.shape
-        data, layout = layout_array(quantize(weight, method))
-        self._data, self._layout = paddle.to_tensor(data), paddle.to_tensor(layout)
+        self._data, self._layout = to_paddle(paddle, quantize(weight, method))
         self._none = paddle.empty([0], dtype="float32")
+        self._normalize = norm_gain is not None
+        self._gain = self._none if norm_gain is None else paddle.to_tensor(
+            np.ascontiguousarray(np.asarray(norm_gain), dtype=np.float32))
+        self.eps = float(eps) if self._normalize else 0.0
 
     def __call__(self, x):
         """``[M, in]`` float32 paddle tensor -> ``[M, out]``."""
-        return self._ops.specdec_q_matmul(x, self._none, self._data, self._layout, self._none, 0.0, False)
+        return self._ops.specdec_q_matmul(x, self._gain, self._data, self._layout, self._none, self.eps,
+                                          self._normalize)

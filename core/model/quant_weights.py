@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import SpecdecError
 from .config import ModelConfig
 from .quant import LOAD_TIME_FORMATS, QuantizedMatrix, layout_array, packed_size, quantize
+from .quant_layer import LAYER_MATRICES, attention_input, build_layer, layer_output
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,7 @@ class QuantizedWeights:
         self._none = paddle.empty([0], dtype="float32")
 
         c = config
-        layer_names = [[f"model.layers.{i}.{name}" for name in
-                        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                         "mlp.down_proj.weight")] for i in range(c.num_layers)]
+        layer_names = [[f"model.layers.{i}.{name}" for name in LAYER_MATRICES] for i in range(c.num_layers)]
         quantized = {name: as_quantized(w[name], quantization, name)
                      for name in [n for names in layer_names for n in names] + self._table_names(c)}
         self.arena = WeightArena(paddle, sum(WeightArena.slot(packed_size(m)) for m in quantized.values()))
@@ -109,22 +107,10 @@ class QuantizedWeights:
         def vector(name: str):
             return paddle.to_tensor(np.ascontiguousarray(w[name], dtype=np.float32))
 
-        scale = np.concatenate([np.full(c.q_size, c.head_dim ** -0.5), np.ones(2 * c.kv_size)])
-        self.layers = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            bias = np.zeros(c.q_size + 2 * c.kv_size)
-            if c.attention_bias:
-                bias = np.concatenate([w[p + f"self_attn.{part}_proj.bias"] for part in "qkv"]) * scale
-            self.layers.append({
-                "qkv": matrix(*(p + f"self_attn.{part}_proj.weight" for part in "qkv")),
-                "qkv_epilogue": paddle.to_tensor(np.stack([scale, bias]).astype(np.float32)),
-                "attn_gain": vector(p + "input_layernorm.weight"),
-                "o": matrix(p + "self_attn.o_proj.weight"),
-                "mlp_gain": vector(p + "post_attention_layernorm.weight"),
-                "gate_up": matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                "down": matrix(p + "mlp.down_proj.weight"),
-            })
+        self.layers = [build_layer(paddle, lambda name, p=f"model.layers.{i}.": w[p + name],
+                                   lambda *names, p=f"model.layers.{i}.": matrix(*(p + n for n in names)),
+                                   c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias)
+                       for i in range(c.num_layers)]
         self.embedding_blocks = matrix("model.embed_tokens.weight")
         self.lm_head = self.embedding_blocks if c.tie_word_embeddings else matrix("lm_head.weight")
         self.final_norm = vector("model.norm.weight")
@@ -146,14 +132,10 @@ class QuantizedWeights:
         return self.ops.specdec_q_embedding(ids, data, layout, self.config.hidden_size)
 
     def attention_input(self, index: int, x):
-        layer = self.layers[index]
-        data, layout = layer["qkv"]
-        return self.ops.specdec_q_matmul(x, layer["attn_gain"], data, layout, layer["qkv_epilogue"], self.eps, True)
+        return attention_input(self.ops, self.layers[index], x, self.eps)
 
     def layer_output(self, index: int, attn, x):
-        layer = self.layers[index]
-        return self.ops.specdec_q_layer_tail(attn, x, *layer["o"], layer["mlp_gain"], *layer["gate_up"],
-                                             *layer["down"], self.eps)
+        return layer_output(self.ops, self.layers[index], attn, x, self.eps)
 
     def layer_output_and_next_input(self, index: int, attn, x):
         """``(layer_output(index, attn, x), attention_input(index + 1, that))`` in one call."""

@@ -1,5 +1,8 @@
-"""One MTP layer in paddle: ``h' = proj([enorm(embed(t)); hnorm(h)])``, a decoder layer whose
-attention runs over the proposer's cache layer, then the LM head.
+"""One MTP layer: ``h' = proj([enorm(embed(t)); hnorm(h)])``, a decoder layer whose attention
+runs over the proposer's cache layer, then the LM head; on the quantized CPU kernels through the
+public SDK (``QuantizedLinear``, ``QuantizedDecoderLayer``: with the target's embedding and the
+cache layer's attention, seven kernel calls and one add for a forward and its logits), or in
+float32 eager paddle ops.
 
 The row at position ``p`` is built from the hidden state at ``p - 1`` and the token at ``p``
 (so it depends on tokens ``0 .. p`` only, as the shared prefix blocks require); its output
@@ -12,15 +15,24 @@ from typing import Any
 
 import numpy as np
 
-from specdec.sdk import AttentionMetadata, QuantizedLinear, require_paddle
+from specdec.sdk import AttentionMetadata, QuantizedDecoderLayer, QuantizedLinear, require_paddle
 
 from .weights import MtpLayerWeights
 
 
 class MtpHead:
-    """The layer's weights and its forward. Each matrix is a callable ``x -> x @ W^T``: float32
-    (``[in, out]`` paddle tensors), or with ``quantization`` (``wint8``, ``wint4``) quantized
-    and run by the engine's quantized kernels (:class:`specdec.sdk.QuantizedLinear`)."""
+    """The layer's weights and its forward, on one of two paths:
+
+    - ``quantization`` ``wint8`` or ``wint4`` (what the ``mtp`` proposer runs, ``wint8`` unless
+      its config says otherwise): the engine's fast path, a handful of native calls per forward.
+      ``embed_proj``/``hidden_proj`` are :class:`specdec.sdk.QuantizedLinear` with the
+      ``enorm``/``hnorm`` gains (RMSNorm and projection in one call each), the decoder layer a
+      :class:`specdec.sdk.QuantizedDecoderLayer` (its attention input and its output, one call
+      each, around the cache layer's ``forward``), and the LM head one ``QuantizedLinear`` with
+      the final norm's gain (over the draft vocabulary when the head has one).
+    - ``quantization`` None: float32, eager paddle ops (``[in, out]`` tensors): the reference
+      the training code is checked against (``tests/e2e/test_mtp_chained_training.py``).
+    """
 
     def __init__(self, weights: MtpLayerWeights, context: Any, cache_layers: Any, layer_index: int = 0,
                  quantization: str | None = None):
@@ -30,19 +42,34 @@ class MtpHead:
         self.eps = float(context.target.rms_norm_eps)
         self.cache = cache_layers
         self.layer_index = layer_index
+        self.quantization = quantization
         c = context.model_config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
 
         def tensor(array: np.ndarray):
             return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
 
+        self.final_norm = None if weights.final_norm is None else tensor(weights.final_norm)
+        self.draft_vocab = None
+        if weights.draft_vocab is not None:
+            vocab = np.asarray(weights.draft_vocab, dtype=np.int64)
+            if vocab.max() >= c.vocab_size:
+                from specdec.sdk import SpecdecError
+
+                raise SpecdecError(f"speculative_config.model: draft vocabulary holds token id {vocab.max()}, "
+                                   f"beyond the target's {c.vocab_size}")
+            self.draft_vocab = vocab
+        d = weights.decoder
+        if quantization is not None:
+            self._init_quantized(weights, quantization)
+            return
+        #: The float path: each matrix a callable ``x -> x @ W^T``.
+        self.layer = None
+
         def linear(matrix: np.ndarray):  # [out, in] -> x @ matrix^T
-            if quantization is not None:
-                return QuantizedLinear(np.asarray(matrix, np.float32), quantization)
             transposed = tensor(matrix.T)
             return lambda x: paddle.matmul(x, transposed)
 
-        d = weights.decoder
         scale = self.head_dim ** -0.5
         self.enorm, self.hnorm = tensor(weights.enorm), tensor(weights.hnorm)
         self.embed_proj, self.hidden_proj = linear(weights.embed_proj), linear(weights.hidden_proj)
@@ -57,23 +84,34 @@ class MtpHead:
         self.mlp_norm = tensor(d["post_attention_layernorm.weight"])
         self.gate, self.up = linear(d["mlp.gate_proj.weight"]), linear(d["mlp.up_proj.weight"])
         self.down = linear(d["mlp.down_proj.weight"])
-        self.final_norm = None if weights.final_norm is None else tensor(weights.final_norm)
-        #: With a draft vocabulary: its token ids, and the LM head's rows for them with the final
-        #: norm's gain folded in (``[K, H]``, contiguous: paddle's CPU matmul is 4x slower on a
-        #: transposed view).
-        self.draft_vocab = None
-        if weights.draft_vocab is not None:
-            vocab = np.asarray(weights.draft_vocab, dtype=np.int64)
-            if vocab.max() >= c.vocab_size:
-                from specdec.sdk import SpecdecError
-
-                raise SpecdecError(f"speculative_config.model: draft vocabulary holds token id {vocab.max()}, "
-                                   f"beyond the target's {c.vocab_size}")
-            self.draft_vocab = vocab
+        #: With a draft vocabulary: the LM head's rows for it with the final norm's gain folded
+        #: in (``[K, H]``, contiguous: paddle's CPU matmul is 4x slower on a transposed view).
+        if self.draft_vocab is not None:
             gain = self.final_norm if self.final_norm is not None else self.target.final_norm
             with paddle.no_grad():
-                rows = paddle.gather(self.target.lm_head, paddle.to_tensor(vocab))
+                rows = paddle.gather(self.target.lm_head, paddle.to_tensor(self.draft_vocab))
                 self.vocab_head = rows * gain.unsqueeze(0)
+
+    def _init_quantized(self, weights: MtpLayerWeights, method: str) -> None:
+        """The fast path's matrices, quantized with ``method`` (see the class docstring)."""
+        c, eps = self, self.eps
+        self.embed_proj = QuantizedLinear(np.asarray(weights.embed_proj, np.float32), method,
+                                          norm_gain=weights.enorm, eps=eps)
+        self.hidden_proj = QuantizedLinear(np.asarray(weights.hidden_proj, np.float32), method,
+                                           norm_gain=weights.hnorm, eps=eps)
+        self.layer = QuantizedDecoderLayer(weights.decoder, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                           head_dim=c.head_dim, eps=eps, method=method)
+        #: The LM head with its final norm in one call: the head's own final norm, else the
+        #: target's; over the draft vocabulary's rows when the head has one. Without either a
+        #: draft vocabulary or a final norm of its own the head calls ``target.logits``, the
+        #: target's own (native when the target is quantized).
+        self.lm_head = None
+        if self.draft_vocab is not None or self.final_norm is not None:
+            gain = self.final_norm if self.final_norm is not None else self.target.final_norm
+            rows = np.asarray(self.target.lm_head, np.float32)
+            if self.draft_vocab is not None:
+                rows = rows[self.draft_vocab]
+            self.lm_head = QuantizedLinear(rows, method, norm_gain=np.asarray(gain, np.float32), eps=eps)
 
     def _rms(self, x, gain=None):
         p = self.paddle
@@ -87,6 +125,11 @@ class MtpHead:
         p = self.paddle
         with p.no_grad():
             embeds = self.target.embed(token_ids)
+            if self.layer is not None:
+                x = self.embed_proj(embeds) + self.hidden_proj(hidden)
+                qkv = self.layer.attention_input(x)
+                self.cache.prepare(meta)
+                return self.layer.output(self.cache.forward(self.layer_index, qkv, meta), x)
             x = self.embed_proj(self._rms(embeds, self.enorm)) + self.hidden_proj(self._rms(hidden, self.hnorm))
             qkv = self.qkv(self._rms(x, self.attn_norm))
             if self.qkv_bias is not None:
@@ -103,6 +146,8 @@ class MtpHead:
         target's final norm and LM head."""
         p = self.paddle
         with p.no_grad():
+            if self.layer is not None:
+                return self.target.logits(out) if self.lm_head is None else self.lm_head(out)
             if self.draft_vocab is not None:
                 return p.matmul(self._rms(out), self.vocab_head, transpose_y=True)
             if self.final_norm is None:
@@ -111,5 +156,5 @@ class MtpHead:
 
     def draft_tokens(self, out) -> np.ndarray:
         """``[T]`` int64: the token each output row drafts (the argmax of :meth:`logits`)."""
-        best = self.paddle.argmax(self.logits(out), axis=-1).numpy().astype(np.int64)
+        best = np.asarray(self.logits(out)).argmax(axis=-1).astype(np.int64)  # one copy, no paddle op
         return best if self.draft_vocab is None else self.draft_vocab[best]

@@ -28,9 +28,13 @@ from specdec.sdk import (AttentionMetadata, Drafts, ProposalBatch, ProposalReque
 from .head import MtpHead
 from .weights import load_mtp_layers
 
-#: The head's ``quantization``: its matrices quantized at load and run by the engine's
-#: quantized kernels (specdec.sdk.QuantizedLinear).
-QUANTIZATIONS = ("wint8", "wint4")
+#: The head's ``quantization``: ``wint8``/``wint4``, its matrices quantized at load and run by
+#: the engine's quantized kernels (specdec.sdk.QuantizedDecoderLayer, QuantizedLinear), a few
+#: native calls per forward; ``none``, float32 eager paddle ops (about 3x the head's time per
+#: step on the default model, benchmarks/bench_mtp_head.py, for the same acceptance).
+QUANTIZATIONS = ("wint8", "wint4", "none")
+#: What null means: int8 per channel, whose drafts measured the same acceptance as float32's.
+DEFAULT_QUANTIZATION = "wint8"
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
 #: The heads that ship with specdec, by the model name that selects their target.
 SHIPPED_HEADS = {"smollm2-135m-instruct": str(HEADS_DIR / "smollm2-135m-instruct.safetensors")}
@@ -65,9 +69,10 @@ class MtpProposer(specdec.Proposer):
                 raise SpecdecError(f"needs `model`, the path of MTP head weights (safetensors): no head ships for "
                                    f"'{context.model_name}' (one ships for {', '.join(sorted(SHIPPED_HEADS))}; "
                                    f"train one with `specdec train-mtp`)")
-        if spec.quantization is not None and spec.quantization not in QUANTIZATIONS:
-            raise SpecdecError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or null, "
-                               f"got {spec.quantization!r}")
+        quantization = DEFAULT_QUANTIZATION if spec.quantization is None else spec.quantization
+        if quantization not in QUANTIZATIONS:
+            raise SpecdecError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or null "
+                               f"({DEFAULT_QUANTIZATION}), got {spec.quantization!r}")
         layers = load_mtp_layers(model, context.model_config.hidden_size)
         weights = layers[0]  # every substep reuses the first layer, as FastDeploy does
         self.num_model_steps = spec.num_model_steps
@@ -75,7 +80,8 @@ class MtpProposer(specdec.Proposer):
         self.hidden_size = context.model_config.hidden_size
         self.vocab_size = context.model_config.vocab_size
         self._fallback_rng = np.random.default_rng(0)  # for requests built without a generator
-        self.head = MtpHead(weights, context, context.create_cache_layers(1), quantization=spec.quantization)
+        self.head = MtpHead(weights, context, context.create_cache_layers(1),
+                           quantization=None if quantization == "none" else quantization)
         self.paddle = self.head.paddle
         #: Per request: the first hidden position the next proposal should bring (a different
         #: one means a fresh start: first proposal, prefix-cache hit, or preemption).
@@ -119,7 +125,8 @@ class MtpProposer(specdec.Proposer):
             context_lens.append(int(rows[0]))
             tables.append(request.block_table)
         meta = AttentionMetadata.build(query_lens, context_lens, _padded(tables), self.block_size)
-        out = self.head.forward(np.concatenate(tokens), p.concat(states, axis=0), meta)
+        out = self.head.forward(np.concatenate(tokens), states[0] if len(states) == 1 else p.concat(states, axis=0),
+                                meta)
         return out, np.cumsum(query_lens) - 1
 
     def _draft(self, drafting, out, last_rows, drafts: list[list[int]]) -> dict[int, list[np.ndarray]]:
@@ -128,7 +135,7 @@ class MtpProposer(specdec.Proposer):
         Returns the distributions sampled drafts came from, per batch row (none when greedy)."""
         p = self.paddle
         steps = [min(self.num_model_steps, r.max_draft_len) for _, _, r in drafting]
-        state = p.gather(out, p.to_tensor(np.array([last_rows[i] for i, _, _ in drafting], dtype=np.int64)))
+        state = _rows(p, out, np.array([last_rows[i] for i, _, _ in drafting], dtype=np.int64))
         active = list(range(len(drafting)))
         draft_probs: dict[int, list[np.ndarray]] = {}
         for substep in range(1, max(steps) + 1):
@@ -144,8 +151,7 @@ class MtpProposer(specdec.Proposer):
             requests = [drafting[k][2] for k in active]
             meta = AttentionMetadata.build([1] * len(active), [len(r.token_ids) + substep - 1 for r in requests],
                                            _padded([r.block_table for r in requests]), self.block_size)
-            keep_index = p.to_tensor(np.array(keep, dtype=np.int64))
-            state = self.head.forward(tokens[keep], p.gather(state, keep_index), meta)
+            state = self.head.forward(tokens[keep], _rows(p, state, np.array(keep, dtype=np.int64)), meta)
         return draft_probs
 
     def _choose(self, state, requests: list[ProposalRequest]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -177,6 +183,16 @@ class MtpProposer(specdec.Proposer):
             for position, probs in enumerate(rows):
                 out[row, position, columns] = probs
         return out
+
+
+def _rows(p, x, rows: np.ndarray):
+    """``x[rows]`` with as few paddle ops as the rows allow (each op costs tens of us on a CPU):
+    none when they are all of ``x``, a slice when they are consecutive, else a gather."""
+    if len(rows) == x.shape[0] and np.array_equal(rows, np.arange(len(rows))):
+        return x
+    if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
+        return x[int(rows[0]):int(rows[0]) + len(rows)]
+    return p.gather(x, p.to_tensor(rows))
 
 
 def _padded(tables: list[np.ndarray]) -> np.ndarray:

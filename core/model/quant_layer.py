@@ -1,0 +1,131 @@
+"""One decoder layer on the quantized CPU kernels, in two native calls: the code the target's
+quantized path (:class:`specdec.model.quant_weights.QuantizedWeights`) runs per layer, and
+:class:`QuantizedDecoderLayer`, the same for a plugin's own layer (an MTP head, an EAGLE or
+draft layer), exported as ``specdec.sdk.QuantizedDecoderLayer``.
+
+A layer is a dict of kernel operands (:func:`build_layer`):
+
+- ``qkv`` (q, k and v stacked: one matmul), ``qkv_epilogue`` (``[2, N]``: a scale per output
+  column, ``1/sqrt(head_dim)`` on the query columns and 1 elsewhere, then the q/k/v biases
+  already scaled), ``attn_gain`` (the input RMSNorm's gain);
+- ``o``, ``mlp_gain`` (the post-attention RMSNorm's gain), ``gate_up`` (gate and up stacked),
+  ``down``;
+
+each matrix a ``(data, layout)`` pair of paddle tensors (see :func:`specdec.model.quant.layout_array`).
+:func:`attention_input` and :func:`layer_output` are its two calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .quant import QuantizedMatrix, load_quantized_ops, quantize, to_paddle
+
+#: The float weights of one decoder layer, by their Hugging Face names below ``model.layers.{i}.``.
+LAYER_MATRICES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+LAYER_GAINS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def qkv_epilogue(num_heads: int, num_kv_heads: int, head_dim: int, biases=None) -> np.ndarray:
+    """``[2, N]`` float32 for ``specdec_q_matmul``'s epilogue over the fused q/k/v output: row 0
+    scales each column (``1/sqrt(head_dim)`` on the queries: the attention backends take queries
+    pre-scaled, and blocks cannot absorb the scale as float weights do), row 1 is added after
+    (the q, k, v biases times that scale; zeros without ``biases``)."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    scale = np.concatenate([np.full(q_size, head_dim ** -0.5), np.ones(2 * kv_size)])
+    bias = np.zeros(q_size + 2 * kv_size) if biases is None else np.concatenate(biases) * scale
+    return np.stack([scale, bias]).astype(np.float32)
+
+
+def build_layer(paddle, get: Callable[[str], Any], matrix: Callable[..., Any], num_heads: int, num_kv_heads: int,
+                head_dim: int, attention_bias: bool) -> dict:
+    """One layer's kernel operands (the module docstring lists them). ``get(name)`` returns a
+    float weight by its name within the layer (``input_layernorm.weight``, ...); ``matrix(*names)``
+    returns the ``(data, layout)`` pair of those matrices stacked, in blocks."""
+    def vector(name: str):
+        return paddle.to_tensor(np.ascontiguousarray(get(name), dtype=np.float32))
+
+    biases = [get(name) for name in QKV_BIASES] if attention_bias else None
+    return {
+        "qkv": matrix(*LAYER_MATRICES[:3]),
+        "qkv_epilogue": paddle.to_tensor(qkv_epilogue(num_heads, num_kv_heads, head_dim, biases)),
+        "attn_gain": vector("input_layernorm.weight"),
+        "o": matrix("self_attn.o_proj.weight"),
+        "mlp_gain": vector("post_attention_layernorm.weight"),
+        "gate_up": matrix("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "down": matrix("mlp.down_proj.weight"),
+    }
+
+
+def attention_input(ops, layer: dict, x, eps: float):
+    """``[T, N]`` q/k/v for the attention backend: RMSNorm of ``x`` ``[T, H]``, the gain, the
+    fused matmul, the query scale and the biases, in one call."""
+    data, layout = layer["qkv"]
+    return ops.specdec_q_matmul(x, layer["attn_gain"], data, layout, layer["qkv_epilogue"], eps, True)
+
+
+def layer_output(ops, layer: dict, attn, x, eps: float):
+    """``[T, H]``: the layer's output from the attention output ``attn`` and its input ``x``
+    (output projection, residual, RMSNorm, gate/up, SwiGLU, down, residual), in one call."""
+    return ops.specdec_q_layer_tail(attn, x, *layer["o"], layer["mlp_gain"], *layer["gate_up"], *layer["down"], eps)
+
+
+class QuantizedDecoderLayer:
+    """A Llama/Qwen2-style decoder layer (pre-norm attention and SwiGLU MLP) quantized at
+    construction and run by the CPU kernels in two native calls, the calls the target's own
+    quantized layers make: :meth:`attention_input` before the attention backend's ``forward``,
+    :meth:`output` after it. For a model-based proposer's own layer: one call replaces the
+    dozen eager paddle ops (each 20-60 us of dispatch on a CPU) a layer costs written out.
+
+    :param weights: the layer's float weights by their Hugging Face names within the layer:
+        ``self_attn.{q,k,v,o}_proj.weight`` (``[out, in]``), ``self_attn.{q,k,v}_proj.bias``
+        (optional: all three or none), ``input_layernorm.weight``,
+        ``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.weight``. Numpy arrays
+        (any float dtype); input sizes must be multiples of 32.
+    :param num_heads, num_kv_heads, head_dim: the attention's shape (the target's
+        ``model_config`` values when the layer attends over ``create_cache_layers`` defaults).
+    :param eps: the RMSNorms' epsilon (``context.target.rms_norm_eps``).
+    :param method: ``wint8`` (int8 per output channel) or ``wint4`` (int4 in groups of 32), as
+        :func:`specdec.model.quant.quantize`.
+
+    Raises :class:`specdec.SpecdecError` (one line) for an unknown ``method``, kernels that are
+    not built, or a weight the kernels cannot take.
+    """
+
+    def __init__(self, weights: dict, *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 method: str = "wint8"):
+        from specdec.errors import SpecdecError, require_paddle
+
+        self._ops = load_quantized_ops(method)
+        paddle = require_paddle()
+        self.method, self.eps = method, float(eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        missing = [name for name in LAYER_MATRICES + LAYER_GAINS if name not in weights]
+        if missing:
+            raise SpecdecError(f"QuantizedDecoderLayer: missing weights {', '.join(missing)}")
+
+        def matrix(*names: str):
+            try:
+                parts = [quantize(np.asarray(weights[name], np.float32), method) for name in names]
+            except ValueError as exc:
+                raise SpecdecError(f"QuantizedDecoderLayer: {names[0]}: {exc}") from None
+            return to_paddle(paddle, parts[0] if len(parts) == 1 else QuantizedMatrix.stacked(parts))
+
+        self._layer = build_layer(paddle, weights.__getitem__, matrix, num_heads, num_kv_heads, head_dim,
+                                  attention_bias=QKV_BIASES[0] in weights)
+        self.hidden_size = int(self._layer["attn_gain"].shape[0])
+
+    def attention_input(self, x):
+        """``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` float32: q, k, v of the layer's
+        input ``x`` ``[T, H]`` (float32 paddle tensor), as an attention backend's ``forward``
+        takes them: before RoPE, queries pre-scaled by ``1/sqrt(head_dim)``, biases added."""
+        return attention_input(self._ops, self._layer, x, self.eps)
+
+    def output(self, attn, x):
+        """``[T, H]``: the layer's output from the attention backend's output ``attn``
+        ``[T, num_heads * head_dim]`` and the layer's input ``x`` ``[T, H]``."""
+        return layer_output(self._ops, self._layer, attn, x, self.eps)
