@@ -3,14 +3,16 @@ its drafts to verify, so that speculation never makes decoding slower.
 
 Drafting costs time twice: the proposer's own call (a model head or a draft model: a good part
 of a step) and a verified row per draft token (``adaptive.py``). Both are measured here, the
-proposer's per request it drafted for, and so is what a step costs outside the forward pass.
+proposer's per request it drafted for, the rest of a step per packed row.
 Each step a request's drafting earns ``accepted`` tokens and costs ``per_row * verified +
-proposer share`` seconds, which the batch would otherwise have spent on plain decoding at
+proposer share`` seconds (``per_row`` fitted to whole steps: a row's forward pass and the host
+work on its logits), which the batch would otherwise have spent on plain decoding at
 ``bar`` tokens per second: its *net* is ``accepted - bar * cost`` tokens. The controller keeps a
 decayed mean of it per request (a new request starts from the method's mean) and:
 
 - stops calling the proposer for a request whose mean net is below ``-MIN_LOSS`` tokens per
-  step (drafting loses there; a plain step is what it gets instead);
+  step (drafting loses there; a plain step is what it gets instead), unless the proposer's
+  own time is worth less than that (a lookup's: its rows are the adaptive length's to cut);
 - *probes* a request that has had no draft verified for ``interval`` steps (its proposer off,
   or every draft cut by the adaptive draft length): that step it is proposed for and its
   drafts are verified uncut, so that the acceptance it would get is measured again, not
@@ -34,11 +36,12 @@ import numpy as np
 from .adaptive import AcceptanceModel, StepCostModel, choose_draft_lengths
 
 #: A request whose drafting loses more than this many tokens per step, on its decayed mean,
-#: stops calling the proposer. Below it a proposer's time is noise (a lookup proposer's
-#: tenth of a millisecond), and such a proposer stays on even while it finds no draft.
+#: stops calling the proposer. A proposer whose call costs less than this (a lookup
+#: proposer's tenth of a millisecond) is never switched off: the rows its drafts cost are the
+#: adaptive draft length's to cut, and off it would miss the next match.
 MIN_LOSS = 0.02
-#: How much of its net a request keeps each step it is proposed for (about 5 steps count).
-REQUEST_DECAY = 0.8
+#: How much of its net a request keeps each step it is proposed for (about 10 steps count).
+REQUEST_DECAY = 0.9
 #: How much of the method's net is kept per request-step (a new request starts from it).
 SHARED_DECAY = 0.98
 #: Steps without a verified draft before a request is probed, at first and at most.
@@ -64,17 +67,15 @@ class DraftController:
     time per request, the host time of a step, and each request's on/off state.
 
     The engine calls, each step: :meth:`proposing` (whom to propose for), :meth:`proposer_time`
-    (after the call), :meth:`draft_lengths` (how many drafts to verify), :meth:`forward_time`,
-    :meth:`record` (what was accepted), :meth:`host_time`; and :meth:`forget` when a request
-    ends."""
+    (after the call), :meth:`draft_lengths` (how many drafts to verify), :meth:`record` (what
+    was accepted), :meth:`step_time` (what the step cost besides the proposer); and
+    :meth:`forget` when a request ends."""
 
     def __init__(self):
         self.acceptance = AcceptanceModel()
         self.step_costs = StepCostModel()
         #: Mean proposer seconds per request proposed for (None until measured).
         self.proposer_seconds: float | None = None
-        #: Mean seconds of a decode step outside the forward pass and the proposer.
-        self.host_seconds = 0.0
         self.shared_net = 0.0
         self._requests: dict[str, _RequestState] = {}
         self._bar = 0.0  # tokens per second of this step without drafts (set by draft_lengths)
@@ -82,8 +83,7 @@ class DraftController:
     def _state(self, request_id: str) -> _RequestState:
         state = self._requests.get(request_id)
         if state is None:
-            state = self._requests[request_id] = _RequestState(net=self.shared_net,
-                                                               proposing=self.shared_net >= -MIN_LOSS)
+            state = self._requests[request_id] = _RequestState(net=self.shared_net, proposing=self._method_pays())
         return state
 
     def proposing(self, request_ids: list[str], always: np.ndarray) -> np.ndarray:
@@ -107,13 +107,11 @@ class DraftController:
         share = min(share, PROPOSER_OUTLIER_FACTOR * self.proposer_seconds)
         self.proposer_seconds = 0.9 * self.proposer_seconds + 0.1 * share
 
-    def forward_time(self, rows: int, seconds: float) -> None:
-        """A decode-only forward pass of ``rows`` rows took ``seconds``."""
+    def step_time(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` packed rows took ``seconds`` besides its proposer call:
+        the forward pass and all the host work around it (packing, verifying and sampling
+        each row's logits, updating), which grows with the rows too."""
         self.step_costs.observe(rows, seconds)
-
-    def host_time(self, seconds: float) -> None:
-        """A decode step spent ``seconds`` outside its forward pass and its proposer call."""
-        self.host_seconds = 0.9 * self.host_seconds + 0.1 * max(seconds, 0.0)
 
     def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
                       base_tokens: int, adaptive: bool = True) -> np.ndarray:
@@ -123,7 +121,6 @@ class DraftController:
         ``base_rows`` / ``base_tokens``: the rows and tokens of this step without drafts."""
         fixed, per_row = self.step_costs.costs()
         if self.step_costs.measured:
-            fixed += self.host_seconds
             self._bar = base_tokens / (fixed + per_row * base_rows)
         else:  # relative units: nothing to weigh a proposer's seconds against yet
             self._bar = 0.0
@@ -141,6 +138,7 @@ class DraftController:
         self.acceptance.record(request_ids, classes, verified, accepted)
         _, per_row = self.step_costs.costs()
         proposer = self.proposer_seconds or 0.0
+        negligible = self._proposer_negligible()
         for b, request_id in enumerate(request_ids):
             state = self._state(request_id)
             state.steps_since_probe += 1
@@ -150,7 +148,7 @@ class DraftController:
             net = float(accepted[b]) - self._bar * (per_row * float(verified[b]) + proposer)
             self.shared_net = SHARED_DECAY * self.shared_net + (1.0 - SHARED_DECAY) * net
             state.net = net if state.probing else REQUEST_DECAY * state.net + (1.0 - REQUEST_DECAY) * net
-            paying = state.net >= -MIN_LOSS
+            paying = negligible or state.net >= -MIN_LOSS
             if state.probing:
                 state.probing = False
                 state.steps_since_probe = state.idle_steps = 0
@@ -164,10 +162,14 @@ class DraftController:
                 state.idle_steps = 0
             state.proposing = paying
 
-    def is_proposing(self, request_id: str) -> bool:
-        """Whether the proposer is on for ``request_id`` (a request not seen yet: the method's mean)."""
-        state = self._requests.get(request_id)
-        return self.shared_net >= -MIN_LOSS if state is None else state.proposing
+    def _proposer_negligible(self) -> bool:
+        """Whether a proposer call costs less than :data:`MIN_LOSS` tokens of a plain step."""
+        return self._bar * (self.proposer_seconds or 0.0) < MIN_LOSS
+
+    def _method_pays(self) -> bool:
+        """Whether a new request starts with the proposer on: the method's drafting has paid
+        on the whole, or its proposer costs next to nothing."""
+        return self._proposer_negligible() or self.shared_net >= -MIN_LOSS
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)

@@ -85,10 +85,10 @@ class _StepState:
     #: with room that the controller left out.
     proposed: Optional[np.ndarray] = None
     proposer_off: Optional[np.ndarray] = None
-    #: Seconds of this step's proposer call and forward pass, and whether it had prompt rows.
+    #: Seconds of this step's proposer call; its packed rows when it had no prompt rows
+    #: (0 when it had some).
     proposer_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    decode_only: bool = False
+    decode_rows: int = 0
 
     def only(self, keep: Callable[[Request], bool]) -> "_StepState":
         rows = [i for i, request in enumerate(self.plan.decodes) if keep(request)]
@@ -106,8 +106,7 @@ class _StepState:
             proposed=None if self.proposed is None else self.proposed[pick],
             proposer_off=None if self.proposer_off is None else self.proposer_off[pick],
             proposer_seconds=self.proposer_seconds,
-            forward_seconds=self.forward_seconds,
-            decode_only=self.decode_only,
+            decode_rows=self.decode_rows,
         )
 
 
@@ -561,8 +560,10 @@ class Engine:
         for request in done:
             if request.error is None:
                 self._retire(request, request.finish_reason)
-        if state.decode_only:
-            self.controller.host_time(time.perf_counter() - started - state.forward_seconds - state.proposer_seconds)
+        if state.decode_rows:
+            # Only decode steps feed the cost model: a prefill row also attends over its whole
+            # prompt, which would make every draft row look dearer than it is.
+            self.controller.step_time(state.decode_rows, time.perf_counter() - started - state.proposer_seconds)
 
     def _process_rows(self, state: _StepState) -> _StepState:
         """Keep the raw log-probabilities of the requests that ask for them (``logprobs.py``),
@@ -667,8 +668,7 @@ class Engine:
             [SequenceRows(r.tokens[r.context_len: r.context_len + rows], r.context_len, r.block_table)
              for r, rows in plan.chunks],
             self.block_size)
-        started = time.perf_counter()
-        state.decode_only = packed.is_decode_only
+        state.decode_rows = packed.meta.num_rows if packed.is_decode_only else 0
         # The fused verify kernels read the logits where the model left them.
         options = {"device_logits": True} if self.kernels == "triton" else {}
         if self.proposer.NEEDS_HIDDEN_STATES or any(r.capture_hidden for r in plan.requests):
@@ -678,11 +678,6 @@ class Engine:
             state.first_rows = {id(r): int(starts[i]) for i, r in enumerate(plan.requests)}
         else:
             logits = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows, **options)
-        state.forward_seconds = time.perf_counter() - started
-        if packed.is_decode_only:
-            # Only decode steps feed the cost model: a prefill row also attends over its
-            # whole prompt, which would make every draft row look dearer than it is.
-            self.controller.forward_time(packed.meta.num_rows, state.forward_seconds)
         return packed.verify_logits(logits)
 
     @staticmethod

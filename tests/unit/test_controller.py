@@ -15,7 +15,7 @@ FIXED, PER_ROW = 0.010, 0.001
 def measured_controller() -> DraftController:
     controller = DraftController()
     for rows in (1, 2, 4, 6) * 4:
-        controller.forward_time(rows, FIXED + PER_ROW * rows)
+        controller.step_time(rows, FIXED + PER_ROW * rows)
     return controller
 
 
@@ -58,11 +58,14 @@ def test_a_proposer_whose_drafts_pay_stays_on():
     assert controller.shared_net > 1.0
 
 
-def test_a_cheap_proposer_stays_on_while_it_finds_nothing():
+def test_a_cheap_proposer_stays_on_while_it_finds_nothing_or_is_wrong():
     """A lookup proposer's call costs a tenth of a millisecond: switching it off would only
-    miss the next match."""
+    miss the next match. The rows of its wrong drafts are the adaptive length's to cut."""
     controller = measured_controller()
     assert all(run_steps(controller, 100, proposer_seconds=0.0001, accept=lambda drafted: 0, k=0))
+    assert all(run_steps(controller, 100, proposer_seconds=0.0001, accept=lambda drafted: 0, k=4))
+    assert controller.shared_net < -MIN_LOSS  # its verified drafts lost, yet it stays on
+    assert controller.proposing(["new"], np.array([False]))[0]
 
 
 def test_a_proposer_that_starts_to_pay_is_switched_back_on_by_a_probe():
