@@ -16,9 +16,12 @@ decayed mean of it per request (a new request starts from the method's mean) and
 - *probes* a request that has had no draft verified for ``interval`` steps (its proposer off,
   or every draft cut by the adaptive draft length): that step it is proposed for and its
   drafts are verified uncut, so that the acceptance it would get is measured again, not
-  assumed. A probe that does not switch drafting back on for long doubles the interval, up
-  to :data:`PROBE_INTERVAL_MAX` steps: a proposer that only wastes time is called once in
-  that many steps.
+  assumed. A probe after which nothing changed (the proposer stays off, or the policy still
+  cuts every draft) doubles the interval, up to :data:`PROBE_INTERVAL_MAX` steps: a proposer
+  that only wastes time is called once in that many steps, and in a large batch, where only
+  near-certain drafts pay for their rows, the probes' rows stay a few percent of a step.
+  Probes also share a budget: 3% of the engine's time (:data:`PROBE_TIME_SHARE`), the longest
+  idle request first.
 
 A request whose proposer was off gets the hidden states of every step it skipped at its next
 proposal (the engine keeps them): a model proposer catches up over them in one call.
@@ -47,6 +50,10 @@ SHARED_DECAY = 0.98
 #: Steps without a verified draft before a request is probed, at first and at most.
 PROBE_INTERVAL_MIN = 8
 PROBE_INTERVAL_MAX = 64
+#: The share of the engine's time that probes may take, on average (their verified rows and
+#: the proposer's time): in a batch of 32 all requests are due at once, and their rows would
+#: cost more than the drafts win.
+PROBE_TIME_SHARE = 0.03
 #: How much of its mean a proposer call may take before it counts as interrupted.
 PROPOSER_OUTLIER_FACTOR = 3.0
 
@@ -58,6 +65,7 @@ class _RequestState:
     idle_steps: int = 0  # steps in a row without a verified draft
     interval: int = PROBE_INTERVAL_MIN
     steps_since_probe: int = PROBE_INTERVAL_MAX
+    verified_since_probe: bool = False  # drafts the policy chose (not a probe) were verified
     probing: bool = False
 
 
@@ -79,6 +87,10 @@ class DraftController:
         self.shared_net = 0.0
         self._requests: dict[str, _RequestState] = {}
         self._bar = 0.0  # tokens per second of this step without drafts (set by draft_lengths)
+        #: Seconds of probes the budget holds (PROBE_TIME_SHARE of every step's time, at most
+        #: _probe_cap); None until a step is measured.
+        self._probe_credit: float | None = None
+        self._probe_cap = 0.0
 
     def _state(self, request_id: str) -> _RequestState:
         state = self._requests.get(request_id)
@@ -86,15 +98,34 @@ class DraftController:
             state = self._requests[request_id] = _RequestState(net=self.shared_net, proposing=self._method_pays())
         return state
 
-    def proposing(self, request_ids: list[str], always: np.ndarray) -> np.ndarray:
+    def proposing(self, request_ids: list[str], always: np.ndarray, max_draft_lens: np.ndarray) -> np.ndarray:
         """``[B]`` bool: the requests the proposer is called for this step: those whose
-        drafting pays, those due for a probe, and those ``always`` marks (seeded, sampled)."""
-        out = np.empty(len(request_ids), dtype=bool)
-        for b, request_id in enumerate(request_ids):
-            state = self._state(request_id)
-            state.probing = bool(always[b]) or state.idle_steps >= state.interval
-            out[b] = state.proposing or state.probing
-        return out
+        drafting pays, those due for a probe that the probe budget covers (the longest idle
+        first), and those ``always`` marks (seeded, sampled).
+
+        ``max_draft_lens``: the most drafts each may verify (what a probe of it may cost)."""
+        states = [self._state(request_id) for request_id in request_ids]
+        due = []
+        for b, state in enumerate(states):
+            state.probing = bool(always[b])
+            if not state.probing and state.idle_steps >= state.interval and max_draft_lens[b] > 0:
+                due.append(b)
+        for b in sorted(due, key=lambda b: -states[b].idle_steps):
+            states[b].probing = self._afford_probe(int(max_draft_lens[b]))
+        return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
+
+    def _afford_probe(self, drafts: int) -> bool:
+        """Whether the probe budget covers a probe of ``drafts`` drafts (their rows and the
+        proposer's time), taking it from the budget if so. A full budget pays for any probe,
+        going into debt: a probe dearer than the cap then waits until the debt is paid."""
+        if self._probe_credit is None:  # nothing measured yet
+            return True
+        _, per_row = self.step_costs.costs()
+        cost = drafts * per_row + (self.proposer_seconds or 0.0)
+        if self._probe_credit < cost and self._probe_credit < self._probe_cap:
+            return False
+        self._probe_credit -= cost
+        return True
 
     def proposer_time(self, num_requests: int, seconds: float) -> None:
         """One proposer call took ``seconds`` for ``num_requests`` requests."""
@@ -112,6 +143,9 @@ class DraftController:
         the forward pass and all the host work around it (packing, verifying and sampling
         each row's logits, updating), which grows with the rows too."""
         self.step_costs.observe(rows, seconds)
+        self._probe_cap = PROBE_TIME_SHARE * PROBE_INTERVAL_MAX * seconds
+        credit = self._probe_cap if self._probe_credit is None else self._probe_credit + PROBE_TIME_SHARE * seconds
+        self._probe_credit = min(credit, self._probe_cap)
 
     def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
                       base_tokens: int, adaptive: bool = True) -> np.ndarray:
@@ -143,6 +177,8 @@ class DraftController:
             state = self._state(request_id)
             state.steps_since_probe += 1
             state.idle_steps = 0 if verified[b] else state.idle_steps + 1
+            if verified[b] and not state.probing:
+                state.verified_since_probe = True
             if not proposed[b]:
                 continue
             net = float(accepted[b]) - self._bar * (per_row * float(verified[b]) + proposer)
@@ -150,10 +186,15 @@ class DraftController:
             state.net = net if state.probing else REQUEST_DECAY * state.net + (1.0 - REQUEST_DECAY) * net
             paying = negligible or state.net >= -MIN_LOSS
             if state.probing:
-                state.probing = False
-                state.steps_since_probe = state.idle_steps = 0
-                if not paying:  # a failed probe: wait twice as long for the next one
+                # A probe that neither switches the proposer back on nor follows drafts the
+                # policy chose to verify since the previous probe waits twice as long for the
+                # next one: whether the proposer is off or its drafts are cut, it found nothing.
+                if state.verified_since_probe:
+                    state.interval = PROBE_INTERVAL_MIN
+                elif not (paying and not state.proposing):
                     state.interval = min(2 * state.interval, PROBE_INTERVAL_MAX)
+                state.probing = state.verified_since_probe = False
+                state.steps_since_probe = state.idle_steps = 0
             elif state.proposing and not paying:
                 # Switched off: soon after a probe switched it on, the next probe waits longer;
                 # after a good while on, it comes soon again.

@@ -614,7 +614,7 @@ class Engine:
         # their states. Left out, a request's states wait for its next proposal.
         wanted = (max_draft_lens > 0) | needs_hidden
         if adaptive:
-            wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes))
+            wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes), max_draft_lens)
         rows = np.flatnonzero(wanted)
         state.proposed = wanted & (max_draft_lens > 0)
         state.proposer_off = ~wanted & (max_draft_lens > 0)
