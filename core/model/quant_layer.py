@@ -86,8 +86,11 @@ class QuantizedDecoderLayer:
         (optional: all three or none), ``input_layernorm.weight``,
         ``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.weight``. Numpy arrays
         (any float dtype); input sizes must be multiples of 32.
-    :param num_heads, num_kv_heads, head_dim: the attention's shape (the target's
-        ``model_config`` values when the layer attends over ``create_cache_layers`` defaults).
+    :param num_heads: query heads; with ``num_kv_heads`` and ``head_dim`` the attention's
+        shape (the target's ``model_config`` values when the layer attends over
+        ``create_cache_layers`` defaults).
+    :param num_kv_heads: key/value heads.
+    :param head_dim: the size of one head.
     :param eps: the RMSNorms' epsilon (``context.target.rms_norm_eps``).
     :param method: ``wint8`` (int8 per output channel) or ``wint4`` (int4 in groups of 32), as
         :func:`specdec.model.quant.quantize`.
