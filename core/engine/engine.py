@@ -92,6 +92,8 @@ class _StepState:
 
     def only(self, keep: Callable[[Request], bool]) -> "_StepState":
         rows = [i for i, request in enumerate(self.plan.decodes) if keep(request)]
+        if len(rows) == len(self.plan.decodes) and all(keep(r) for r, _ in self.plan.chunks):
+            return self  # nothing to narrow: no copy of the step's [B, k+1, V] logits
         pick = np.asarray(rows, dtype=np.int64)
         return _StepState(
             plan=self.plan.keeping(keep),
