@@ -143,3 +143,14 @@ def test_probes_back_off_while_the_policy_cuts_every_draft():
     gaps = np.diff(np.flatnonzero(probes))
     assert gaps[0] == PROBE_INTERVAL_MIN + 1 and gaps[-1] == PROBE_INTERVAL_MAX + 1
     assert sum(probes[-4 * PROBE_INTERVAL_MAX:]) <= 5
+
+
+def test_drafts_of_part_of_a_batch_are_placed_at_their_rows():
+    from specdec import Drafts
+
+    part = Drafts.from_lists([[7, 8], [9]], probs=np.ones((2, 2, 3), np.float32), classes=[4, 2])
+    whole = part.placed([1, 3], 4)
+    assert whole.to_lists() == [[], [7, 8], [], [9]]
+    assert whole.classes.tolist() == [0, 4, 0, 2]
+    assert whole.probs.shape == (4, 2, 3) and whole.probs[[0, 2]].sum() == 0 and whole.probs[[1, 3]].all()
+    assert (whole.token_ids[[0, 2]] == -1).all()
