@@ -35,9 +35,9 @@ from ..proposer_context import ProposerContext, TargetModel
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
 from . import admission
-from .controller import DraftController
 from .batch import SequenceRows, pack_step
 from .build import build_model, build_spec_plugins, create_cache_layers, spec_plugin_classes
+from .controller import DraftController
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
 from .hidden_states import PendingHiddenStates
 from .kv_cache import BlockPool, KVCacheManager
@@ -51,6 +51,19 @@ from .tensor_parallel import exit_after_failure
 
 logger = logging.getLogger("specdec.engine")
 T = TypeVar("T")
+
+
+def _merged_result(rows: list[tuple], width: int) -> VerifyResult:
+    """One :class:`VerifyResult` at ``width`` drafts from per-request ``(accepted,
+    output_tokens, target_tokens)`` of groups verified at narrower widths (-1 beyond)."""
+    output = np.full((len(rows), width + 1), -1, dtype=np.int64)
+    target = np.full((len(rows), width + 1), -1, dtype=np.int64)
+    for b, (_, tokens, targets) in enumerate(rows):
+        output[b, : len(tokens)] = tokens
+        target[b, : len(targets)] = targets
+    accepted = np.fromiter((row[0] for row in rows), dtype=np.int64, count=len(rows))
+    return VerifyResult(accepted_lengths=accepted, output_tokens=output, target_tokens=target)
+
 
 def _rows(logits, pick: np.ndarray):
     """The rows ``pick`` of step logits (numpy, or a paddle tensor on its device)."""
@@ -85,6 +98,8 @@ class _StepState:
     #: with room that the controller left out.
     proposed: Optional[np.ndarray] = None
     proposer_off: Optional[np.ndarray] = None
+    #: The packed step (``batch.py``), for laying its logits out per request.
+    packed: Any = None
     #: Seconds of this step's proposer call; its packed rows when it had no prompt rows
     #: (0 when it had some).
     proposer_seconds: float = 0.0
@@ -109,6 +124,7 @@ class _StepState:
             proposer_off=None if self.proposer_off is None else self.proposer_off[pick],
             proposer_seconds=self.proposer_seconds,
             decode_rows=self.decode_rows,
+            packed=self.packed,
         )
 
 
@@ -533,22 +549,8 @@ class Engine:
             self.kv.register_computed(request)
         if not state.plan.decodes:
             return
-        # process: raw logprobs, then each request's row processors (penalties, bias, ...)
-        state = self._process_rows(state)
-        if not state.plan.decodes:
-            return
-        # verify: verify_strategy.verify on [B, k+1, V] logits
-        state.sampling = self._sampling(state.plan.decodes, state.drafts)
-        state, state.result = self._isolated(
-            f"verify strategy '{self.spec.verify_strategy}'", state,
-            lambda s: self._checked_result(self.verifier.verify(self._verify_inputs(s)), s),
-            decoding)
-        if not state.plan.decodes:
-            return
-        # accept: accept_policy.apply
-        state, state.result = self._isolated(
-            f"accept policy '{self.spec.accept_policy}'", state,
-            lambda s: self._checked_result(self.accept_policy.apply(s.result, s.drafts), s), decoding)
+        # process, verify, accept: per group of draft widths where that copies fewer logits
+        state = self._verified(state)
         if not state.plan.decodes:
             return
         # update: append the tokens, then proposer.on_step, then retire the finished
@@ -566,6 +568,57 @@ class Engine:
             # Only decode steps feed the cost model: a prefill row also attends over its whole
             # prompt, which would make every draft row look dearer than it is.
             self.controller.step_time(state.decode_rows, time.perf_counter() - started - state.proposer_seconds)
+
+    def _verified(self, state: _StepState) -> _StepState:
+        """Process the rows, verify and accept (:meth:`_verify_group`) on the ``[B, k+1, V]``
+        logits of the step. Where most requests have no draft and a few have long ones, that
+        array would be mostly padding (a batch of 64 with drafts of 5 copies 64 x 6 rows of
+        logits, 75 MB, for 70 real rows): the requests without drafts and those with drafts
+        then go as two groups, each at its own width, and the results are put together."""
+        raw, packed, lengths = state.logits, state.packed, state.drafts.lengths
+        groups = [np.flatnonzero(lengths == 0), np.flatnonzero(lengths > 0)]
+        padded = len(lengths) * (state.drafts.width + 1)
+        if not isinstance(raw, np.ndarray) or packed.padded_rows is None or not all(len(g) for g in groups) \
+                or padded < 2 * len(raw):
+            state.logits = packed.verify_logits(raw)
+            return self._verify_group(state)
+        state.logits = None
+        results: dict[int, tuple] = {}
+        for rows in groups:
+            members = {id(state.plan.decodes[b]) for b in rows}
+            group = state.only(lambda r: id(r) in members)
+            group.drafts = group.drafts.clipped(group.drafts.lengths)
+            group.logits = raw[packed.padded_rows[rows, : group.drafts.width + 1]]
+            group = self._verify_group(group)
+            for b, request in enumerate(group.plan.decodes):
+                result = group.result
+                results[id(request)] = (result.accepted_lengths[b], result.output_tokens[b], result.target_tokens[b])
+        state = state.only(lambda r: id(r) in results)
+        state.result = _merged_result([results[id(r)] for r in state.plan.decodes], state.drafts.width)
+        return state
+
+    def _verify_group(self, state: _StepState) -> _StepState:
+        """Process the rows, verify the drafts and apply the accept policy for the requests of
+        ``state`` (its logits ``[B, k+1, V]``); each phase narrows it to the requests that
+        have not failed."""
+        decoding = lambda s: s.plan.decodes  # noqa: E731 - the members of these phases
+        # process: raw logprobs, then each request's row processors (penalties, bias, ...)
+        state = self._process_rows(state)
+        if not state.plan.decodes:
+            return state
+        # verify: verify_strategy.verify on [B, k+1, V] logits
+        state.sampling = self._sampling(state.plan.decodes, state.drafts)
+        state, state.result = self._isolated(
+            f"verify strategy '{self.spec.verify_strategy}'", state,
+            lambda s: self._checked_result(self.verifier.verify(self._verify_inputs(s)), s),
+            decoding)
+        if not state.plan.decodes:
+            return state
+        # accept: accept_policy.apply
+        state, state.result = self._isolated(
+            f"accept policy '{self.spec.accept_policy}'", state,
+            lambda s: self._checked_result(self.accept_policy.apply(s.result, s.drafts), s), decoding)
+        return state
 
     def _process_rows(self, state: _StepState) -> _StepState:
         """Keep the raw log-probabilities of the requests that ask for them (``logprobs.py``),
@@ -659,10 +712,11 @@ class Engine:
                            dtype=bool, count=len(requests))
 
     def _forward(self, state: _StepState) -> np.ndarray:
-        """Pack every scheduled request's rows (``batch.py``), run the model, return the
-        ``[B, k+1, V]`` logits of the decoding requests (prefill chunks need none). For a
-        proposer that reads hidden states, or a request that captures them for its hand-off,
-        ``state.hidden`` gets every row's."""
+        """Pack every scheduled request's rows (``batch.py``; the packing goes to
+        ``state.packed``), run the model, return the ``[R, V]`` logits of the decoding
+        requests' rows (prefill chunks need none; :meth:`_verified` lays them out per request).
+        For a proposer that reads hidden states, or a request that captures them for its
+        hand-off, ``state.hidden`` gets every row's."""
         plan = state.plan
         packed = pack_step(
             [SequenceRows(r.tokens[r.context_len: r.num_tokens], r.context_len, r.block_table) for r in plan.decodes],
@@ -680,7 +734,8 @@ class Engine:
             state.first_rows = {id(r): int(starts[i]) for i, r in enumerate(plan.requests)}
         else:
             logits = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows, **options)
-        return packed.verify_logits(logits)
+        state.packed = packed
+        return logits
 
     @staticmethod
     def _verify_inputs(state: _StepState) -> VerifyInputs:

@@ -528,3 +528,28 @@ def test_on_request_start_runs_in_the_step_that_admits_the_request(model_session
     assert output.finish_reason == "length" and output.num_generated_tokens == 32
     assert started == ["start-good", "start-bad"]
     assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks
+
+
+def test_a_batch_where_few_requests_draft_is_verified_in_two_groups(model_session, monkeypatch):
+    """Padding every request's logits to the longest draft would copy mostly padding: the
+    requests without drafts and those with drafts are verified apart, at their own widths,
+    and the tokens stay naive's."""
+    from specdec.workloads import chat_prompts
+
+    engine = model_session.llm.engine
+    widths = []
+    real = engine._verify_group
+
+    def verify_group(state):
+        widths.append((len(state.plan.decodes), state.logits.shape[1]))
+        return real(state)
+
+    monkeypatch.setattr(engine, "_verify_group", verify_group)
+    prompts = (*chat_prompts(5), *CODE[:3])
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    naive = model_session.run(None, prompts, sampling, max_num_seqs=8)
+    spec = {"method": "ngram", "verify_strategy": "rejection", "num_speculative_tokens": 5, "adaptive_draft_length": False}
+    outputs = model_session.run(spec, prompts, sampling, max_num_seqs=8, cache=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in naive]
+    # some steps went as two groups: the requests without drafts at width 1
+    assert any(width == 1 and size < 8 for size, width in widths), widths
