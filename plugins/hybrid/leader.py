@@ -6,8 +6,9 @@ its kind is the length of the match, as ``Drafts.classes``). They are accepted a
 at the first position, but a model miss throws away the lookup's continuation, and a long
 match is right far more often than a short one. :class:`LeaderStats` keeps, per kind, a
 decayed mean of the draft tokens accepted per step, and lets the lookup lead where its kind has
-done at least as well as the model. A kind that has not led for :data:`RETRY_STEPS` steps leads
-once more, so a kind that once lost is measured again.
+done at least as well as the model, less what the model's call costs (a lookup-led step skips
+it): the model's measured time per request, in tokens of a step. A kind that has not led for
+:data:`RETRY_STEPS` steps leads once more, so a kind that once lost is measured again.
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ class LeaderStats:
     def mean(self, kind: int) -> float:
         return float(self._accepted[kind] / self._weight[kind])
 
-    def lookup_leads(self, matched: int) -> bool:
-        """Whether a lookup draft that matched ``matched`` tokens should go first and alone."""
+    def lookup_leads(self, matched: int, model_cost: float = 0.0) -> bool:
+        """Whether a lookup draft that matched ``matched`` tokens should go first and alone;
+        ``model_cost``: what running the model for the request costs, in tokens."""
         kind = self.kind(matched)
         if kind == MODEL:
             return False
-        return self.mean(kind) >= self.mean(MODEL) or self._step - self._last_led[kind] > RETRY_STEPS
+        return self.mean(kind) >= self.mean(MODEL) - model_cost or self._step - self._last_led[kind] > RETRY_STEPS
 
     def next_step(self) -> None:
         self._step += 1

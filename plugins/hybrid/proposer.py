@@ -22,6 +22,7 @@ which the compiled index makes cheap next to a forward pass.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import attrs
@@ -82,6 +83,11 @@ class HybridProposer(specdec.Proposer):
         self.NEEDS_HIDDEN_STATES = bool(self.model.NEEDS_HIDDEN_STATES)
         self.model_steps = self.spec_config.num_model_steps if self.spec_config is not None else 1
         self.leaders = LeaderStats()
+        #: Decayed means of the model's seconds per request and of the time between two
+        #: proposals (a step): the model's cost in tokens of a step, for the leader choice.
+        self._model_seconds = 0.0
+        self._step_seconds = 0.0
+        self._last_proposal: float | None = None
         #: Per request: the kind of draft it got this step (leader.py), until on_step.
         self._led: dict[str, int] = {}
         #: Per request led by the lookup: the hidden states the model has not seen yet.
@@ -107,10 +113,11 @@ class HybridProposer(specdec.Proposer):
         drafts after them. Classes: 0 for a model-first draft, the matched length for a
         lookup-first one (the adaptive draft length learns each kind's acceptance)."""
         self.leaders.next_step()
+        self._time_step()
         rest: dict[int, list[int]] = {}
         classes = np.zeros(len(batch), dtype=np.int64)
         for b, (draft, matched) in self._matches(batch).items():
-            if self._lookup_leads(matched):
+            if self._lookup_leads(matched, len(batch)):
                 rest[b], classes[b] = draft, matched
                 self._led[batch.requests[b].request_id] = self.leaders.kind(matched)
         model_rows = [b for b in range(len(batch)) if b not in rest]
@@ -122,8 +129,11 @@ class HybridProposer(specdec.Proposer):
             for b in model_rows])
         model_drafts = Drafts.empty(len(batch))
         if model_rows:
+            started = time.perf_counter()
             model_drafts = self.model.propose(model_batch).clipped(
                 np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64)).placed(model_rows, len(batch))
+            per_request = (time.perf_counter() - started) / len(model_rows)
+            self._model_seconds = per_request if not self._model_seconds else 0.9 * self._model_seconds + 0.1 * per_request
         first = model_drafts.to_lists()
         for b in model_rows:
             if first[b]:
@@ -137,11 +147,28 @@ class HybridProposer(specdec.Proposer):
         drafts = [first[b] + rest.get(b, []) for b in range(len(batch))]
         return Drafts.from_lists(drafts, probs=self._probs(model_drafts, drafts), classes=classes)
 
-    def _lookup_leads(self, matched: int) -> bool:
+    def _lookup_leads(self, matched: int, batch_size: int) -> bool:
         setting = self.config.draft_lookup_first
         if setting is None:
-            return self.leaders.lookup_leads(matched)
+            return self.leaders.lookup_leads(matched, self._model_cost(batch_size))
         return 0 < setting <= matched
+
+    def _time_step(self) -> None:
+        """Time between two proposals: about a step (the engine proposes once a step)."""
+        now = time.perf_counter()
+        if self._last_proposal is not None:
+            interval = now - self._last_proposal
+            if self._step_seconds:  # a gap (steps without a proposal, an idle engine) is not a step
+                interval = min(interval, 3.0 * self._step_seconds)
+            self._step_seconds = interval if not self._step_seconds else 0.9 * self._step_seconds + 0.1 * interval
+        self._last_proposal = now
+
+    def _model_cost(self, batch_size: int) -> float:
+        """The model's time for one request in tokens: the batch emits about ``batch_size``
+        tokens a step, so a step's time is worth that many."""
+        if not self._step_seconds:
+            return 0.0
+        return min(batch_size * self._model_seconds / self._step_seconds, 1.0)
 
     def _matches(self, batch: ProposalBatch) -> dict[int, tuple[list[int], int]]:
         """Per batch row that may draft: the lookup's draft on the context alone and its

@@ -116,3 +116,14 @@ def test_a_bad_component_is_a_one_line_error_and_keeps_the_method(model_session,
     assert "\n" not in str(caught.value)
     assert llm.engine.spec.method == "ngram"
     llm.set_speculative_config(None)
+
+
+def test_the_model_s_cost_tips_the_lead_to_a_lookup_nearly_as_good():
+    from specdec.plugins.hybrid.leader import MODEL, LeaderStats
+
+    stats = LeaderStats()
+    for _ in range(20):
+        stats.next_step()
+        stats.record(MODEL, 1)
+        stats.record(LeaderStats.kind(2), 0.9)
+    assert not stats.lookup_leads(2) and stats.lookup_leads(2, model_cost=0.2)
