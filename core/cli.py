@@ -126,6 +126,16 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> Non
     sampling.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     sampling.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 is off (OpenAI's)")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 is off (OpenAI's)")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 is off (vLLM's)")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0 is off")
+    sampling.add_argument("--logprobs", type=int, default=None, metavar="N",
+                          help="each generated token's log-probability and the N likeliest (0-20) in the JSON "
+                               "output (default: none)")
+    sampling.add_argument("--prediction", default=None, metavar="TEXT",
+                          help="the output you expect, or @FILE: drafted from for each prompt (Predicted "
+                               "Outputs; the output stays the model's own)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,7 +324,9 @@ def _warn_plugin_errors(plugins) -> None:
 
 #: The flag of each sampling field, for error messages (``--top-k: must be ...``).
 SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                  "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}
+                  "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "presence_penalty": "--presence-penalty",
+                  "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
+                  "min_p": "--min-p", "logprobs": "--logprobs", "prediction": "--prediction"}
 
 
 def as_flag_error(exc: RequestError) -> SpecdecError:
@@ -329,9 +341,22 @@ def sampling_from_args(args):
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-                              ignore_eos=args.ignore_eos)
+                              ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                              min_p=args.min_p, logprobs=args.logprobs)
     except RequestError as exc:
         raise as_flag_error(exc) from None
+
+
+def read_prediction(value: str | None) -> str | None:
+    """``--prediction``: the text itself, or ``@FILE``'s contents."""
+    if value is None or not value.startswith("@"):
+        return value
+    path = Path(value[1:])
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise SpecdecError(f"--prediction: cannot read {path}: {exc.strerror}") from None
 
 
 def read_prompts(args) -> list[str]:
@@ -380,7 +405,12 @@ def run_generate(args) -> int:
         return 0
     sampling = sampling_from_args(args)
     prompts = read_prompts(args)
+    prediction = read_prediction(args.prediction)
     llm = LLM(config=config, plugins=plugins, progress=args.progress)
+    if prediction:
+        import attrs
+
+        sampling = attrs.evolve(sampling, prediction=llm.tokenizer.encode(prediction, add_special_tokens=False))
     use_chat = llm.tokenizer.has_chat_template if args.chat is None else args.chat
     start = time.perf_counter()
     try:
@@ -401,7 +431,12 @@ def run_generate(args) -> int:
         "engine": _engine_summary(llm.engine),
     }
     if args.output == "json":
-        json.dump({"results": [o.to_dict() for o in outputs], "summary": summary}, sys.stdout, indent=2)
+        results = [o.to_dict() for o in outputs]
+        if sampling.logprobs is not None:
+            for result, output in zip(results, outputs):
+                result["logprobs"] = [{"token_id": e.token_id, "logprob": e.logprob, "top": [list(t) for t in e.top]}
+                                      for e in output.logprobs or ()]
+        json.dump({"results": results, "summary": summary}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         for output in outputs:

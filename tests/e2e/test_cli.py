@@ -77,6 +77,10 @@ class Case:
 
 
 CASES = [
+    Case("min-p", ["--min-p", "2"], "--min-p: must be in [0, 1] (0: off), got 2.0", documented=False),
+    Case("logprobs", ["--logprobs", "21"], "--logprobs: must be an integer between 0 and 20, got 21", documented=False),
+    Case("prediction-file", ["--prediction", "@missing.txt"],
+         "--prediction: cannot read missing.txt: No such file or directory", documented=False),
     Case("unknown-method", [SPEC, '{"method": "ngarm"}'],
          "--speculative-config.method: unknown proposer 'ngarm' (did you mean 'ngram'?); installed: ",
          prefix=True),
@@ -267,7 +271,11 @@ def e2e_runs(tmp_path_factory):
     prompts_file.write_text(json.dumps({"prompt": PROMPT}) + "\n\n"
                             + json.dumps({"prompt": "What is the capital of Germany?", "id": 2}) + "\n")
     common = ["--output", "json", "--no-progress", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
+    prediction_file = tmp / "prediction.txt"
+    prediction_file.write_text(PREDICTION)
     runs = {
+        "controls": (["generate", "--prompt", PROMPT, "--speculative-config", '{"method": "ngram"}',
+                      *CONTROL_FLAGS, "--prediction", f"@{prediction_file}", *common], _clean_env()),
         "ngram": (["generate", "--prompt", PROMPT, "--speculative-config",
                    '{"method": "ngram", "verify_strategy": "greedy"}', *common], _clean_env()),
         "jsonl+broken-plugin": (["generate", "--prompts-file", str(prompts_file), *common],
@@ -328,6 +336,32 @@ def _check_schema(data, num_results):
     # what the engine resolved `auto` to on this CPU: the native kernels on the GGUF file's blocks
     assert summary["engine"] == {"kernels": "cpu", "attention_backend": "cpu", "weight_dtype": "float16",
                                  "quantization": "gguf", "kv_cache_dtype": "float16"}
+
+
+#: The sampling controls' flags of the "controls" run, and the same as SamplingParams fields.
+CONTROL_FLAGS = ["--presence-penalty", "0.5", "--repetition-penalty", "1.2", "--min-p", "0.05", "--logprobs", "2"]
+CONTROLS = {"presence_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.05, "logprobs": 2}
+PREDICTION = "def add(a, b):\n    return a + b\n"
+
+
+@pytest.mark.slow
+def test_generate_passes_the_sampling_controls_and_the_prediction(e2e_runs, model_session):
+    """The flags reach the request: the same tokens and log-probabilities as the Python API
+    with those fields, and the prediction drafts."""
+    from specdec import SamplingParams
+
+    data = _ok(e2e_runs["controls"])
+    [item] = data["results"]
+    prediction = model_session.llm.tokenizer.encode(PREDICTION, add_special_tokens=False)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, prediction=prediction, **CONTROLS)
+    [expected] = model_session.run({"method": "ngram"}, [PROMPT], sampling, cache=False)
+    assert item["token_ids"] == expected.token_ids
+    assert [e["token_id"] for e in item["logprobs"]] == item["token_ids"]
+    assert all(len(e["top"]) == 2 and e["top"][0][1] >= e["top"][1][1] for e in item["logprobs"])
+    assert [e["logprob"] for e in item["logprobs"]] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    plain = model_session.run({"method": "ngram"}, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert item["token_ids"] != plain[0].token_ids  # the penalties changed the answer
+    assert expected.metrics.num_prediction_accepted + expected.metrics.num_prediction_rejected > 0
 
 
 @pytest.mark.slow
