@@ -1,0 +1,140 @@
+"""What a verify row costs: the model's forward pass at 1, 2, 4, 6 and 8 rows over a context,
+beside the floors the machine sets.
+
+    python benchmarks/bench_rows.py [--model smollm2-135m-instruct] [--rows 1,2,4,6,8] [--context 300] [--repeats 30]
+
+A request's verify step feeds its last token and its drafts: ``rows`` rows at positions
+``context .. context + rows - 1`` over a cache of ``context`` positions (written once, then the
+same slots rewritten each call). The table gives the median of ``--repeats`` forward passes
+(the model's own ``forward``, logits included), its ratio to the 1-row pass, and two floors:
+
+- memory: the bytes of weights a pass reads once (``weight_bytes``) over the memory bandwidth,
+  measured here by every core summing its part of a 1 GiB array;
+- compute: the pass's multiply-adds (every weight once per row, plus attention over the
+  context) over the best multiply-add rate the quantized kernel reaches on the model's
+  largest layer matrix with its weights in cache (8 rows; the rate this ISA path gives, not
+  the chip's paper peak).
+
+The floor of a row count is the larger of the two. Prints the CPU it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+
+import specdec
+from specdec.attention import AttentionMetadata
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def memory_bandwidth(gib: float = 1.0) -> float:
+    """Bytes per second of every core reading a large array at once (one part each; best of 3)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cores = os.cpu_count() or 1
+    data = np.ones(int(gib * 2**30) // 8, dtype=np.float64)
+    parts = np.array_split(data, cores)
+    best = float("inf")
+    with ThreadPoolExecutor(cores) as pool:
+        for _ in range(3):
+            started = time.perf_counter()
+            list(pool.map(np.sum, parts))  # numpy releases the GIL while it sums
+            best = min(best, time.perf_counter() - started)
+    return data.nbytes / best
+
+
+def kernel_mac_rate(model, rows: int = 8, repeats: int = 20) -> float:
+    """Multiply-adds per second of the layer's largest matrix (gate/up) at ``rows`` rows, in cache."""
+    paddle = model.paddle
+    weights = model.weights
+    data, layout = weights.layers[0]["gate_up"]
+    hidden = model.config.hidden_size
+    out_rows = int(layout.numpy()[:, 1].sum())
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((rows, hidden)).astype(np.float32))
+    none = paddle.empty([0], dtype="float32")
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        weights.ops.specdec_q_matmul(x, none, data, layout, none, 0.0, False)
+        best = min(best, time.perf_counter() - started)
+    return rows * out_rows * hidden / best
+
+
+def macs_per_row(config, context: int) -> float:
+    c = config
+    per_layer = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size \
+        + 3 * c.intermediate_size * c.hidden_size + 2 * context * c.num_heads * c.head_dim
+    return c.num_layers * per_layer + c.vocab_size * c.hidden_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rows", default="1,2,4,6,8")
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
+    llm = specdec.LLM(args.model, None, progress=False)
+    engine, model = llm.engine, llm.engine.model
+    if not hasattr(model.weights, "weight_bytes"):
+        raise SystemExit("bench_rows: the model runs unquantized; the floors need its quantized weights")
+    block = engine.block_size
+    positions = args.context + max(row_counts)
+    pool = engine.kv.pool
+    blocks = [pool.allocate() for _ in range(-(-positions // block))]
+    tokens = np.random.default_rng(0).integers(100, 1000, positions).astype(np.int64)
+    try:
+        prefill = AttentionMetadata.build([args.context], [0], [blocks], block)
+        model.forward(tokens[: args.context], prefill, np.zeros(0, dtype=np.int64))
+        times = {}
+        for rows in row_counts:
+            meta = AttentionMetadata.build([rows], [args.context], [blocks], block)
+            ids = tokens[args.context: args.context + rows]
+            logit_rows = np.arange(rows, dtype=np.int64)
+            model.forward(ids, meta, logit_rows)  # warm
+            samples = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                model.forward(ids, meta, logit_rows)
+                samples.append(time.perf_counter() - started)
+            times[rows] = float(np.median(samples))
+    finally:
+        for block_id in blocks:
+            pool.release(block_id)
+    bandwidth = memory_bandwidth()
+    rate = kernel_mac_rate(model)
+    weight_bytes = model.weights.weight_bytes()
+    macs = macs_per_row(model.config, args.context)
+    print(f"model {args.model}, context {args.context}, median of {args.repeats} forward passes; CPU {cpu_name()}")
+    print(f"weights read per pass {weight_bytes / 1e6:.1f} MB, memory {bandwidth / 1e9:.1f} GB/s -> "
+          f"{1e3 * weight_bytes / bandwidth:.2f} ms; {macs / 1e6:.0f} M multiply-adds a row, kernel "
+          f"{rate / 1e9:.1f} GMAC/s in cache")
+    header = f"{'rows':>5}{'ms':>9}{'x 1 row':>9}{'floor ms':>10}{'bound':>9}{'x floor':>9}"
+    print(header)
+    print("-" * len(header))
+    for rows in row_counts:
+        memory_floor, compute_floor = weight_bytes / bandwidth, rows * macs / rate
+        floor = max(memory_floor, compute_floor)
+        bound = "memory" if memory_floor >= compute_floor else "compute"
+        print(f"{rows:>5}{1e3 * times[rows]:>9.2f}{times[rows] / times[row_counts[0]]:>9.2f}"
+              f"{1e3 * floor:>10.2f}{bound:>9}{times[rows] / floor:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
