@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 #: The block formats the kernels compute on: name -> (ggml type id, elements, bytes) per block.
-BLOCK_FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-                 "Q6_K": (14, 256, 210)}
+BLOCK_FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+                 "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 TYPE_IDS = {name: type_id for name, (type_id, _, _) in BLOCK_FORMATS.items()}
 TYPE_NAMES = {type_id: name for name, type_id in TYPE_IDS.items()}
 

@@ -25,7 +25,7 @@ namespace specdec_cpu {
 // then their 16 m (Q4_1): a 64-byte vector holds 4 bytes of each of the 16 rows, one lane a row,
 // so that an int8 dot product against 4 activations (broadcast) advances 16 outputs at once.
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kQ4_0S = 102, kQ4_1S = 103, kQ8_0S = 108,
   kQ4_0I = 202, kQ4_1I = 203, kQ8_0I = 208,
 };
@@ -49,6 +49,26 @@ inline __m256i nibbles16(const uint8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+// The 32 bits at p (little-endian), one byte each: 0xFF where bit i is set, 0 where not (byte i
+// of the result: bit i).
+inline __m256i bytes_from_bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  // Byte i takes byte i / 8 of the word; OR-ing every bit but bit i % 8 leaves all ones exactly
+  // where bit i was set.
+  const __m256i bytes = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
+}
+
+// 16 nibble bytes and 32 fifth bits (qh, little-endian): the 32 5-bit values 0..31, element i
+// = nibble i (low nibbles, then high nibbles) + 16 * bit i of qh.
+inline __m256i fives32(const uint8_t* qs, const uint8_t* qh) {
+  return _mm256_or_si256(nibbles16(qs), _mm256_and_si256(bytes_from_bits32(qh), _mm256_set1_epi8(0x10)));
 }
 
 // Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
@@ -95,6 +115,27 @@ struct Format<kQ4_1> {
   }
 };
 
+// Q5_0: {half d; uint8 qh[4]; uint8 nibbles[16]}: d * (nibble + 16 * bit - 16), bit i of qh
+// (little-endian) the fifth bit of element i.
+template <>
+struct Format<kQ5_0> {
+  static constexpr int kElems = 32, kBytes = 22, kSub = 1;
+  static constexpr bool kHasMin = false;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    out[0] = {_mm256_sub_epi8(fives32(b + 6, b + 2), _mm256_set1_epi8(16)), _mm256_set1_ps(half_at(b)), 0.f};
+  }
+};
+
+// Q5_1: {half d; half m; uint8 qh[4]; uint8 nibbles[16]}: d * (nibble + 16 * bit) + m.
+template <>
+struct Format<kQ5_1> {
+  static constexpr int kElems = 32, kBytes = 24, kSub = 1;
+  static constexpr bool kHasMin = true;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    out[0] = {fives32(b + 8, b + 4), _mm256_set1_ps(half_at(b)), half_at(b + 2)};
+  }
+};
+
 // Q4_K: {half d; half dmin; uint8 scales[12]; uint8 nibbles[128]}: 8 sub-blocks of 32, each
 // d * sc_j * nibble - dmin * m_j with 6-bit sc_j, m_j; 32 bytes hold sub-blocks 2k (low nibbles)
 // and 2k+1 (high nibbles).
@@ -115,6 +156,39 @@ struct Format<kQ4_K> {
       scale_min_k4(2 * k + 1, scales, &sc, &m);
       out[2 * k + 1] = {_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), _mm256_set1_ps(d * sc), -dmin * m};
     }
+  }
+};
+
+// Q5_K: {half d; half dmin; uint8 scales[12]; uint8 qh[32]; uint8 nibbles[128]}: Q4_K's
+// sub-blocks (the same 6-bit scales and mins, the same nibbles) with a fifth bit: element l of
+// sub-block j has bit j of qh[l] (ggml's dequantize_row_q5_K), so values 0..31.
+template <>
+struct Format<kQ5_K> {
+  static constexpr int kElems = 256, kBytes = 176, kSub = 8;
+  static constexpr bool kHasMin = true;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const __m256i qh = load32(b + 16);
+    const uint8_t* qs = b + 48;
+    const __m256i mask = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    for (int k = 0; k < 4; ++k) {
+      const __m256i bytes = load32(qs + 32 * k);
+      // Bit 2k of qh to bit 4 (0x10), and bit 2k + 1: shifts within 16-bit lanes, then masked.
+      const __m256i high_low = _mm256_and_si256(shift_bits(qh, 4 - 2 * k), fifth);
+      const __m256i high_high = _mm256_and_si256(shift_bits(qh, 3 - 2 * k), fifth);
+      int sc, m;
+      scale_min_k4(2 * k, scales, &sc, &m);
+      out[2 * k] = {_mm256_or_si256(_mm256_and_si256(bytes, mask), high_low), _mm256_set1_ps(d * sc), -dmin * m};
+      scale_min_k4(2 * k + 1, scales, &sc, &m);
+      out[2 * k + 1] = {_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), high_high),
+                        _mm256_set1_ps(d * sc), -dmin * m};
+    }
+  }
+  // v shifted left by n bits (right by -n) in 16-bit lanes (a byte's bits spill into the next
+  // byte's: the caller masks the one bit it wants).
+  static inline __m256i shift_bits(__m256i v, int n) {
+    return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n);
   }
 };
 
@@ -218,8 +292,11 @@ inline bool with_format(int type, Fn&& fn) {
   switch (type) {
     case kQ4_0: fn(Format<kQ4_0>{}); return true;
     case kQ4_1: fn(Format<kQ4_1>{}); return true;
+    case kQ5_0: fn(Format<kQ5_0>{}); return true;
+    case kQ5_1: fn(Format<kQ5_1>{}); return true;
     case kQ8_0: fn(Format<kQ8_0>{}); return true;
     case kQ4_K: fn(Format<kQ4_K>{}); return true;
+    case kQ5_K: fn(Format<kQ5_K>{}); return true;
     case kQ6_K: fn(Format<kQ6_K>{}); return true;
     default: return false;
   }

@@ -1,10 +1,11 @@
 // Weight-only quantized CPU kernels, as paddle custom operators: the matmuls compute on GGML
-// blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quant_formats.h; Q4_0, Q4_1 and Q8_0 with
+// blocks as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; quant_formats.h; Q4_0, Q4_1 and Q8_0 with
 // their bytes regrouped: "interleaved" in groups of 16 rows, the rows left over "split"),
 // never on a dequantized copy.
 //
 // Activations are quantized to int8 per 32 elements (scale = max|x| / 127, round to nearest
-// even), per 256 for Q4_K and Q6_K, as llama.cpp does, and each weight sub-block is multiplied with
+// even), per 256 for Q4_K and Q6_K, as llama.cpp does (Q5_0, Q5_1 and Q5_K, on the generic block
+// kernel, per 32), and each weight sub-block is multiplied with
 // integer dot products:
 // AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it, and for Q4_K and
 // Q6_K matmuls of 16 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
