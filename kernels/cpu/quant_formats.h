@@ -24,10 +24,12 @@ namespace specdec_cpu {
 // (Interleaved, below), the 16 rows' quants 4 bytes at a time, row after row, then their 16 d,
 // then their 16 m (Q4_1): a 64-byte vector holds 4 bytes of each of the 16 rows, one lane a row,
 // so that an int8 dot product against 4 activations (broadcast) advances 16 outputs at once.
+// Q5_0 and Q5_1 interleave the same way (kQ5_0I, kQ5_1I), their fifth bits after the nibbles:
+// each row's 32 bits of qh, one lane a row, reordered (Interleaved, below).
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kQ4_0S = 102, kQ4_1S = 103, kQ8_0S = 108,
-  kQ4_0I = 202, kQ4_1I = 203, kQ8_0I = 208,
+  kQ4_0I = 202, kQ4_1I = 203, kQ5_0I = 206, kQ5_1I = 207, kQ8_0I = 208,
 };
 
 struct SubBlock {
@@ -257,20 +259,31 @@ inline void dequantize_split_q8_row(const uint8_t* row, int64_t K, float* out) {
 }
 
 // Interleaved groups of 16 rows (see QType): per block of 32 elements, kQuantBytes of quants
-// (chunk c of 64 bytes: bytes 4c..4c+3 of each row's block, row after row), 16 halves d, and
-// for Q4_1 16 halves m: kBlockBytes, 16 times the format's block. Q4 byte i holds element i
-// (low nibble) and element i + 16 (high nibble), as in ggml's blocks.
+// (chunk c of 64 bytes: bytes 4c..4c+3 of each row's block, row after row), for Q5 kHighBytes
+// of fifth bits, 16 halves d, and for Q4_1 / Q5_1 16 halves m: kBlockBytes, 16 times the
+// format's block. Q4 / Q5 byte i holds element i (low nibble) and element i + 16 (high
+// nibble), as in ggml's blocks. A 64-byte chunk c unpacks into two vectors of 4 elements a
+// row: w[c] (low nibbles: elements 4c..4c+3) and w[4 + c] (high: 16 + 4c..16 + 4c + 3), so
+// vector t holds elements 4t + i (i = 0..3) of each row. Q5's fifth bits: 4 bytes a row, row
+// after row, reordered so that bit t of byte i is the fifth bit of element 4t + i (qh bit 4t + i
+// in ggml's order): vector t's fifth bits are then bit t of every byte, one shift and a mask
+// (fifth_bits) away from bit 4.
 template <int Type>
 struct Interleaved {
-  static constexpr bool kQ8 = Type == kQ8_0I, kHasMin = Type == kQ4_1I;
+  static constexpr bool kQ8 = Type == kQ8_0I, kQ5 = Type == kQ5_0I || Type == kQ5_1I;
+  static constexpr bool kHasMin = Type == kQ4_1I || Type == kQ5_1I;
   static constexpr int kQuantBytes = kQ8 ? 512 : 256;
-  static constexpr int kBlockBytes = kQuantBytes + (kHasMin ? 64 : 32);
+  static constexpr int kHighBytes = kQ5 ? 64 : 0;
+  static constexpr int kScaleBytes = kQuantBytes + kHighBytes;  // where the 16 d start
+  static constexpr int kBlockBytes = kScaleBytes + (kHasMin ? 64 : 32);
+  // What a value without a min is offset by, in steps of d: Q4_0's -8, Q5_0's -16.
+  static constexpr float kOffset = kQ8 ? 0.f : (kQ5 ? -16.f : -8.f);
   // Row `lane` (0..15) of a group of K-element rows dequantized into out[0:K].
   static inline void dequantize_row(const uint8_t* group, int lane, int64_t K, float* out) {
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* block = group + b * kBlockBytes;
-      const float d = half_at(block + kQuantBytes + 2 * lane);
-      const float m = kHasMin ? half_at(block + kQuantBytes + 32 + 2 * lane) : (kQ8 ? 0.f : -8.f * d);
+      const float d = half_at(block + kScaleBytes + 2 * lane);
+      const float m = kHasMin ? half_at(block + kScaleBytes + 32 + 2 * lane) : kOffset * d;
       float* o = out + 32 * b;
       for (int c = 0; c < kQuantBytes / 64; ++c)
         for (int i = 0; i < 4; ++i) {
@@ -278,8 +291,9 @@ struct Interleaved {
           if (kQ8) {
             o[4 * c + i] = d * static_cast<int8_t>(byte);
           } else {
-            o[4 * c + i] = d * (byte & 0xF) + m;
-            o[16 + 4 * c + i] = d * (byte >> 4) + m;
+            const int high = kQ5 ? block[kQuantBytes + 4 * lane + i] : 0;
+            o[4 * c + i] = d * ((byte & 0xF) | (((high >> c) & 1) << 4)) + m;
+            o[16 + 4 * c + i] = d * ((byte >> 4) | (((high >> (4 + c)) & 1) << 4)) + m;
           }
         }
     }

@@ -1,12 +1,12 @@
 // Weight-only quantized CPU kernels, as paddle custom operators: the matmuls compute on GGML
-// blocks as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; quant_formats.h; Q4_0, Q4_1 and Q8_0 with
-// their bytes regrouped: "interleaved" in groups of 16 rows, the rows left over "split"),
+// blocks as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; quant_formats.h; Q4_0, Q4_1,
+// Q5_0, Q5_1 and Q8_0 with their bytes regrouped: "interleaved" in groups of 16 rows, the rows
+// left over "split" (Q4_0, Q4_1, Q8_0) or as stored (Q5_0, Q5_1)),
 // never on a dequantized copy.
 //
 // Activations are quantized to int8 per 32 elements (scale = max|x| / 127, round to nearest
-// even), per 256 for Q4_K and Q6_K, as llama.cpp does (Q5_0, Q5_1 and Q5_K, on the generic block
-// kernel, per 32), and each weight sub-block is multiplied with
-// integer dot products:
+// even; Q5_K too, on the generic block kernel), per 256 for Q4_K and Q6_K, as llama.cpp does,
+// and each weight sub-block is multiplied with integer dot products:
 // AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it, and for Q4_K and
 // Q6_K matmuls of 16 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
 // time; SPECDEC_CPU_ISA=avx2 or avx512 forces the lesser paths). Every path computes a row's
@@ -281,7 +281,8 @@ struct Epilogue {
 };
 
 bool is_interleaved(int type) {
-  return type == specdec_cpu::kQ4_0I || type == specdec_cpu::kQ4_1I || type == specdec_cpu::kQ8_0I;
+  return type == specdec_cpu::kQ4_0I || type == specdec_cpu::kQ4_1I || type == specdec_cpu::kQ8_0I ||
+         type == specdec_cpu::kQ5_0I || type == specdec_cpu::kQ5_1I;
 }
 
 int64_t block_elems(int type) {
@@ -296,6 +297,8 @@ int64_t block_bytes(int type) {
   if (type == specdec_cpu::kQ4_0S || type == specdec_cpu::kQ4_0I) return 18;
   if (type == specdec_cpu::kQ4_1S || type == specdec_cpu::kQ4_1I) return 20;
   if (type == specdec_cpu::kQ8_0S || type == specdec_cpu::kQ8_0I) return 34;
+  if (type == specdec_cpu::kQ5_0I) return 22;
+  if (type == specdec_cpu::kQ5_1I) return 24;
   int64_t bytes = 0;
   with_format(type, [&](auto format) { bytes = decltype(format)::kBytes; });
   return bytes;
@@ -316,6 +319,8 @@ void dequantize_row(const WeightSegment& seg, int64_t row, int64_t K, float* out
     const int lane = static_cast<int>(row % 16);
     if (seg.type == specdec_cpu::kQ4_0I) return specdec_cpu::Interleaved<specdec_cpu::kQ4_0I>::dequantize_row(group, lane, K, out);
     if (seg.type == specdec_cpu::kQ4_1I) return specdec_cpu::Interleaved<specdec_cpu::kQ4_1I>::dequantize_row(group, lane, K, out);
+    if (seg.type == specdec_cpu::kQ5_0I) return specdec_cpu::Interleaved<specdec_cpu::kQ5_0I>::dequantize_row(group, lane, K, out);
+    if (seg.type == specdec_cpu::kQ5_1I) return specdec_cpu::Interleaved<specdec_cpu::kQ5_1I>::dequantize_row(group, lane, K, out);
     return specdec_cpu::Interleaved<specdec_cpu::kQ8_0I>::dequantize_row(group, lane, K, out);
   }
   with_format(seg.type, [&](auto format) { specdec_cpu::dequantize_row<decltype(format)>(data, K, out); });

@@ -313,7 +313,7 @@ def _ggml_q5_dequantize(type_name: str, blocks: np.ndarray) -> np.ndarray:
 def test_q5_blocks_dequantize_as_ggml_and_the_kernels_read_them(ops, type_name):
     """The 5-bit formats' fields as ggml lays them out (written out here) give what the ``gguf``
     package dequantizes (the twin's ground truth), and the kernels' embedding lookup (their
-    unpacking of the blocks, shared with the matmuls) gives the same values."""
+    unpacking of the blocks, as stored and interleaved) gives the same values."""
     import gguf
 
     rng = np.random.default_rng(11)
@@ -324,7 +324,8 @@ def test_q5_blocks_dequantize_as_ggml_and_the_kernels_read_them(ops, type_name):
     want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]).reshape(-1, elems)
     np.testing.assert_allclose(want, _ggml_q5_dequantize(type_name, blocks), rtol=1e-6, atol=1e-7)
     data, layout, data_t, layout_t = tensors(QuantizedMatrix(cols, (segment,)))
-    assert layout.tolist() == [[BLOCK_FORMATS[type_name][0], 21, 0, cols // elems * size]]
+    # Q5_0 / Q5_1: a group of 16 interleaved, 5 rows as stored; Q5_K: 21 rows as stored.
+    assert layout[-1, :2].tolist() == [BLOCK_FORMATS[type_name][0], 5 if type_name in INTERLEAVED_TYPE_IDS else 21]
     got = ops.specdec_q_embedding(paddle.to_tensor(np.arange(21, dtype=np.int64)), data_t, layout_t, cols).numpy()
     np.testing.assert_allclose(got, want.reshape(21, cols), rtol=1e-6, atol=1e-7)
 
@@ -361,6 +362,25 @@ def test_interleaved_rows_move_bytes_only(type_name, cols):
     np.testing.assert_array_equal(data[:grouped.nbytes], grouped.reshape(-1))
     with pytest.raises(ValueError, match="groups of 16"):
         interleave_rows(type_name, segment.data[:20])
+
+
+@pytest.mark.parametrize("type_name,cols", [("Q5_0", 96), ("Q5_1", 64)])
+def test_interleaved_q5_rows_move_bits_only(type_name, cols):
+    """Q5 groups: nibbles, d and m moved as Q4's bytes, each row's 32 fifth bits reordered (bit t
+    of byte i: element 4t + i); the 5 rows left over stay as stored."""
+    rng = np.random.default_rng(5)
+    segment = random_blocks(rng, type_name, 37, cols)
+    grouped = interleave_rows(type_name, segment.data[:32])
+    assert grouped.shape == (32, segment.data.shape[1])
+    np.testing.assert_array_equal(deinterleave_rows(type_name, grouped), segment.data[:32])
+    high = 2 if type_name == "Q5_0" else 4
+    bits = np.unpackbits(segment.data[:16, high:high + 4], axis=1, bitorder="little")  # row r, element j
+    moved = np.unpackbits(grouped.reshape(-1)[256:320].reshape(16, 4), axis=1, bitorder="little")
+    for t in range(8):
+        for i in range(4):
+            np.testing.assert_array_equal(moved[:, 8 * i + t], bits[:, 4 * t + i])
+    data, layout = layout_array(QuantizedMatrix(cols, (segment,)))
+    assert layout[:, :2].tolist() == [[INTERLEAVED_TYPE_IDS[type_name], 32], [BLOCK_FORMATS[type_name][0], 5]]
 
 
 def test_q_matmul_rejects_mismatched_rows(ops):
