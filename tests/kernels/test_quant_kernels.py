@@ -138,7 +138,8 @@ def _run_on(monkeypatch, isa, op, *args):
 
 
 @pytest.mark.parametrize("type_names", [("Q4_K",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q4_1",), ("Q4_0", "Q8_0"),
-                                        ("Q5_0",), ("Q5_1",), ("Q5_K",), ("Q5_0", "Q8_0"), ("Q5_K", "Q6_K")])
+                                        ("Q5_0",), ("Q5_1",), ("Q5_K",), ("Q5_0", "Q8_0"), ("Q5_K", "Q6_K"),
+                                        ("Q4_K", "Q5_K")])
 @pytest.mark.parametrize("rows", [2, 6, 16, 37])
 def test_a_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, type_names, rows):
     """A row's output depends on that row alone: not on the rows it shares a matmul with (a
