@@ -138,60 +138,53 @@ struct Format<kQ5_1> {
   }
 };
 
-// Q4_K: {half d; half dmin; uint8 scales[12]; uint8 nibbles[128]}: 8 sub-blocks of 32, each
-// d * sc_j * nibble - dmin * m_j with 6-bit sc_j, m_j; 32 bytes hold sub-blocks 2k (low nibbles)
-// and 2k+1 (high nibbles).
+// Bit j (0..7) of each byte of v at bit 4 (0x10), every other bit 0: the fifth bit of a Q5_K
+// value (16-bit shifts, whose bits carried across bytes the mask drops).
+inline __m256i fifth_bit(__m256i v, int j) {
+  const __m256i moved = j <= 4 ? _mm256_slli_epi16(v, 4 - j) : _mm256_srli_epi16(v, j - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
+// Q4_K (Five = false) and Q5_K sub-blocks: d * sc_j * q - dmin * m_j with Q4_K's 6-bit sc_j,
+// m_j; 32 bytes of nibbles hold sub-blocks 2k (low nibbles) and 2k+1 (high nibbles); Q5_K
+// adds a fifth bit, bit j of qh[l] for element l of sub-block j (ggml's dequantize_row_q5_K).
+template <bool Five>
+inline void unpack_k_nibbles(const uint8_t* b, SubBlock* out) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qs = b + (Five ? 48 : 16);
+  const __m256i qh = Five ? load32(b + 16) : _mm256_setzero_si256();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    const __m256i bytes = load32(qs + 32 * k);
+    __m256i low = _mm256_and_si256(bytes, mask), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+    if constexpr (Five) {
+      low = _mm256_or_si256(low, fifth_bit(qh, 2 * k));
+      high = _mm256_or_si256(high, fifth_bit(qh, 2 * k + 1));
+    }
+    int sc, m;
+    scale_min_k4(2 * k, scales, &sc, &m);
+    out[2 * k] = {low, _mm256_set1_ps(d * sc), -dmin * m};
+    scale_min_k4(2 * k + 1, scales, &sc, &m);
+    out[2 * k + 1] = {high, _mm256_set1_ps(d * sc), -dmin * m};
+  }
+}
+
+// Q4_K: {half d; half dmin; uint8 scales[12]; uint8 nibbles[128]}: 8 sub-blocks of 32.
 template <>
 struct Format<kQ4_K> {
   static constexpr int kElems = 256, kBytes = 144, kSub = 8;
   static constexpr bool kHasMin = true;
-  static inline void unpack(const uint8_t* b, SubBlock* out) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* qs = b + 16;
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int k = 0; k < 4; ++k) {
-      const __m256i bytes = load32(qs + 32 * k);
-      int sc, m;
-      scale_min_k4(2 * k, scales, &sc, &m);
-      out[2 * k] = {_mm256_and_si256(bytes, mask), _mm256_set1_ps(d * sc), -dmin * m};
-      scale_min_k4(2 * k + 1, scales, &sc, &m);
-      out[2 * k + 1] = {_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), _mm256_set1_ps(d * sc), -dmin * m};
-    }
-  }
+  static inline void unpack(const uint8_t* b, SubBlock* out) { unpack_k_nibbles<false>(b, out); }
 };
 
 // Q5_K: {half d; half dmin; uint8 scales[12]; uint8 qh[32]; uint8 nibbles[128]}: Q4_K's
-// sub-blocks (the same 6-bit scales and mins, the same nibbles) with a fifth bit: element l of
-// sub-block j has bit j of qh[l] (ggml's dequantize_row_q5_K), so values 0..31.
+// sub-blocks with a fifth bit, values 0..31.
 template <>
 struct Format<kQ5_K> {
   static constexpr int kElems = 256, kBytes = 176, kSub = 8;
   static constexpr bool kHasMin = true;
-  static inline void unpack(const uint8_t* b, SubBlock* out) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
-    const __m256i qh = load32(b + 16);
-    const uint8_t* qs = b + 48;
-    const __m256i mask = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
-    for (int k = 0; k < 4; ++k) {
-      const __m256i bytes = load32(qs + 32 * k);
-      // Bit 2k of qh to bit 4 (0x10), and bit 2k + 1: shifts within 16-bit lanes, then masked.
-      const __m256i high_low = _mm256_and_si256(shift_bits(qh, 4 - 2 * k), fifth);
-      const __m256i high_high = _mm256_and_si256(shift_bits(qh, 3 - 2 * k), fifth);
-      int sc, m;
-      scale_min_k4(2 * k, scales, &sc, &m);
-      out[2 * k] = {_mm256_or_si256(_mm256_and_si256(bytes, mask), high_low), _mm256_set1_ps(d * sc), -dmin * m};
-      scale_min_k4(2 * k + 1, scales, &sc, &m);
-      out[2 * k + 1] = {_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), high_high),
-                        _mm256_set1_ps(d * sc), -dmin * m};
-    }
-  }
-  // v shifted left by n bits (right by -n) in 16-bit lanes (a byte's bits spill into the next
-  // byte's: the caller masks the one bit it wants).
-  static inline __m256i shift_bits(__m256i v, int n) {
-    return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n);
-  }
+  static inline void unpack(const uint8_t* b, SubBlock* out) { unpack_k_nibbles<true>(b, out); }
 };
 
 // The 256 6-bit values of a Q6_K super-block, unsigned (0..63), as 8 vectors of 32 in element
