@@ -302,11 +302,11 @@ def _ggml_q5_dequantize(type_name: str, blocks: np.ndarray) -> np.ndarray:
     for pair in range(4):
         (sc1, m1), (sc2, m2) = scale_min(2 * pair), scale_min(2 * pair + 1)
         q = ql[:, 32 * pair:32 * pair + 32]
-        for l in range(32):
-            high1 = ((qh[:, l] >> (2 * pair)) & 1) * 16
-            high2 = ((qh[:, l] >> (2 * pair + 1)) & 1) * 16
-            out[:, 64 * pair + l] = d * sc1 * ((q[:, l] & 0xF) + high1) - dmin * m1
-            out[:, 64 * pair + 32 + l] = d * sc2 * ((q[:, l] >> 4) + high2) - dmin * m2
+        for e in range(32):
+            high1 = ((qh[:, e] >> (2 * pair)) & 1) * 16
+            high2 = ((qh[:, e] >> (2 * pair + 1)) & 1) * 16
+            out[:, 64 * pair + e] = d * sc1 * ((q[:, e] & 0xF) + high1) - dmin * m1
+            out[:, 64 * pair + 32 + e] = d * sc2 * ((q[:, e] >> 4) + high2) - dmin * m2
     return out
 
 
