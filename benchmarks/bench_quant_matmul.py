@@ -1,15 +1,21 @@
-"""One quantized matmul at a time: the interleaved layout of Q4_0 / Q4_1 / Q8_0 rows against the
-split one, on the default model's shapes, for decode, verify and prefill row counts.
+"""One quantized matmul at a time: the kernels' layout of each matrix against what came before it.
+
+Q4_0 / Q4_1 / Q8_0 rows interleaved against split, other formats as stored against int8 per
+channel, on the default model's shapes, for decode, verify and prefill row counts.
 
     python benchmarks/bench_quant_matmul.py [--rows 1,6,16,190] [--repeats 20]
+    python benchmarks/bench_quant_matmul.py --shapes gate_up=Q5_0:9728:896,down=Q5_0:896:4864 --rows 1,6
 
 Each matrix is random blocks of the format (the kernels' speed does not depend on the values)
 in the shape the default model's layers use (SmolLM2-135M: hidden 576, inner 1536, vocab 49152;
 ``--shapes`` for others), built once in each layout: ``interleaved`` (groups of 16 rows, what
-``layout_array`` stores) and ``split`` (every row split, what it stored before the groups). The
-table gives the best of ``--repeats`` calls of ``specdec_q_matmul`` (the weights stay in the
-caches between calls: this times the arithmetic, not the memory) and the multiply-adds per
-second.
+``layout_array`` stores) and ``split`` (every row split, what it stored before the groups). A
+format without a split layout (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is timed as stored
+(``layout_array``) against the same matrix dequantized and requantized to int8 per channel
+(``quantize(..., "wint8")``: what the loader made of Q5 blocks before the kernels read them).
+The table gives the best of ``--repeats`` calls of ``specdec_q_matmul`` (the weights stay in
+the caches between calls: this times the arithmetic, not the memory) and the multiply-adds per
+second of the kernels' layout.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 import numpy as np
 
 from specdec.model.quant import (BLOCK_FORMATS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment, layout_array,
-                                 split_rows)
+                                 quantize, split_rows)
 
 #: name: (format, rows N, columns K) of the default model's matrices.
 DEFAULT_SHAPES = {"qkv": ("Q4_1", 960, 576), "o": ("Q4_1", 576, 576), "gate_up": ("Q4_1", 3072, 576),
@@ -31,7 +37,7 @@ def random_matrix(rng, type_name: str, rows: int, cols: int) -> QuantizedMatrix:
     """Random blocks with finite, small half-precision scales (d, and Q4_1's m)."""
     _, elems, size = BLOCK_FORMATS[type_name]
     blocks = rng.integers(0, 256, size=(rows, cols // elems, size), dtype=np.uint8)
-    halves = 2 if type_name == "Q4_1" else 1
+    halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
     scales = rng.uniform(0.002, 0.05, size=(rows, cols // elems, halves)).astype(np.float16)
     blocks[:, :, :2 * halves] = scales.view(np.uint8).reshape(rows, cols // elems, 2 * halves)
     return QuantizedMatrix(cols, (Segment(type_name, blocks.reshape(rows, -1)),))
@@ -69,11 +75,15 @@ def main() -> None:
             shapes[name] = (type_name, int(rows), int(cols))
     rng = np.random.default_rng(0)
     none = paddle.empty([0], dtype="float32")
-    print(f"{'matrix':<10}{'format':>7}{'N x K':>13}{'rows':>6}{'split ms':>10}{'interleaved ms':>16}"
+    print(f"{'matrix':<10}{'format':>7}{'N x K':>13}{'rows':>6}{'baseline':>9}{'ms':>8}{'kernels ms':>12}"
           f"{'speedup':>9}{'GMAC/s':>8}")
     for name, (type_name, n, k) in shapes.items():
         matrix = random_matrix(rng, type_name, n, k)
-        layouts = {"split": split_layout(matrix), "interleaved": layout_array(matrix)}
+        if type_name in SPLIT_TYPE_IDS:
+            baseline, before = "split", split_layout(matrix)
+        else:
+            baseline, before = "int8/ch", layout_array(quantize(matrix.dequantize(), "wint8"))
+        layouts = {"before": before, "now": layout_array(matrix)}
         tensors = {key: (paddle.to_tensor(data), paddle.to_tensor(layout)) for key, (data, layout) in layouts.items()}
         for m in (int(r) for r in args.rows.split(",")):
             x = paddle.to_tensor(rng.standard_normal((m, k)).astype(np.float32))
@@ -86,12 +96,12 @@ def main() -> None:
                     start = time.perf_counter()
                     ops.specdec_q_matmul(x, none, data, layout, none, 1e-5, False)
                     best[key] = min(best[key], time.perf_counter() - start)
-            # Both layouts compute the same products (in another float order).
-            np.testing.assert_allclose(outputs["interleaved"], outputs["split"], rtol=1e-3,
-                                       atol=1e-3 * np.abs(outputs["split"]).max())
-            print(f"{name:<10}{type_name:>7}{f'{n} x {k}':>13}{m:>6}{best['split'] * 1e3:>10.3f}"
-                  f"{best['interleaved'] * 1e3:>16.3f}{best['split'] / best['interleaved']:>8.2f}x"
-                  f"{n * k * m / best['interleaved'] / 1e9:>8.1f}")
+            if baseline == "split":  # both layouts compute the same products (in another float order)
+                np.testing.assert_allclose(outputs["now"], outputs["before"], rtol=1e-3,
+                                           atol=1e-3 * np.abs(outputs["before"]).max())
+            print(f"{name:<10}{type_name:>7}{f'{n} x {k}':>13}{m:>6}{baseline:>9}{best['before'] * 1e3:>8.3f}"
+                  f"{best['now'] * 1e3:>12.3f}{best['before'] / best['now']:>8.2f}x"
+                  f"{n * k * m / best['now'] / 1e9:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -118,9 +118,9 @@ def quantize(weight: np.ndarray, method: str) -> QuantizedMatrix:
 
 def kernel_parts(segment: Segment, cols: int) -> list[tuple[int, np.ndarray]]:
     """``segment`` as the kernels store it: ``(kernel type id, rows of data)`` parts in row
-    order. Q4_0 / Q4_1 / Q8_0: whole groups of 16 rows interleaved (:func:`interleave_rows`),
-    the rows left over split (:func:`split_rows`; Q4 rows only when their length is a multiple
-    of 64); any other format as stored."""
+    order. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: whole groups of 16 rows interleaved
+    (:func:`interleave_rows`), the rows left over split (:func:`split_rows`; Q8_0, and Q4 rows
+    whose length is a multiple of 64) or as stored; any other format as stored."""
     data, name = np.asarray(segment.data), segment.type_name
     if name not in INTERLEAVED_TYPE_IDS:
         return [(TYPE_IDS[name], data)]
@@ -128,7 +128,7 @@ def kernel_parts(segment: Segment, cols: int) -> list[tuple[int, np.ndarray]]:
     parts = [(INTERLEAVED_TYPE_IDS[name], interleave_rows(name, data[:grouped]))] if grouped else []
     rest = data[grouped:]
     if len(rest):
-        if name == "Q8_0" or cols % 64 == 0:
+        if name == "Q8_0" or (name in SPLIT_TYPE_IDS and cols % 64 == 0):
             parts.append((SPLIT_TYPE_IDS[name], split_rows(name, rest)))
         else:
             parts.append((TYPE_IDS[name], rest))

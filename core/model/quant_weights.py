@@ -32,15 +32,17 @@ log = logging.getLogger(__name__)
 
 
 def as_quantized(weight, quantization: str, name: str) -> QuantizedMatrix:
-    """``weight`` in blocks: GGUF blocks as they are (``gguf``), float weights quantized for
+    """``weight`` in blocks: GGUF blocks as they are (``gguf``: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q4_K, Q5_K, Q6_K, the formats of ``BLOCK_FORMATS``), float weights quantized for
     ``wint8``/``wint4``. A float matrix of a quantized GGUF file (some files keep small ones in
-    F16/F32) is quantized per output channel, as ``wint8`` would."""
+    F16/F32, or in a block format the kernels do not read, dequantized at load) is quantized
+    per output channel, as ``wint8`` would."""
     if isinstance(weight, QuantizedMatrix):
         return weight
     method = quantization if quantization in LOAD_TIME_FORMATS else "wint8"
     if quantization == "gguf":
-        log.info("%s is not in a block format the kernels read (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): quantized to "
-                 "int8 per channel", name)
+        log.info("%s is not in a block format the kernels read (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+                 "Q6_K): quantized to int8 per channel", name)
     try:
         return quantize(np.asarray(weight, np.float32), method)
     except ValueError as exc:  # rows that are not whole groups of 32

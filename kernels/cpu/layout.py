@@ -1,7 +1,7 @@
 """The byte layouts of quantized weights that the CPU kernels read (``specdec_quant_ops.cc``).
 
 GGML block formats and their type ids, and the two regroupings of Q4_0 / Q4_1 / Q8_0 rows the
-kernels read fastest (split and interleaved), with their inverses. Here, below the model layer,
+kernels read fastest (split and interleaved; Q5_0 / Q5_1 interleaved), with their inverses. Here, below the model layer,
 so that the numpy twins and the model's packing share one definition of the bytes.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 #: The block formats the kernels compute on: name -> (ggml type id, elements, bytes) per block.
-BLOCK_FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-                 "Q6_K": (14, 256, 210)}
+BLOCK_FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+                 "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 TYPE_IDS = {name: type_id for name, (type_id, _, _) in BLOCK_FORMATS.items()}
 TYPE_NAMES = {type_id: name for name, type_id in TYPE_IDS.items()}
 
@@ -46,20 +46,37 @@ def unsplit_rows(type_name: str, data: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=2).reshape(rows, -1)
 
 
-#: The kernels' ids for Q4_0 / Q4_1 / Q8_0 rows interleaved in groups of 16 (:func:`interleave_rows`).
-INTERLEAVED_TYPE_IDS = {"Q4_0": 202, "Q4_1": 203, "Q8_0": 208}
+#: The kernels' ids for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows interleaved in groups of 16
+#: (:func:`interleave_rows`).
+INTERLEAVED_TYPE_IDS = {"Q4_0": 202, "Q4_1": 203, "Q5_0": 206, "Q5_1": 207, "Q8_0": 208}
+#: Per interleaved format: (block bytes, quant bytes, byte ranges of the halves d and m, byte
+#: range of the fifth bits qh or None).
+_INTERLEAVED_FIELDS = {name: fields + (None,) for name, fields in _SPLIT_FIELDS.items()}
+_INTERLEAVED_FIELDS["Q5_0"] = (22, 16, [(0, 2)], (2, 6))
+_INTERLEAVED_FIELDS["Q5_1"] = (24, 16, [(0, 2), (2, 4)], (4, 8))
 #: Rows in one interleaved group.
 GROUP_ROWS = 16
 
 
+def _reorder_fifth_bits(qh: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """A Q5 block's 4 bytes of fifth bits ``[..., 4]`` (bit j of the little-endian word: element
+    j) reordered for the interleaved kernels: bit t of byte i becomes the fifth bit of element
+    4t + i (the elements the kernel's vector t holds; quant_formats.h, Interleaved)."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")  # [..., 32]
+    shape = (8, 4) if not inverse else (4, 8)  # ggml's element 4t + i / the kernels' bit 8i + t
+    moved = bits.reshape(*bits.shape[:-1], *shape).swapaxes(-1, -2).reshape(bits.shape)
+    return np.packbits(moved, axis=-1, bitorder="little")
+
+
 def interleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
-    """Q4_0 / Q4_1 / Q8_0 rows ``[16 * groups, blocks * size]`` regrouped as the kernels read
-    them for several activation rows at once: per group of 16 rows and per block, the 16 rows'
-    quants 4 bytes at a time (bytes 4c..4c+3 of every row, then 4c+4.., so that a 64-byte vector
-    holds one row per 32-bit lane), then the 16 rows' d, then their m (Q4_1). The same bytes,
-    moved; returned as ``[16 * groups, blocks * size]`` (each group's 16 rows of bytes hold the
-    group)."""
-    size, quant, halves = _SPLIT_FIELDS[type_name]
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows ``[16 * groups, blocks * size]`` regrouped as the
+    kernels read them for several activation rows at once: per group of 16 rows and per block,
+    the 16 rows' quants 4 bytes at a time (bytes 4c..4c+3 of every row, then 4c+4.., so that a
+    64-byte vector holds one row per 32-bit lane), then (Q5) the 16 rows' fifth bits, 4 bytes a
+    row, their bits reordered (:func:`_reorder_fifth_bits`), then the 16 rows' d, then their m
+    (Q4_1, Q5_1). The same bytes, moved (Q5's fifth bits: the same bits, moved); returned as
+    ``[16 * groups, blocks * size]`` (each group's 16 rows of bytes hold the group)."""
+    size, quant, halves, high = _INTERLEAVED_FIELDS[type_name]
     rows = data.shape[0]
     if rows % GROUP_ROWS:
         raise ValueError(f"interleaved rows come in groups of {GROUP_ROWS}, got {rows}")
@@ -67,13 +84,15 @@ def interleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
     blocks = np.asarray(data).reshape(groups, GROUP_ROWS, count, size)
     quants = blocks[..., size - quant:].reshape(groups, GROUP_ROWS, count, quant // 4, 4).transpose(0, 2, 3, 1, 4)
     parts = [quants.reshape(groups, count, -1)]
+    if high is not None:
+        parts.append(_reorder_fifth_bits(blocks[..., high[0]:high[1]]).transpose(0, 2, 1, 3).reshape(groups, count, -1))
     parts += [blocks[..., a:b].transpose(0, 2, 1, 3).reshape(groups, count, -1) for a, b in halves]
     return np.concatenate(parts, axis=2).reshape(rows, -1)
 
 
 def deinterleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
     """Inverse of :func:`interleave_rows`."""
-    size, quant, halves = _SPLIT_FIELDS[type_name]
+    size, quant, halves, high = _INTERLEAVED_FIELDS[type_name]
     rows = data.shape[0]
     groups, count = rows // GROUP_ROWS, data.shape[1] // size
     grouped = np.asarray(data).reshape(groups, count, GROUP_ROWS * size)
@@ -81,6 +100,10 @@ def deinterleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
     quants = grouped[..., :GROUP_ROWS * quant].reshape(groups, count, quant // 4, GROUP_ROWS, 4)
     out[..., size - quant:] = quants.transpose(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, count, quant)
     offset = GROUP_ROWS * quant
+    if high is not None:
+        field = grouped[..., offset:offset + GROUP_ROWS * 4].reshape(groups, count, GROUP_ROWS, 4)
+        out[..., high[0]:high[1]] = _reorder_fifth_bits(field, inverse=True).transpose(0, 2, 1, 3)
+        offset += GROUP_ROWS * 4
     for a, b in halves:
         field = grouped[..., offset:offset + GROUP_ROWS * (b - a)].reshape(groups, count, GROUP_ROWS, b - a)
         out[..., a:b] = field.transpose(0, 2, 1, 3)

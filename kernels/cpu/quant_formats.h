@@ -24,10 +24,12 @@ namespace specdec_cpu {
 // (Interleaved, below), the 16 rows' quants 4 bytes at a time, row after row, then their 16 d,
 // then their 16 m (Q4_1): a 64-byte vector holds 4 bytes of each of the 16 rows, one lane a row,
 // so that an int8 dot product against 4 activations (broadcast) advances 16 outputs at once.
+// Q5_0 and Q5_1 interleave the same way (kQ5_0I, kQ5_1I), their fifth bits after the nibbles:
+// each row's 32 bits of qh, one lane a row, reordered (Interleaved, below).
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kQ4_0S = 102, kQ4_1S = 103, kQ8_0S = 108,
-  kQ4_0I = 202, kQ4_1I = 203, kQ8_0I = 208,
+  kQ4_0I = 202, kQ4_1I = 203, kQ5_0I = 206, kQ5_1I = 207, kQ8_0I = 208,
 };
 
 struct SubBlock {
@@ -49,6 +51,26 @@ inline __m256i nibbles16(const uint8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+// The 32 bits at p (little-endian), one byte each: 0xFF where bit i is set, 0 where not (byte i
+// of the result: bit i).
+inline __m256i bytes_from_bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  // Byte i takes byte i / 8 of the word; OR-ing every bit but bit i % 8 leaves all ones exactly
+  // where bit i was set.
+  const __m256i bytes = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
+}
+
+// 16 nibble bytes and 32 fifth bits (qh, little-endian): the 32 5-bit values 0..31, element i
+// = nibble i (low nibbles, then high nibbles) + 16 * bit i of qh.
+inline __m256i fives32(const uint8_t* qs, const uint8_t* qh) {
+  return _mm256_or_si256(nibbles16(qs), _mm256_and_si256(bytes_from_bits32(qh), _mm256_set1_epi8(0x10)));
 }
 
 // Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
@@ -95,27 +117,74 @@ struct Format<kQ4_1> {
   }
 };
 
-// Q4_K: {half d; half dmin; uint8 scales[12]; uint8 nibbles[128]}: 8 sub-blocks of 32, each
-// d * sc_j * nibble - dmin * m_j with 6-bit sc_j, m_j; 32 bytes hold sub-blocks 2k (low nibbles)
-// and 2k+1 (high nibbles).
+// Q5_0: {half d; uint8 qh[4]; uint8 nibbles[16]}: d * (nibble + 16 * bit - 16), bit i of qh
+// (little-endian) the fifth bit of element i.
+template <>
+struct Format<kQ5_0> {
+  static constexpr int kElems = 32, kBytes = 22, kSub = 1;
+  static constexpr bool kHasMin = false;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    out[0] = {_mm256_sub_epi8(fives32(b + 6, b + 2), _mm256_set1_epi8(16)), _mm256_set1_ps(half_at(b)), 0.f};
+  }
+};
+
+// Q5_1: {half d; half m; uint8 qh[4]; uint8 nibbles[16]}: d * (nibble + 16 * bit) + m.
+template <>
+struct Format<kQ5_1> {
+  static constexpr int kElems = 32, kBytes = 24, kSub = 1;
+  static constexpr bool kHasMin = true;
+  static inline void unpack(const uint8_t* b, SubBlock* out) {
+    out[0] = {fives32(b + 8, b + 4), _mm256_set1_ps(half_at(b)), half_at(b + 2)};
+  }
+};
+
+// Bit j (0..7) of each byte of v at bit 4 (0x10), every other bit 0: the fifth bit of a Q5_K
+// value (16-bit shifts, whose bits carried across bytes the mask drops).
+inline __m256i fifth_bit(__m256i v, int j) {
+  const __m256i moved = j <= 4 ? _mm256_slli_epi16(v, 4 - j) : _mm256_srli_epi16(v, j - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
+// Q4_K (Five = false) and Q5_K sub-blocks: d * sc_j * q - dmin * m_j with Q4_K's 6-bit sc_j,
+// m_j; 32 bytes of nibbles hold sub-blocks 2k (low nibbles) and 2k+1 (high nibbles); Q5_K
+// adds a fifth bit, bit j of qh[l] for element l of sub-block j (ggml's dequantize_row_q5_K).
+template <bool Five>
+inline void unpack_k_nibbles(const uint8_t* b, SubBlock* out) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qs = b + (Five ? 48 : 16);
+  const __m256i qh = Five ? load32(b + 16) : _mm256_setzero_si256();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    const __m256i bytes = load32(qs + 32 * k);
+    __m256i low = _mm256_and_si256(bytes, mask), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+    if constexpr (Five) {
+      low = _mm256_or_si256(low, fifth_bit(qh, 2 * k));
+      high = _mm256_or_si256(high, fifth_bit(qh, 2 * k + 1));
+    }
+    int sc, m;
+    scale_min_k4(2 * k, scales, &sc, &m);
+    out[2 * k] = {low, _mm256_set1_ps(d * sc), -dmin * m};
+    scale_min_k4(2 * k + 1, scales, &sc, &m);
+    out[2 * k + 1] = {high, _mm256_set1_ps(d * sc), -dmin * m};
+  }
+}
+
+// Q4_K: {half d; half dmin; uint8 scales[12]; uint8 nibbles[128]}: 8 sub-blocks of 32.
 template <>
 struct Format<kQ4_K> {
   static constexpr int kElems = 256, kBytes = 144, kSub = 8;
   static constexpr bool kHasMin = true;
-  static inline void unpack(const uint8_t* b, SubBlock* out) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* qs = b + 16;
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int k = 0; k < 4; ++k) {
-      const __m256i bytes = load32(qs + 32 * k);
-      int sc, m;
-      scale_min_k4(2 * k, scales, &sc, &m);
-      out[2 * k] = {_mm256_and_si256(bytes, mask), _mm256_set1_ps(d * sc), -dmin * m};
-      scale_min_k4(2 * k + 1, scales, &sc, &m);
-      out[2 * k + 1] = {_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), _mm256_set1_ps(d * sc), -dmin * m};
-    }
-  }
+  static inline void unpack(const uint8_t* b, SubBlock* out) { unpack_k_nibbles<false>(b, out); }
+};
+
+// Q5_K: {half d; half dmin; uint8 scales[12]; uint8 qh[32]; uint8 nibbles[128]}: Q4_K's
+// sub-blocks with a fifth bit, values 0..31.
+template <>
+struct Format<kQ5_K> {
+  static constexpr int kElems = 256, kBytes = 176, kSub = 8;
+  static constexpr bool kHasMin = true;
+  static inline void unpack(const uint8_t* b, SubBlock* out) { unpack_k_nibbles<true>(b, out); }
 };
 
 // The 256 6-bit values of a Q6_K super-block, unsigned (0..63), as 8 vectors of 32 in element
@@ -183,20 +252,31 @@ inline void dequantize_split_q8_row(const uint8_t* row, int64_t K, float* out) {
 }
 
 // Interleaved groups of 16 rows (see QType): per block of 32 elements, kQuantBytes of quants
-// (chunk c of 64 bytes: bytes 4c..4c+3 of each row's block, row after row), 16 halves d, and
-// for Q4_1 16 halves m: kBlockBytes, 16 times the format's block. Q4 byte i holds element i
-// (low nibble) and element i + 16 (high nibble), as in ggml's blocks.
+// (chunk c of 64 bytes: bytes 4c..4c+3 of each row's block, row after row), for Q5 kHighBytes
+// of fifth bits, 16 halves d, and for Q4_1 / Q5_1 16 halves m: kBlockBytes, 16 times the
+// format's block. Q4 / Q5 byte i holds element i (low nibble) and element i + 16 (high
+// nibble), as in ggml's blocks. A 64-byte chunk c unpacks into two vectors of 4 elements a
+// row: w[c] (low nibbles: elements 4c..4c+3) and w[4 + c] (high: 16 + 4c..16 + 4c + 3), so
+// vector t holds elements 4t + i (i = 0..3) of each row. Q5's fifth bits: 4 bytes a row, row
+// after row, reordered so that bit t of byte i is the fifth bit of element 4t + i (qh bit 4t + i
+// in ggml's order): vector t's fifth bits are then bit t of every byte, one shift and a mask
+// (fifth_bits) away from bit 4.
 template <int Type>
 struct Interleaved {
-  static constexpr bool kQ8 = Type == kQ8_0I, kHasMin = Type == kQ4_1I;
+  static constexpr bool kQ8 = Type == kQ8_0I, kQ5 = Type == kQ5_0I || Type == kQ5_1I;
+  static constexpr bool kHasMin = Type == kQ4_1I || Type == kQ5_1I;
   static constexpr int kQuantBytes = kQ8 ? 512 : 256;
-  static constexpr int kBlockBytes = kQuantBytes + (kHasMin ? 64 : 32);
+  static constexpr int kHighBytes = kQ5 ? 64 : 0;
+  static constexpr int kScaleBytes = kQuantBytes + kHighBytes;  // where the 16 d start
+  static constexpr int kBlockBytes = kScaleBytes + (kHasMin ? 64 : 32);
+  // What a value without a min is offset by, in steps of d: Q4_0's -8, Q5_0's -16.
+  static constexpr float kOffset = kQ8 ? 0.f : (kQ5 ? -16.f : -8.f);
   // Row `lane` (0..15) of a group of K-element rows dequantized into out[0:K].
   static inline void dequantize_row(const uint8_t* group, int lane, int64_t K, float* out) {
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* block = group + b * kBlockBytes;
-      const float d = half_at(block + kQuantBytes + 2 * lane);
-      const float m = kHasMin ? half_at(block + kQuantBytes + 32 + 2 * lane) : (kQ8 ? 0.f : -8.f * d);
+      const float d = half_at(block + kScaleBytes + 2 * lane);
+      const float m = kHasMin ? half_at(block + kScaleBytes + 32 + 2 * lane) : kOffset * d;
       float* o = out + 32 * b;
       for (int c = 0; c < kQuantBytes / 64; ++c)
         for (int i = 0; i < 4; ++i) {
@@ -204,8 +284,9 @@ struct Interleaved {
           if (kQ8) {
             o[4 * c + i] = d * static_cast<int8_t>(byte);
           } else {
-            o[4 * c + i] = d * (byte & 0xF) + m;
-            o[16 + 4 * c + i] = d * (byte >> 4) + m;
+            const int high = kQ5 ? block[kQuantBytes + 4 * lane + i] : 0;
+            o[4 * c + i] = d * ((byte & 0xF) | (((high >> c) & 1) << 4)) + m;
+            o[16 + 4 * c + i] = d * ((byte >> 4) | (((high >> (4 + c)) & 1) << 4)) + m;
           }
         }
     }
@@ -218,8 +299,11 @@ inline bool with_format(int type, Fn&& fn) {
   switch (type) {
     case kQ4_0: fn(Format<kQ4_0>{}); return true;
     case kQ4_1: fn(Format<kQ4_1>{}); return true;
+    case kQ5_0: fn(Format<kQ5_0>{}); return true;
+    case kQ5_1: fn(Format<kQ5_1>{}); return true;
     case kQ8_0: fn(Format<kQ8_0>{}); return true;
     case kQ4_K: fn(Format<kQ4_K>{}); return true;
+    case kQ5_K: fn(Format<kQ5_K>{}); return true;
     case kQ6_K: fn(Format<kQ6_K>{}); return true;
     default: return false;
   }

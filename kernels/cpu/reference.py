@@ -112,7 +112,7 @@ def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.nda
 
 
 def quantize_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
-    """``x`` as the kernels see it: each block of ``block`` (32; 256 for Q4_K and Q6_K
+    """``x`` as the kernels see it: each block of ``block`` (32; 256 for Q4_K, Q5_K and Q6_K
     weights) rounded to int8 steps of ``max|x| / 127`` (float32 arithmetic, round half to
     even), returned dequantized (float64)."""
     rows, cols = x.shape
@@ -131,10 +131,11 @@ def q_matmul(x, gain, data, layout, epilogue, eps, normalize):
     if normalize:
         h = rms_norm(x, eps).astype(np.float64) * (gain if np.size(gain) else 1.0)
     weight = dequantize_weight(data, layout, x.shape[1])
-    # Per segment: Q4_K and Q6_K rows (ggml types 12, 14) take activations quantized per 256.
+    # Per segment: Q4_K, Q5_K and Q6_K rows (ggml types 12, 13, 14) take activations quantized
+    # per 256; every other format per 32.
     parts, first = [], 0
     for type_id, rows, _, _ in layout.tolist():
-        xq = quantize_activations(h.astype(np.float32), 256 if type_id in (12, 14) else 32)
+        xq = quantize_activations(h.astype(np.float32), 256 if type_id in (12, 13, 14) else 32)
         parts.append(xq @ weight[first:first + rows].T)
         first += rows
     out = np.concatenate(parts, axis=1)

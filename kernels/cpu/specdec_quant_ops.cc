@@ -1,11 +1,12 @@
 // Weight-only quantized CPU kernels, as paddle custom operators: the matmuls compute on GGML
-// blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quant_formats.h; Q4_0, Q4_1 and Q8_0 with
-// their bytes regrouped: "interleaved" in groups of 16 rows, the rows left over "split"),
+// blocks as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; quant_formats.h; Q4_0, Q4_1,
+// Q5_0, Q5_1 and Q8_0 with their bytes regrouped: "interleaved" in groups of 16 rows, the rows
+// left over "split" (Q4_0, Q4_1, Q8_0) or as stored (Q5_0, Q5_1)),
 // never on a dequantized copy.
 //
 // Activations are quantized to int8 per 32 elements (scale = max|x| / 127, round to nearest
-// even), per 256 for Q4_K and Q6_K, as llama.cpp does, and each weight sub-block is multiplied with
-// integer dot products:
+// even), per 256 for Q4_K, Q5_K and Q6_K, as llama.cpp does, and each weight sub-block is
+// multiplied with integer dot products:
 // AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it, and for Q4_K and
 // Q6_K matmuls of 16 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
 // time; SPECDEC_CPU_ISA=avx2 or avx512 forces the lesser paths). Every path computes a row's
@@ -87,10 +88,10 @@ using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
 // What one matmul's weight segments read of its activations (needs_of).
 struct ActivationNeeds {
-  bool per32 = false;   // q, d, sum: every format but Q4_K and Q6_K
+  bool per32 = false;   // q, d, sum: every format but Q4_K, Q5_K and Q6_K
   bool pairs = false;   // split Q4_0 / Q4_1
   bool biased = false;  // split Q8_0 under VNNI
-  bool per256 = false;  // Q4_K, Q6_K: q256, d256t and sum16
+  bool per256 = false;  // Q4_K, Q5_K, Q6_K: q256, d256t and sum16
 };
 
 // max |x[i]| over the n (a multiple of 8) floats of x.
@@ -129,11 +130,11 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
 //     B[16:32];
 //   biased: q + 128 as unsigned bytes (split Q8_0 rows, whose signed weights take the other
 //     operand of the dot product);
-//   per256 (Q4_K, Q6_K): the rows quantized with one scale per 256 (q256 [M, K]), the scales
+//   per256 (Q4_K, Q5_K, Q6_K): the rows quantized with one scale per 256 (q256 [M, K]), the scales
 //     transposed (d256t [K / 256, ldt], ldt = M rounded up to 16, plus 16; zeros past M, so
 //     that 8 or 16 rows' scales load as a vector) and the int16 sum of each 16 of q256 (sum16
 //     [M, K / 16]: Q4_K's mins, Q6_K's -32).
-// A matmul whose weight is all Q4_K and Q6_K (a Q4_K_M file's) builds per256 alone (q, d and
+// A matmul whose weight is all Q4_K, Q5_K and Q6_K (a Q4_K_M file's) builds per256 alone (q, d and
 // sum stay null).
 struct QuantizedRows {
   int64_t M = 0, K = 0, blocks = 0, ld = 0, ldt = 0;
@@ -280,7 +281,8 @@ struct Epilogue {
 };
 
 bool is_interleaved(int type) {
-  return type == specdec_cpu::kQ4_0I || type == specdec_cpu::kQ4_1I || type == specdec_cpu::kQ8_0I;
+  return type == specdec_cpu::kQ4_0I || type == specdec_cpu::kQ4_1I || type == specdec_cpu::kQ8_0I ||
+         type == specdec_cpu::kQ5_0I || type == specdec_cpu::kQ5_1I;
 }
 
 int64_t block_elems(int type) {
@@ -295,6 +297,8 @@ int64_t block_bytes(int type) {
   if (type == specdec_cpu::kQ4_0S || type == specdec_cpu::kQ4_0I) return 18;
   if (type == specdec_cpu::kQ4_1S || type == specdec_cpu::kQ4_1I) return 20;
   if (type == specdec_cpu::kQ8_0S || type == specdec_cpu::kQ8_0I) return 34;
+  if (type == specdec_cpu::kQ5_0I) return 22;
+  if (type == specdec_cpu::kQ5_1I) return 24;
   int64_t bytes = 0;
   with_format(type, [&](auto format) { bytes = decltype(format)::kBytes; });
   return bytes;
@@ -315,6 +319,8 @@ void dequantize_row(const WeightSegment& seg, int64_t row, int64_t K, float* out
     const int lane = static_cast<int>(row % 16);
     if (seg.type == specdec_cpu::kQ4_0I) return specdec_cpu::Interleaved<specdec_cpu::kQ4_0I>::dequantize_row(group, lane, K, out);
     if (seg.type == specdec_cpu::kQ4_1I) return specdec_cpu::Interleaved<specdec_cpu::kQ4_1I>::dequantize_row(group, lane, K, out);
+    if (seg.type == specdec_cpu::kQ5_0I) return specdec_cpu::Interleaved<specdec_cpu::kQ5_0I>::dequantize_row(group, lane, K, out);
+    if (seg.type == specdec_cpu::kQ5_1I) return specdec_cpu::Interleaved<specdec_cpu::kQ5_1I>::dequantize_row(group, lane, K, out);
     return specdec_cpu::Interleaved<specdec_cpu::kQ8_0I>::dequantize_row(group, lane, K, out);
   }
   with_format(seg.type, [&](auto format) { specdec_cpu::dequantize_row<decltype(format)>(data, K, out); });
@@ -437,7 +443,7 @@ bool has_tile_segments(const QuantWeight& w) {
 ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
   ActivationNeeds needs;
   for (const WeightSegment& seg : w.segments) {
-    const bool per256 = seg.type == specdec_cpu::kQ4_K || seg.type == specdec_cpu::kQ6_K;
+    const bool per256 = seg.type == specdec_cpu::kQ4_K || seg.type == specdec_cpu::kQ5_K || seg.type == specdec_cpu::kQ6_K;
     needs.per32 = needs.per32 || !per256;
     needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     needs.biased = needs.biased || (vnni && (seg.type == specdec_cpu::kQ8_0S || seg.type == specdec_cpu::kQ8_0I));

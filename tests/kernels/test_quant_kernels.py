@@ -30,7 +30,8 @@ ISAS = ["avx2"] + (["avx512"] if _VNNI else []) + (["amx"] if _VNNI and {"amx_ti
 
 #: Byte offsets of the half-precision scale fields in each block format (the rest of a block is
 #: any bytes at all: nibbles, 6-bit scales, int8 values).
-HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,9 @@ def _close(got, want):
 #: 19 weight rows: for Q4_0 / Q4_1 / Q8_0, a group of 16 interleaved and 3 rows split (Q8_0, and
 #: Q4 rows whose length is a multiple of 64; Q4 rows of 160 and 96 stay as stored: layout_array).
 @pytest.mark.parametrize("type_name,cols", [("Q8_0", 96), ("Q4_0", 160), ("Q4_0", 128), ("Q4_1", 96),
-                                            ("Q4_1", 576), ("Q4_K", 256), ("Q4_K", 768), ("Q6_K", 512)])
+                                            ("Q4_1", 576), ("Q4_K", 256), ("Q4_K", 768), ("Q6_K", 512),
+                                            ("Q5_0", 96), ("Q5_0", 896), ("Q5_1", 160), ("Q5_K", 256),
+                                            ("Q5_K", 768)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 37])
 def test_q_matmul_matches_reference(ops, isa, type_name, cols, rows):
     rng = np.random.default_rng(rows * 1000 + cols)
@@ -134,7 +137,9 @@ def _run_on(monkeypatch, isa, op, *args):
     return [t.numpy() for t in out] if isinstance(out, (list, tuple)) else [out.numpy()]
 
 
-@pytest.mark.parametrize("type_names", [("Q4_K",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q4_1",), ("Q4_0", "Q8_0")])
+@pytest.mark.parametrize("type_names", [("Q4_K",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q4_1",), ("Q4_0", "Q8_0"),
+                                        ("Q5_0",), ("Q5_1",), ("Q5_K",), ("Q5_0", "Q8_0"), ("Q5_K", "Q6_K"),
+                                        ("Q4_K", "Q5_K")])
 @pytest.mark.parametrize("rows", [2, 6, 16, 37])
 def test_a_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, type_names, rows):
     """A row's output depends on that row alone: not on the rows it shares a matmul with (a
@@ -191,7 +196,7 @@ def test_a_k_quant_layer_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(
         np.testing.assert_array_equal(np.concatenate([a[k] for a in alone]), want)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q5_K"])
 @pytest.mark.parametrize("rows", [1, 6, 9, 40])
 def test_long_rows_in_several_row_tiles_and_chunks(ops, isa, type_name, rows):
     """Rows of 4096 elements against 41 weight rows (three parallel chunks of up to 16), one to
@@ -254,7 +259,7 @@ def test_q_layer_tail_qkv_matches_reference(ops, isa, rows):
 
 
 @pytest.mark.parametrize("type_name,cols", [("Q8_0", 64), ("Q4_0", 64), ("Q4_1", 96), ("Q4_K", 256),
-                                            ("Q6_K", 256)])
+                                            ("Q6_K", 256), ("Q5_0", 96), ("Q5_1", 64), ("Q5_K", 512)])
 def test_q_embedding_matches_gguf_dequantize(ops, type_name, cols):
     """Rows from whole groups of 16 (interleaved, for Q4_0 / Q4_1 / Q8_0) and from the rest."""
     rng = np.random.default_rng(cols)
@@ -263,6 +268,67 @@ def test_q_embedding_matches_gguf_dequantize(ops, type_name, cols):
     ids = np.array([3, 0, 36, 17, 31, 3], dtype=np.int64)
     got = ops.specdec_q_embedding(paddle.to_tensor(ids), data_t, layout_t, cols).numpy()
     np.testing.assert_allclose(got, reference.q_embedding(ids, data, layout, cols), rtol=1e-6, atol=1e-7)
+
+
+def _ggml_q5_dequantize(type_name: str, blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 / Q5_K blocks ``[n, size]`` dequantized as ggml-common.h's layouts and
+    ggml's dequantize_row_q5_* read them, written out element by element (float64): a second
+    reference, independent of both the kernels and the ``gguf`` package."""
+    def half(field):
+        return np.ascontiguousarray(field).view(np.float16).astype(np.float64)[:, 0]
+
+    n = len(blocks)
+    out = np.zeros((n, BLOCK_FORMATS[type_name][1]))
+    if type_name in ("Q5_0", "Q5_1"):
+        d = half(blocks[:, 0:2])
+        m = half(blocks[:, 2:4]) if type_name == "Q5_1" else -16 * d
+        start = 4 if type_name == "Q5_1" else 2
+        qh = blocks[:, start:start + 4].astype(np.uint32)
+        qh = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
+        qs = blocks[:, start + 4:start + 20]
+        for j in range(16):
+            out[:, j] = d * ((qs[:, j] & 0xF) | ((qh >> j) & 1) << 4) + m
+            out[:, j + 16] = d * ((qs[:, j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m
+        return out
+    d, dmin = half(blocks[:, 0:2]), half(blocks[:, 2:4])
+    scales, qh, ql = blocks[:, 4:16].astype(np.int64), blocks[:, 16:48], blocks[:, 48:176]
+
+    def scale_min(j):  # ggml's get_scale_min_k4
+        if j < 4:
+            return scales[:, j] & 63, scales[:, j + 4] & 63
+        return ((scales[:, j + 4] & 0xF) | ((scales[:, j - 4] >> 6) << 4),
+                (scales[:, j + 4] >> 4) | ((scales[:, j] >> 6) << 4))
+
+    for pair in range(4):
+        (sc1, m1), (sc2, m2) = scale_min(2 * pair), scale_min(2 * pair + 1)
+        q = ql[:, 32 * pair:32 * pair + 32]
+        for e in range(32):
+            high1 = ((qh[:, e] >> (2 * pair)) & 1) * 16
+            high2 = ((qh[:, e] >> (2 * pair + 1)) & 1) * 16
+            out[:, 64 * pair + e] = d * sc1 * ((q[:, e] & 0xF) + high1) - dmin * m1
+            out[:, 64 * pair + 32 + e] = d * sc2 * ((q[:, e] >> 4) + high2) - dmin * m2
+    return out
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_q5_blocks_dequantize_as_ggml_and_the_kernels_read_them(ops, type_name):
+    """The 5-bit formats' fields as ggml lays them out (written out here) give what the ``gguf``
+    package dequantizes (the twin's ground truth), and the kernels' embedding lookup (their
+    unpacking of the blocks, as stored and interleaved) gives the same values."""
+    import gguf
+
+    rng = np.random.default_rng(11)
+    _, elems, size = BLOCK_FORMATS[type_name]
+    cols = 2 * elems
+    segment = random_blocks(rng, type_name, 21, cols)
+    blocks = np.asarray(segment.data).reshape(-1, size)
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]).reshape(-1, elems)
+    np.testing.assert_allclose(want, _ggml_q5_dequantize(type_name, blocks), rtol=1e-6, atol=1e-7)
+    data, layout, data_t, layout_t = tensors(QuantizedMatrix(cols, (segment,)))
+    # Q5_0 / Q5_1: a group of 16 interleaved, 5 rows as stored; Q5_K: 21 rows as stored.
+    assert layout[-1, :2].tolist() == [BLOCK_FORMATS[type_name][0], 5 if type_name in INTERLEAVED_TYPE_IDS else 21]
+    got = ops.specdec_q_embedding(paddle.to_tensor(np.arange(21, dtype=np.int64)), data_t, layout_t, cols).numpy()
+    np.testing.assert_allclose(got, want.reshape(21, cols), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
@@ -297,6 +363,25 @@ def test_interleaved_rows_move_bytes_only(type_name, cols):
     np.testing.assert_array_equal(data[:grouped.nbytes], grouped.reshape(-1))
     with pytest.raises(ValueError, match="groups of 16"):
         interleave_rows(type_name, segment.data[:20])
+
+
+@pytest.mark.parametrize("type_name,cols", [("Q5_0", 96), ("Q5_1", 64)])
+def test_interleaved_q5_rows_move_bits_only(type_name, cols):
+    """Q5 groups: nibbles, d and m moved as Q4's bytes, each row's 32 fifth bits reordered (bit t
+    of byte i: element 4t + i); the 5 rows left over stay as stored."""
+    rng = np.random.default_rng(5)
+    segment = random_blocks(rng, type_name, 37, cols)
+    grouped = interleave_rows(type_name, segment.data[:32])
+    assert grouped.shape == (32, segment.data.shape[1])
+    np.testing.assert_array_equal(deinterleave_rows(type_name, grouped), segment.data[:32])
+    high = 2 if type_name == "Q5_0" else 4
+    bits = np.unpackbits(segment.data[:16, high:high + 4], axis=1, bitorder="little")  # row r, element j
+    moved = np.unpackbits(grouped.reshape(-1)[256:320].reshape(16, 4), axis=1, bitorder="little")
+    for t in range(8):
+        for i in range(4):
+            np.testing.assert_array_equal(moved[:, 8 * i + t], bits[:, 4 * t + i])
+    data, layout = layout_array(QuantizedMatrix(cols, (segment,)))
+    assert layout[:, :2].tolist() == [[INTERLEAVED_TYPE_IDS[type_name], 32], [BLOCK_FORMATS[type_name][0], 5]]
 
 
 def test_q_matmul_rejects_mismatched_rows(ops):

@@ -67,6 +67,32 @@ def q4_1(rng, rows, cols):
     return raw.reshape(rows, -1), expected.reshape(rows, cols)
 
 
+def _fifth_bits(q):
+    """4 bytes per block: bit j of the little-endian word is bit 4 of element j."""
+    bits = ((q >> 4) & 1).astype(np.uint8)  # [..., 32]
+    return np.packbits(bits, axis=-1, bitorder="little")
+
+
+def q5_0(rng, rows, cols):
+    blocks = cols // 32
+    d = _scales(rng, rows * blocks).reshape(rows, blocks)
+    q = rng.integers(0, 32, (rows, blocks, 32)).astype(np.uint8)
+    raw = np.concatenate([d[..., None].view(np.uint8), _fifth_bits(q), _nibbles(q & 0xF)], axis=-1)
+    expected = (q.astype(np.float32) - 16.0) * d.astype(np.float32)[..., None]
+    return raw.reshape(rows, -1), expected.reshape(rows, cols)
+
+
+def q5_1(rng, rows, cols):
+    blocks = cols // 32
+    d = _scales(rng, rows * blocks).reshape(rows, blocks)
+    m = (-_scales(rng, rows * blocks).astype(np.float32) * 4).astype(np.float16).reshape(rows, blocks)
+    q = rng.integers(0, 32, (rows, blocks, 32)).astype(np.uint8)
+    raw = np.concatenate([d[..., None].view(np.uint8), m[..., None].view(np.uint8), _fifth_bits(q),
+                          _nibbles(q & 0xF)], axis=-1)
+    expected = q.astype(np.float32) * d.astype(np.float32)[..., None] + m.astype(np.float32)[..., None]
+    return raw.reshape(rows, -1), expected.reshape(rows, cols)
+
+
 def f16(rng, rows, cols):
     data = rng.standard_normal((rows, cols)).astype(np.float16)
     return data, data.astype(np.float32)
@@ -77,7 +103,7 @@ def f32(rng, rows, cols):
     return data, data.copy()
 
 
-BUILDERS = {"F32": f32, "F16": f16, "Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1}
+BUILDERS = {"F32": f32, "F16": f16, "Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1}
 
 
 def _add(writer, name, raw, type_name):
@@ -292,6 +318,27 @@ def test_load_tiny_llama(tmp_path, untied):
     assert tokenizer.encode("hello world") == [hello, world]
     assert tokenizer.decode(tokenizer.encode("hello wörld")) == "hello wörld"
     assert tokenizer.eos_token_ids == {0}
+
+
+def test_q5_matrices_stay_blocks_with_keep_quantized(tmp_path, monkeypatch):
+    """Q5_0 / Q5_1 matrices (the q rows permuted back for RoPE) load as the file's blocks, which
+    dequantize to what the float loader reads; Q8_0 / Q4 ones too, F16 ones as float32."""
+    from specdec.model.quant import QuantizedMatrix
+
+    monkeypatch.setitem(LAYOUT, "blk.{i}.attn_q.weight",
+                        ("model.layers.{i}.self_attn.q_proj.weight", "Q5_0", (32, 32), "heads"))
+    monkeypatch.setitem(LAYOUT, "blk.{i}.ffn_gate.weight", ("model.layers.{i}.mlp.gate_proj.weight", "Q5_1", (64, 32),
+                                                             None))
+    path = tmp_path / "tiny.gguf"
+    expected, _ = write_tiny_llama(path)
+    _, weights, _ = load_gguf(path, progress=False, keep_quantized=True)
+    for name, type_name in (("model.layers.0.self_attn.q_proj.weight", "Q5_0"),
+                            ("model.layers.0.mlp.gate_proj.weight", "Q5_1"),
+                            ("model.layers.0.mlp.up_proj.weight", "Q4_0")):
+        matrix = weights[name]
+        assert isinstance(matrix, QuantizedMatrix) and [s.type_name for s in matrix.segments] == [type_name], name
+        np.testing.assert_array_equal(matrix.dequantize(), expected[name], err_msg=name)
+    assert isinstance(weights["model.layers.0.mlp.down_proj.weight"], np.ndarray)  # F16
 
 
 def test_load_tiny_llama_with_an_unsupported_tensor(tmp_path):
