@@ -15,9 +15,10 @@ included). Steps that prefill are left out: the table is about decode steps.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from collections import defaultdict
+
+from bench_rows import cpu_name  # benchmarks/ is the script's folder: on sys.path
 
 import specdec
 from specdec.metrics import SpecMetrics
@@ -90,16 +91,6 @@ class PhaseTimer:
         order = ["step", "schedule", "propose", "pack (around forward)", "forward (native)", "rows (processors)",
                  "verify", "accept policy", "update", "on_step", "host (step - native forward)"]
         return [(label, per_step.get(label, 0.0)) for label in order]
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

@@ -78,15 +78,23 @@ def test_a_lookup_led_step_skips_the_model_which_catches_up_later(model_session,
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
 
 
-def test_by_default_the_lookup_leads_where_its_drafts_have_done_better():
-    from specdec.plugins.hybrid.leader import MODEL, RETRY_STEPS, LeaderStats
+def leader_stats(accepted_by_match: dict, steps: int = 20):
+    """Leader statistics after ``steps`` steps in which a draft led by each matched length
+    (0: the model) had ``accepted_by_match[length]`` tokens accepted."""
+    from specdec.plugins.hybrid.leader import LeaderStats
 
     stats = LeaderStats()
-    for _ in range(20):
+    for _ in range(steps):
         stats.next_step()
-        stats.record(MODEL, 1)
-        stats.record(LeaderStats.kind(4), 3)
-        stats.record(LeaderStats.kind(1), 0)
+        for matched, accepted in accepted_by_match.items():
+            stats.record(LeaderStats.kind(matched), accepted)
+    return stats
+
+
+def test_by_default_the_lookup_leads_where_its_drafts_have_done_better():
+    from specdec.plugins.hybrid.leader import RETRY_STEPS
+
+    stats = leader_stats({0: 1, 4: 3, 1: 0})
     assert stats.lookup_leads(4)
     assert not stats.lookup_leads(1) and not stats.lookup_leads(0)
     for _ in range(RETRY_STEPS + 1):
@@ -119,11 +127,5 @@ def test_a_bad_component_is_a_one_line_error_and_keeps_the_method(model_session,
 
 
 def test_the_model_s_cost_tips_the_lead_to_a_lookup_nearly_as_good():
-    from specdec.plugins.hybrid.leader import MODEL, LeaderStats
-
-    stats = LeaderStats()
-    for _ in range(20):
-        stats.next_step()
-        stats.record(MODEL, 1)
-        stats.record(LeaderStats.kind(2), 0.9)
+    stats = leader_stats({0: 1, 2: 0.9})
     assert not stats.lookup_leads(2) and stats.lookup_leads(2, model_cost=0.2)
