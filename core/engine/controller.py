@@ -71,8 +71,8 @@ class _RequestState:
 
 class DraftController:
     """What the engine learned about one method: acceptance per draft class and position
-    (:class:`AcceptanceModel`), a step's cost per row (:class:`StepCostModel`), the proposer's
-    time per request, the host time of a step, and each request's on/off state.
+    (:class:`AcceptanceModel`), a step's fixed and per-row cost besides the proposer
+    (:class:`StepCostModel`), the proposer's time per request, and each request's on/off state.
 
     The engine calls, each step: :meth:`proposing` (whom to propose for), :meth:`proposer_time`
     (after the call), :meth:`draft_lengths` (how many drafts to verify), :meth:`record` (what
@@ -111,17 +111,18 @@ class DraftController:
             if not state.probing and state.idle_steps >= state.interval and max_draft_lens[b] > 0:
                 due.append(b)
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
-            states[b].probing = self._afford_probe(int(max_draft_lens[b]))
+            states[b].probing = self._afford_probe(int(max_draft_lens[b]), calls_proposer=not states[b].proposing)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
 
-    def _afford_probe(self, drafts: int) -> bool:
-        """Whether the probe budget covers a probe of ``drafts`` drafts (their rows and the
-        proposer's time), taking it from the budget if so. A full budget pays for any probe,
-        going into debt: a probe dearer than the cap then waits until the debt is paid."""
+    def _afford_probe(self, drafts: int, calls_proposer: bool) -> bool:
+        """Whether the probe budget covers a probe of ``drafts`` drafts (their rows, and the
+        proposer's time when it is off for the request: ``calls_proposer``), taking it from
+        the budget if so. A full budget pays for any probe, going into debt: a probe dearer
+        than the cap then waits until the debt is paid."""
         if self._probe_credit is None:  # nothing measured yet
             return True
         _, per_row = self.step_costs.costs()
-        cost = drafts * per_row + (self.proposer_seconds or 0.0)
+        cost = drafts * per_row + ((self.proposer_seconds or 0.0) if calls_proposer else 0.0)
         if self._probe_credit < cost and self._probe_credit < self._probe_cap:
             return False
         self._probe_credit -= cost
