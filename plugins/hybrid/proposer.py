@@ -132,8 +132,7 @@ class HybridProposer(specdec.Proposer):
             started = time.perf_counter()
             model_drafts = self.model.propose(model_batch).clipped(
                 np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64)).placed(model_rows, len(batch))
-            per_request = (time.perf_counter() - started) / len(model_rows)
-            self._model_seconds = per_request if not self._model_seconds else 0.9 * self._model_seconds + 0.1 * per_request
+            self._model_seconds = _decayed(self._model_seconds, (time.perf_counter() - started) / len(model_rows))
         first = model_drafts.to_lists()
         for b in model_rows:
             if first[b]:
@@ -160,7 +159,7 @@ class HybridProposer(specdec.Proposer):
             interval = now - self._last_proposal
             if self._step_seconds:  # a gap (steps without a proposal, an idle engine) is not a step
                 interval = min(interval, 3.0 * self._step_seconds)
-            self._step_seconds = interval if not self._step_seconds else 0.9 * self._step_seconds + 0.1 * interval
+            self._step_seconds = _decayed(self._step_seconds, interval)
         self._last_proposal = now
 
     def _model_cost(self, batch_size: int) -> float:
@@ -231,3 +230,8 @@ class HybridProposer(specdec.Proposer):
             for position in range(int(model_drafts.lengths[row]), len(draft)):
                 probs[row, position, draft[position]] = 1.0
         return probs
+
+
+def _decayed(mean: float, sample: float) -> float:
+    """A decayed mean (a tenth of each new sample) that starts at its first sample (0: none yet)."""
+    return sample if not mean else 0.9 * mean + 0.1 * sample
