@@ -13,7 +13,7 @@ from .errors import ConfigError, PluginError, SpecdecError
 from .hookspecs import hookimpl
 from .plugin import Plugin
 from .proposer import Drafts, ProposalBatch, ProposalRequest, Proposer
-from .proposer_context import ProposerContext, TargetModel
+from .proposer_context import DraftModel, ProposerContext, TargetModel
 from .sampling import SamplingParams
 from .verify import AcceptPolicy, BatchSampling, VerifyInputs, VerifyResult, VerifyStrategy
 
@@ -23,7 +23,7 @@ __all__ = [
     "LLM", "SamplingParams", "SpeculativeConfig", "Plugin", "Proposer", "ProposalBatch", "ProposalRequest",
     "Drafts", "VerifyStrategy", "AcceptPolicy", "VerifyInputs", "VerifyResult", "BatchSampling",
     "AttentionBackend", "AttentionMetadata", "hookimpl", "SpecdecError", "ConfigError", "PluginError",
-    "ProposerContext", "TargetModel",
+    "ProposerContext", "TargetModel", "DraftModel",
 ]
 
 

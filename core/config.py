@@ -45,7 +45,7 @@ from cattrs.cols import (
 )
 from cattrs.gen import make_dict_structure_fn
 
-from .errors import ConfigError, PluginError, did_you_mean
+from .errors import ConfigError, PluginError, SpecdecError, did_you_mean
 from .plugin_kinds import SPECULATIVE_KINDS
 # above and multiple_of are also read from here by older plugin code (specdec.sdk is their home).
 from .validators import InvalidValue, above, in_range, multiple_of, one_of, range_problem  # noqa: F401
@@ -681,7 +681,14 @@ def build_speculative_config(data: Mapping, plugins, source: str = SPECULATIVE_S
         if config_cls is not None:
             own = {key: value for key, value in data.items() if kind.config_key in owners.get(key, ())}
             plugin_configs[kind.config_field] = structure(own, config_cls, source)
-    return attrs.evolve(config, notices=tuple(notices), **plugin_configs)
+    config = attrs.evolve(config, notices=tuple(notices), **plugin_configs)
+    check = getattr(classes["method"], "check_config", None)
+    if check is not None:
+        try:
+            check(config)
+        except SpecdecError as exc:
+            raise ConfigError(f"{source}.{exc}") from None
+    return config
 
 
 def _method_of_alias(data: Mapping, proposers) -> Mapping:

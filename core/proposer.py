@@ -227,6 +227,15 @@ class Proposer(Plugin):
     #: switched off: that one's next proposal brings every state since its previous one.
     NEEDS_HIDDEN_STATES: ClassVar[bool] = False
 
+    @classmethod
+    def check_config(cls, spec_config: Any) -> None:
+        """Refuse a speculative config this method cannot work with, before any model loads
+        (a draft model's missing file): raise :class:`specdec.ConfigError` with a one-line
+        message that starts with the key at fault (``"model: ..."``); the caller puts where
+        the config came from in front (``--speculative-config.model: ...``). ``spec_config``
+        is the whole :class:`specdec.config.SpeculativeConfig`, this method's ``Config`` in
+        ``method_config``. The default accepts everything."""
+
     def setup(self, context: Any) -> None:
         """Called once, after construction and before the first request, with a
         :class:`specdec.ProposerContext`: the target's ``model_config``, ``tokenizer``, the

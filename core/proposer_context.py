@@ -2,9 +2,11 @@
 
 :meth:`specdec.Proposer.setup` receives a :class:`ProposerContext` once, after the proposer is
 built and before its first request: the target's shape and tokenizer, a :class:`TargetModel`
-handle (embedding, final norm and LM head, shared with the target), and
+handle (embedding, final norm and LM head, shared with the target),
 :meth:`ProposerContext.create_cache_layers`, which gives the proposer decoder layers of its own
-over the engine's paged KV cache. docs/plugins.md ("Model-based proposers") is the guide.
+over the engine's paged KV cache, and :meth:`ProposerContext.load_model`, which loads a whole
+second model (a draft model, :class:`DraftModel`) on the engine's kernels with its own cache
+over the same blocks. docs/plugins.md ("Model-based proposers") is the guide.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import attrs
+import numpy as np
 
-from .attention import AttentionBackend
+from .attention import AttentionBackend, AttentionMetadata
 
 
 class TargetModel:
@@ -57,6 +60,56 @@ class TargetModel:
         return self._model.logits_of_hidden(hidden_states)
 
 
+class DraftModel:
+    """A second model a proposer runs (a draft model), loaded by
+    :meth:`ProposerContext.load_model`.
+
+    It runs on the target's kernels (quantized as its file stores it, unless the proposer
+    asked otherwise), and its KV cache has a layer per draft layer over the target's block
+    ids: position ``p`` of a request lives in block ``request.block_table[p // block_size]``
+    for the draft as for the target, so the draft's rows are freed, dropped on preemption and
+    prefix-shared with their request, and need no bookkeeping of the proposer's own. The rules
+    of :meth:`ProposerContext.create_cache_layers` hold: write only positions the engine
+    reserved this step, and a row at position ``p`` depends on tokens ``0 .. p`` only.
+
+    :ivar name: what the user named the model (a path or an alias).
+    :ivar config: the draft's shape (``num_layers``, ``hidden_size``, ...).
+    :ivar tokenizer: the draft's tokenizer; the same vocabulary and special tokens as the
+        target's (checked when loading).
+    :ivar vocab_size: the width of :meth:`forward`'s logits: the *target's* vocabulary size,
+        so that a column is the same token for both (a draft whose LM head is narrower gets
+        ``-inf`` in the missing columns).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, vocab_size: int):
+        self._model = model
+        self.name = name
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+
+    def forward(self, token_ids: np.ndarray, meta: AttentionMetadata, logit_rows: np.ndarray) -> np.ndarray:
+        """Run the draft over packed rows, as the target's forward does.
+
+        :param token_ids: ``[T]`` int64, every request's new rows back to back.
+        :param meta: ``AttentionMetadata.build(query_lens, context_lens, block_tables,
+            block_size)`` for those rows (each request's rows start at its ``context_len``; its
+            cache rows below that must hold the tokens before).
+        :param logit_rows: ``[M]`` int64 indices of the rows whose logits are wanted.
+        :returns: ``[M, vocab_size]`` float32 numpy logits.
+        """
+        logits = self._model.forward(np.ascontiguousarray(token_ids, dtype=np.int64), meta,
+                                     np.asarray(logit_rows, dtype=np.int64))
+        width = logits.shape[1]
+        if width == self.vocab_size:
+            return logits
+        if width > self.vocab_size:
+            return np.ascontiguousarray(logits[:, : self.vocab_size])
+        out = np.full((logits.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
+        out[:, :width] = logits
+        return out
+
+
 @attrs.define(slots=True)
 class ProposerContext:
     """What :meth:`specdec.Proposer.setup` receives.
@@ -81,6 +134,28 @@ class ProposerContext:
     num_blocks: int
     _create_cache_layers: Callable[..., AttentionBackend] = attrs.field(repr=False, alias="create_cache_layers")
     _create_proposer: Optional[Callable[..., Any]] = attrs.field(default=None, repr=False, alias="create_proposer")
+    _load_model: Optional[Callable[..., DraftModel]] = attrs.field(default=None, repr=False, alias="load_model")
+
+    def load_model(self, model: str, *, quantization: Optional[str] = None) -> DraftModel:
+        """Load a draft model: a whole second decoder (GGUF file, Hugging Face checkpoint
+        directory or alias) with a KV cache of its own over the engine's blocks.
+
+        ``quantization`` as the engine's key: ``None`` or ``auto`` keeps a GGUF file's blocks
+        on the quantized kernels (a float checkpoint stays float), ``wint8``/``wint4`` quantize
+        a float one at load, ``none`` computes in float. The draft must tokenize as the target
+        does: a different vocabulary or different special tokens is a one-line
+        :class:`specdec.SpecdecError` naming both models, raised before the weights are read,
+        as is a missing or non-GGUF file.
+
+        Call it from ``setup``, once per model. Its cache memory comes on top of
+        ``kv_cache_memory_gb`` (the draft's bytes per position against the target's); loading
+        it clears the prefix cache, whose blocks hold no draft rows yet.
+        """
+        if self._load_model is None:
+            from .errors import SpecdecError
+
+            raise SpecdecError("this context cannot load models (it was made outside an engine)")
+        return self._load_model(model, quantization)
 
     def create_proposer(self, method: str, **keys: Any) -> Any:
         """Another registered proposer, built and set up, for a method that composes others

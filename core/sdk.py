@@ -3,7 +3,7 @@
 A plugin (built-in or third-party) imports ``specdec`` and ``specdec.sdk`` only, never another
 plugin or an engine module; a test holds the built-ins to it. Here are the four plugin bases
 and their data, the ``hookimpl`` marker, the contract of model-based proposers
-(:class:`ProposerContext`, :class:`TargetModel`), the sampling math and verify result builders
+(:class:`ProposerContext`, :class:`TargetModel`, :class:`DraftModel`), the sampling math and verify result builders
 that strategies share (with a strategy's fused device kernel, :class:`DeviceVerifyKernel`,
 which :func:`verify_on_device` dispatches), the validators of a plugin's ``Config``, the
 errors, and the native code a plugin may use (the CPU and Triton kernel loaders,
@@ -25,11 +25,12 @@ from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
 from .kernels.triton import load_triton_kernels
 from .model.quant import QuantizedLinear
 from .model.quant_layer import QuantizedDecoderLayer
+from .model.resolve import resolve_model_path
 from .plugin import Plugin
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
                     target_choice, target_distribution, top_tokens)
 from .proposer import DRAFT_PAD, Drafts, ProposalBatch, ProposalRequest, Proposer
-from .proposer_context import ProposerContext, TargetModel
+from .proposer_context import DraftModel, ProposerContext, TargetModel
 from .validators import above, in_range, multiple_of, one_of
 from .verify import AcceptPolicy, BatchSampling, DeviceVerifyKernel, VerifyInputs, VerifyResult, VerifyStrategy
 from .verify_builders import (accepted_prefix, assemble_output, at_positions, check_inputs, draft_mask,
@@ -37,6 +38,7 @@ from .verify_builders import (accepted_prefix, assemble_output, at_positions, ch
 
 __all__ = [
     "Plugin", "Proposer", "ProposalBatch", "ProposalRequest", "Drafts", "DRAFT_PAD", "ProposerContext", "TargetModel",
+    "DraftModel",
     "VerifyStrategy", "VerifyInputs", "VerifyResult", "BatchSampling", "AcceptPolicy",
     "AttentionBackend", "AttentionMetadata", "hookimpl",
     "processed_probs", "greedy_tokens", "one_hot", "sample_tokens", "target_choice", "target_distribution",
@@ -46,7 +48,7 @@ __all__ = [
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
     "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "load_triton_kernels", "QuantizedLinear",
-    "QuantizedDecoderLayer",
+    "QuantizedDecoderLayer", "resolve_model_path",
     "DeviceVerifyKernel",
 ]
 

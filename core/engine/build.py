@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import attrs
 
 from ..config import MAX_SPECULATIVE_TOKENS, MODEL_KEYS, EngineConfig, SpeculativeConfig, build_speculative_config
-from ..errors import SpecdecError
+from ..errors import ConfigError, SpecdecError
 from ..plugin_kinds import SPECULATIVE_KINDS
 from ..proposer_context import ProposerContext
 
@@ -43,17 +43,23 @@ def resolve_quantization(config: EngineConfig, kernels: str) -> str:
     ``auto`` is ``gguf`` for a GGUF file on the CPU kernels (the engine turns it into ``none``
     once loading finds no quantized matrix in the file), else ``none``; a quantized path the
     model or the kernels cannot take is a one-line error."""
+    return quantization_for(config.model, config.quantization, kernels)
+
+
+def quantization_for(model: str, quantization: str, kernels: str, key: str = "quantization",
+                     model_key: str = "--model") -> str:
+    """:func:`resolve_quantization` for any model (the target's, a draft model's), its errors
+    naming ``key`` and ``model_key``, the keys the user set them with."""
     from ..model.resolve import is_gguf_file, resolve_model_path
 
-    quantization = config.quantization
-    path = resolve_model_path(config.model)
+    path = resolve_model_path(model, model_key)
     is_gguf = path.is_file() and is_gguf_file(path)
     if quantization == "auto":
         return "gguf" if kernels == "cpu" and is_gguf else "none"
     if quantization != "none" and kernels != "cpu":
-        raise SpecdecError(f"quantization: {quantization} needs the CPU kernels (kernels: cpu or auto)")
+        raise SpecdecError(f"{key}: {quantization} needs the CPU kernels (kernels: cpu or auto)")
     if quantization == "gguf" and not is_gguf:
-        raise SpecdecError(f"quantization: gguf computes on a GGUF file's blocks, and {config.model} is not a "
+        raise SpecdecError(f"{key}: gguf computes on a GGUF file's blocks, and {model} is not a "
                            f"GGUF file; use wint8 or wint4")
     return quantization
 
@@ -177,6 +183,49 @@ def build_model(config: EngineConfig, plugins, progress: bool = True, tensor_par
                       lm_head=lm_head)
 
 
+# --- a proposer's draft model --------------------------------------------------------------------
+
+
+def load_draft_model(model: str, quantization: Optional[str], *, target_name: str, target_tokenizer,
+                     target_vocab_size: int, kernels: str, weight_dtype: str, attention, kv_cache_dtype: str,
+                     max_positions: int, num_blocks: int, block_size: int, progress: bool = False):
+    """``ProposerContext.load_model``: the draft ``model`` on the target's ``kernels`` and
+    weight dtype, its attention backend of the target's kind (``attention``) with a cache of
+    ``num_blocks`` blocks of ``block_size`` (the target's block ids), as a
+    :class:`~specdec.proposer_context.DraftModel`. Its tokenizer is checked against the
+    target's before any weight is read."""
+    from ..config import QUANTIZATIONS
+    from ..model.llama import LlamaModel
+    from ..model.quant import QuantizedMatrix
+    from ..model.resolve import load_checkpoint, resolve_model_path
+    from ..model.tokenizer import Tokenizer, tokenizer_difference
+    from ..proposer_context import DraftModel
+
+    if not model:
+        raise ConfigError("model: name the draft model (a GGUF file, a checkpoint directory or an alias)")
+    requested = "auto" if quantization is None else quantization
+    if requested not in QUANTIZATIONS:
+        raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or null, got {quantization!r}")
+    try:
+        path = resolve_model_path(model, "model")
+        resolved = quantization_for(model, requested, kernels, "quantization", "model")
+    except SpecdecError as exc:  # both name the key
+        raise ConfigError(str(exc)) from None
+    tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    difference = tokenizer_difference(target_tokenizer, tokenizer)
+    if difference is not None:
+        raise ConfigError(f"model: the draft model {model} does not tokenize as the target {target_name} does: "
+                          f"{difference}")
+    config, weights, tokenizer = load_checkpoint(model, progress=progress, keep_quantized=resolved == "gguf")
+    if requested == "auto" and not any(isinstance(w, QuantizedMatrix) for w in weights.values()):
+        resolved = "none"  # a GGUF file of float matrices
+    draft_attention = type(attention)(attention.config, None)
+    draft = LlamaModel(config, weights, draft_attention, max_positions=max_positions, kernels=kernels,
+                       weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, quantization=resolved)
+    draft_attention.init_cache(num_blocks, block_size)
+    return DraftModel(draft, tokenizer, model, target_vocab_size)
+
+
 # --- the speculative plugins --------------------------------------------------------------------
 
 
@@ -209,6 +258,8 @@ def build_spec_plugins(spec: SpeculativeConfig, plugins,
     context = make_context(functools.partial(create_inner_proposer, plugins, spec))
     try:
         proposer.setup(context)
+    except ConfigError as exc:  # names the key at fault ("model: ...")
+        raise ConfigError(f"speculative_config.{exc}") from None
     except SpecdecError as exc:
         raise SpecdecError(f"speculative_config.method: proposer '{spec.method}': {exc}") from None
     except (Exception, SystemExit, GeneratorExit) as exc:  # noqa: BLE001 - a plugin's failure, in one line

