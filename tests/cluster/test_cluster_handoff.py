@@ -15,15 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import attrs
 import httpx
 import jsonschema
 import pytest
 import redis
-from cluster_harness import (_SOLO_ENGINES, CLUSTER_SECRET, MODEL_NAME, solo_outputs, start_instances,
-                             wait_for_instances)
+from cluster_harness import (_SOLO_ENGINES, CLUSTER_SECRET, MODEL_NAME, SCHEMAS, check_json_chat, json_chat,
+                             solo_outputs, start_instances, wait_for_instances)
 from test_cluster import MAX_TOKENS, PROMPTS, _complete, _outcomes
 
 from specdec.cluster.messages import Job, sampling_to_dict
@@ -85,35 +84,11 @@ def test_prefill_and_decode_instances_match_a_single_instance(pd_pair, solo):
 
 # -- structured output and token sources ---------------------------------------------------------
 
-SCHEMAS = json.loads((Path(__file__).parents[1] / "fixtures" / "json_schemas.json").read_text())[:4]
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers and return the sum.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
                                                    "b": {"type": "integer", "minimum": 0, "maximum": 999}},
                    "required": ["a", "b"], "additionalProperties": False}}}
-
-
-async def _json_chat(instance, entry: dict, stream: bool) -> tuple[str, list, int, int]:
-    """A greedy ``json_schema`` chat completion with token sources, through the official client:
-    its content, its token sources' entries, its completion tokens and accepted drafts."""
-    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": entry["prompt"] + " Answer in JSON."}],
-                  max_tokens=48, temperature=0, extra_body={"include_token_sources": True},
-                  response_format={"type": "json_schema", "json_schema": {"name": entry["name"],
-                                                                          "schema": entry["schema"], "strict": True}})
-    async with instance.async_openai() as client:
-        if not stream:
-            response = await client.chat.completions.create(**kwargs)
-            choice, usage = response.choices[0], response.usage
-            return choice.message.content, choice.model_extra["token_sources"], usage.completion_tokens, \
-                usage.model_extra["speculative"]["num_accepted_tokens"]
-        content, entries = "", []
-        async for chunk in await client.chat.completions.create(**kwargs, stream=True,
-                                                                stream_options={"include_usage": True}):
-            for choice in chunk.choices:
-                content += choice.delta.content or ""
-                entries += choice.model_extra.get("token_sources") or []
-            usage = chunk.usage or None
-        return content, entries, usage.completion_tokens, usage.model_extra["speculative"]["num_accepted_tokens"]
 
 
 async def _tool_call(instance) -> dict:
@@ -133,16 +108,13 @@ def test_structured_output_and_token_sources_through_prefill_and_decode(pd_pair)
     _, prefill, decode = pd_pair
 
     async def run():
-        calls = [_json_chat(prefill if i % 2 else decode, entry, stream=i < 2) for i, entry in enumerate(SCHEMAS)]
+        calls = [json_chat(prefill if i % 2 else decode, entry, stream=i < 2) for i, entry in enumerate(SCHEMAS)]
         return await asyncio.gather(*calls, _tool_call(decode))
 
     *outputs, arguments = asyncio.run(run())
     jsonschema.validate(arguments, ADD_TOOL["function"]["parameters"])
-    for entry, (content, entries, num_tokens, accepted) in zip(SCHEMAS, outputs):
-        jsonschema.validate(json.loads(content), entry["schema"])
-        assert "".join(e["text"] for e in entries) == content
-        assert sorted({e["index"] for e in entries}) == list(range(num_tokens))
-        assert len({e["index"] for e in entries if e["source"] == "draft"}) == accepted
+    for entry, output in zip(SCHEMAS, outputs):
+        check_json_chat(entry, *output)
 
 
 @ngram_pair
