@@ -95,7 +95,9 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
         :mod:`~specdec.server.hosts`; ``serve`` passes ``--allowed-hosts`` or its default);
         None: any.
     :param cluster: a :class:`specdec.cluster.Cluster` built over ``engine_loop``, or None. The
-        lifespan starts and stops it, and requests are routed through it.
+        lifespan starts and stops it, and requests are routed through it with their tenant,
+        grammar and token sources (the jobs it runs compile their grammars with this app's
+        compiler).
     :param hide_speculative_usage: leave ``usage.speculative`` out of responses: how many
         drafts a request had accepted tells how much its text matched earlier requests' (with
         the ``suffix`` method's global tree, other tenants').
