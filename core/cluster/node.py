@@ -22,7 +22,9 @@ import attrs
 from prometheus_client import Counter, Gauge
 
 from ..errors import SpecdecError
-from ..server.engine_loop import EngineLoop, EngineStopped, RequestStream
+from ..server.engine_loop import EngineLoop, EngineStopped, RequestRejected, RequestStream
+from ..structured.grammar import GrammarCompiler
+from .messages import MAX_GRAMMAR_BYTES, Options, grammar_bytes
 from .records import REASONS
 from .redis_link import RedisLink, RedisUnavailable, SchedulerConfig
 from .registry import HEARTBEAT_S, ROLES, ClusterView, InstanceInfo, deregister, read_instances, register
@@ -93,6 +95,9 @@ class Cluster:
         self.me: Optional[InstanceInfo] = None
         self.router: Optional[Router] = None
         self.runner: Optional[JobRunner] = None
+        #: Compiles the grammars of the jobs this instance runs; ``build_app`` sets the app's
+        #: (one cache and one bound on concurrent builds for clients' requests and jobs).
+        self.grammar_compiler: Optional[GrammarCompiler] = None
         self.transfer: Optional[TransferServer] = None
         self._tasks: list[asyncio.Task] = []
         self._metrics(metrics)
@@ -128,7 +133,8 @@ class Cluster:
                                method=engine.spec.method, pid=os.getpid(), started_at=time.time())
         self.router = Router(self.me)
         self.runner = JobRunner(self.link, instance_id, self.engine_loop, self.view, options.cluster_secret,
-                                on_transfer=self._transferred, transfer_tls=client_tls)
+                                on_transfer=self._transferred, transfer_tls=client_tls,
+                                grammars=self.grammar_compiler)
         await self._heartbeat_once()
         self._tasks = [asyncio.ensure_future(self._heartbeat()), asyncio.ensure_future(self.runner.consume())]
         logger.info("joined the cluster at %s as %s (%s)", options.scheduler.shown, instance_id, options.role)
@@ -166,11 +172,22 @@ class Cluster:
 
     # -- requests ------------------------------------------------------------------------
 
-    def submit(self, prompt_ids, sampling, request_id: str, streaming: bool = True) -> RequestStream:
+    def submit(self, prompt_ids, sampling, request_id: str, streaming: bool = True, *, tenant: Optional[str] = None,
+               grammar=None, token_sources: bool = False) -> RequestStream:
         """Route a request (from the event loop): the local engine loop's stream, or a remote
         one (``streaming``: whether the client reads the text as it comes). Raises the engine
-        loop's ``QueueFull``/``EngineStopped`` for a local run, and ``EngineStopped`` when no
-        instance can run it."""
+        loop's ``QueueFull``/``EngineStopped`` for a local run, ``EngineStopped`` when no
+        instance can run it, and ``RequestRejected`` for a grammar larger than a job carries
+        (whatever the route, so that a request is refused or not whichever instance is idle).
+
+        ``tenant`` and ``token_sources`` as for the engine loop's ``submit``; ``grammar``: the
+        request's compiled grammar (:class:`~specdec.server.structured.CompiledGrammar`: its row
+        processors run here, its text goes with a remote job, whose instance compiles it again),
+        or None."""
+        spec = grammar.spec() if grammar is not None else None
+        if spec is not None and grammar_bytes(spec["text"]) > MAX_GRAMMAR_BYTES:
+            raise RequestRejected(f"{spec['param']}: its grammar is {grammar_bytes(spec['text'])} bytes, more than "
+                                  f"a cluster's job carries ({MAX_GRAMMAR_BYTES})", spec["param"], "invalid_value")
         try:
             route = self.router.choose(self.view.live(), redis_down=self.link.is_down,
                                        local_pending=self.engine_loop.num_pending)
@@ -178,10 +195,13 @@ class Cluster:
             raise EngineStopped(str(exc)) from None
         self._routed.labels(self.model_name, route.kind).inc()
         if route.kind == "local":
-            return self.engine_loop.submit(prompt_ids, sampling, request_id)
+            return self.engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant,
+                                           row_processors=grammar.processors() if grammar else (),
+                                           token_sources=token_sources)
+        options = Options(tenant=tenant, grammar=spec, token_sources=token_sources)
         return RemoteRequestStream(request_id, self.link, self.view, self.me.instance_id, route, prompt_ids,
                                    sampling, self._route_again, streaming=streaming,
-                                   secret=self.options.cluster_secret)
+                                   secret=self.options.cluster_secret, options=options)
 
     def _route_again(self, exclude: frozenset) -> Route:
         route = self.router.choose(self.view.live(), exclude, local_pending=self.engine_loop.num_pending)

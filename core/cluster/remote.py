@@ -36,7 +36,8 @@ from typing import Callable, Optional
 
 from ..metrics import SpecMetrics
 from ..server.engine_loop import Admitted, Delta, Finished, RequestStream
-from .messages import Job, decode_event, sampling_to_dict, to_loop_event
+from ..server.token_sources import joined
+from .messages import Job, Options, decode_event, sampling_to_dict, to_loop_event
 from .redis_link import RedisLink, RedisUnavailable
 from .registry import ClusterView
 from .router import NoRoute, Route
@@ -75,13 +76,16 @@ class RemoteRequestStream(RequestStream):
         held here until the end, so that nothing reaches the client before the request is
         done, and a lost request can always run again.
     :param secret: the cluster secret that signs jobs and hand-off tickets, or None.
-    :param dispatch_deadline, idle_deadline: seconds (see the module docstring).
+    :param dispatch_deadline: seconds (see the module docstring).
+    :param idle_deadline: seconds (see the module docstring).
+    :param options: what the job carries besides the prompt and sampling (tenant, grammar,
+        token sources: :class:`~.messages.Options`).
     """
 
     def __init__(self, request_id: str, link: RedisLink, view: ClusterView, origin: str, route: Route,
                  prompt_ids, sampling, route_again: Callable[[frozenset], Route], streaming: bool = True,
                  secret: Optional[bytes] = None, dispatch_deadline: float = DISPATCH_DEADLINE_S,
-                 idle_deadline: float = IDLE_DEADLINE_S):
+                 idle_deadline: float = IDLE_DEADLINE_S, options: Options = Options()):
         super().__init__(request_id, engine_loop=None)
         self._secret = secret
         self._dispatch_deadline = dispatch_deadline
@@ -92,6 +96,7 @@ class RemoteRequestStream(RequestStream):
         self._route = route
         self._prompt = [int(t) for t in prompt_ids]
         self._sampling = sampling_to_dict(sampling)
+        self._options = options
         self._route_again = route_again
         self._attempt = 0
         self._aborted = False
@@ -101,6 +106,7 @@ class RemoteRequestStream(RequestStream):
         self._streaming = streaming
         self._held: list[str] = []  # text held back from a client that does not stream
         self._held_logprobs: list = []  # and the logprob entries of its tokens
+        self._held_sources: list = []  # and their token sources (when asked for)
         self._task = asyncio.ensure_future(self._follow())
 
     def abort(self) -> None:
@@ -131,6 +137,7 @@ class RemoteRequestStream(RequestStream):
                                    self._attempt, lost)
                     self._held.clear()
                     self._held_logprobs.clear()
+                    self._held_sources.clear()
                     self._num_generated = 0
                     try:
                         route = self._route_again(frozenset(excluded))
@@ -229,7 +236,7 @@ class RemoteRequestStream(RequestStream):
                       "ticket": ticket}
         return Job(request_id=self.request_id, attempt=self._attempt, origin=self._origin,
                    kind="prefill" if route.kind == "pd" else "run", prompt=self._prompt, sampling=self._sampling,
-                   decode=decode)
+                   decode=decode, **self._options.to_dict())
 
     def _deliver_event(self, event) -> bool:
         """Pass an attempt's event on to the handler (a re-run's Admitted only once); True at
@@ -244,12 +251,14 @@ class RemoteRequestStream(RequestStream):
             if not self._streaming:
                 self._held.append(event.text)
                 self._held_logprobs.extend(event.logprobs)
+                self._held_sources.append(event.token_sources)
                 return False
             self._text_sent = self._text_sent or bool(event.text)
         if isinstance(event, Finished) and self._held:
             event = Finished("".join(self._held) + event.text, event.num_generated, event.num_prompt_tokens,
                              event.finish_reason, event.metrics, event.error,
-                             logprobs=(*self._held_logprobs, *event.logprobs))
+                             logprobs=(*self._held_logprobs, *event.logprobs),
+                             token_sources=joined([*self._held_sources, event.token_sources]))
         self._deliver(event)
         return not isinstance(event, Delta)  # Rejected or Finished end the request
 

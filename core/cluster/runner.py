@@ -10,6 +10,13 @@ blocks to the decode instance the job names (:mod:`.transfer`), which continues 
 stream (:meth:`JobRunner.accept_handoff`). A hand-off that fails tells the origin ``busy``:
 nothing has reached the client yet, so the origin dispatches the request again.
 
+A job's options (:class:`~.messages.Options`) apply where its tokens are generated: its tenant
+goes to the engine with it, and its grammar is compiled here (off the engine thread, within
+the compiler's time bound, the claim renewed meanwhile) into the row processors that mask its
+logits, on the prefill instance (which samples the first token) and on the decode instance,
+whose fresh matcher first consumes the tokens generated before the hand-off, so that it
+continues where the prefill instance's left off.
+
 A job runs once: the runner takes its run id with ``SET NX`` first, and drops a job whose run
 id was taken already (a dispatch retried after its reply was lost, or a replayed job), which
 would otherwise write a second run into the first one's event stream. With a cluster secret,
@@ -22,9 +29,12 @@ import asyncio
 import logging
 from typing import Optional
 
+from ..errors import RequestError
 from ..server.engine_loop import (Admitted, EngineLoop, EngineStopped, Finished, QueueFull, Rejected,
                                   RequestRejected, RequestStream)
-from .messages import Job, busy_event, encode_event, sampling_from_dict
+from ..server.structured import Grammar, Structured
+from ..structured.grammar import GrammarCompiler
+from .messages import Job, Options, busy_event, encode_event, sampling_from_dict
 from .redis_link import RedisLink, RedisUnavailable
 from .registry import ClusterView
 from .records import BadRecord
@@ -72,10 +82,13 @@ class JobRunner:
     :param secret: the cluster secret (jobs and hand-offs are signed with it), or None.
     :param on_transfer: ``on_transfer(stats)`` after each hand-off sent (metrics).
     :param transfer_tls: the client SSL context hand-offs are sent with, or None.
+    :param grammars: compiles the grammars of jobs (the server's, so that client requests and
+        jobs share its cache and its bound on concurrent builds); None: one of its own.
     """
 
     def __init__(self, link: RedisLink, instance_id: str, engine_loop: EngineLoop, view: ClusterView,
-                 secret: Optional[bytes] = None, on_transfer=None, transfer_tls=None):
+                 secret: Optional[bytes] = None, on_transfer=None, transfer_tls=None,
+                 grammars: Optional[GrammarCompiler] = None):
         self.link = link
         self.instance_id = instance_id
         self.engine_loop = engine_loop
@@ -83,6 +96,7 @@ class JobRunner:
         self.secret = secret
         self.on_transfer = on_transfer
         self.transfer_tls = transfer_tls
+        self.grammars = grammars or GrammarCompiler(engine_loop.tokenizer, engine_loop.vocab_size)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
@@ -129,10 +143,17 @@ class JobRunner:
                 return
             await self._claim(job.request_id, job.attempt)
             try:
+                processors = await self._row_processors(job.options, job.request_id, job.attempt)
+            except RequestError as exc:
+                await writer.write(Rejected(str(exc), exc.param, exc.code))
+                return
+            try:
                 sampling = sampling_from_dict(job.sampling)
                 handoff = job.kind == "prefill"
                 stream = self.engine_loop.submit(job.prompt, sampling, job.run_id, handoff=handoff,
-                                                 capture_hidden=handoff and bool(job.decode["needs_hidden_states"]))
+                                                 capture_hidden=handoff and bool(job.decode["needs_hidden_states"]),
+                                                 tenant=job.tenant, row_processors=processors,
+                                                 token_sources=job.token_sources)
             except (QueueFull, EngineStopped) as exc:
                 await writer.busy(f"instance {self.instance_id}: {exc}", self.instance_id)
                 return
@@ -183,7 +204,7 @@ class JobRunner:
             if decode is None or decode.role != "decode" or not decode.transfer:
                 raise TransferError(f"{decode_id} is not a registered decode instance")
             stats = await send_handoff(decode.transfer, job.decode.get("ticket"), writer.seq, finished.handoff,
-                                       self.secret, tls=self.transfer_tls)
+                                       self.secret, tls=self.transfer_tls, options=job.options)
         except TransferError as exc:
             logger.warning("request %s: hand-off to %s failed: %s", job.request_id, decode_id, exc)
             await writer.busy(f"hand-off to decode instance {decode_id} failed: {exc}", decode_id)
@@ -197,10 +218,18 @@ class JobRunner:
         """:class:`~specdec.cluster.transfer.TransferServer`'s handler: run the handed-off
         request here and stream its events on; None when it runs, else why not. ``meta``
         comes from the redeemed ticket (the request's id, attempt and origin) and the sender
-        (the next event number)."""
+        (the next event number, the job's options)."""
         request_id, attempt = str(meta["request_id"]), int(meta["attempt"])
+        options: Options = meta["options"]
         try:
-            stream = self.engine_loop.submit_imported(state, f"{request_id}.{attempt}")
+            if options.grammar is not None:
+                await self._claim(request_id, attempt)
+            processors = await self._row_processors(options, request_id, attempt, emitted=state.output_token_ids)
+        except RequestError as exc:
+            return f"instance {self.instance_id}: {exc}"
+        try:
+            stream = self.engine_loop.submit_imported(state, f"{request_id}.{attempt}", tenant=options.tenant,
+                                                      row_processors=processors, token_sources=options.token_sources)
         except (QueueFull, EngineStopped) as exc:
             return f"instance {self.instance_id}: {exc}"
         try:
@@ -221,6 +250,28 @@ class JobRunner:
             raise
         except Exception:  # noqa: BLE001
             logger.exception("request %s: forwarding its events failed", request_id)
+
+    # -- grammars --------------------------------------------------------------------------
+
+    async def _row_processors(self, options: Options, request_id: str, attempt: int, emitted=()) -> list:
+        """The row processors of the job's grammar (none without one), compiled here while the
+        claim is renewed; their matcher has consumed ``emitted`` (the tokens generated before a
+        hand-off). Raises the compiler's RequestError (a grammar too slow to compile)."""
+        if options.grammar is None:
+            return []
+        grammar = Grammar(options.grammar["text"], options.grammar["param"])
+        build = asyncio.ensure_future(Structured(grammar).compile(self.grammars))
+        try:
+            while not build.done():
+                await asyncio.wait({build}, timeout=WATCH_S)
+                if not build.done():
+                    await self.link.call(lambda: self._claim(request_id, attempt), give_up_after=WATCH_S)
+        finally:
+            build.cancel()  # (nothing once done) Redis gone, or this job cancelled: the build is dropped
+        processors = build.result().processors()
+        for processor in processors:
+            processor.on_emitted(emitted)
+        return processors
 
     # -- claims and the watcher ----------------------------------------------------------
 

@@ -22,7 +22,8 @@ The wire format:
                          big-endian
     header               JSON, at most :data:`MAX_HEADER_BYTES`: {"ticket": {...},
                          "seq": next event number, "state": HandoffState header,
-                         "sizes": [bytes of each buffer]}
+                         "sizes": [bytes of each buffer], "options": the job's
+                         :class:`~.messages.Options` (tenant, grammar, token sources)}
     header MAC (32)      HMAC(secret, "kv-header", preamble, header); zeros without a secret
     body                 the raw bytes of each buffer of ``HandoffState.to_wire()``, in order
     body MAC (32)        HMAC-SHA256(secret, "kv-body" + header MAC + body); zeros without one
@@ -54,6 +55,8 @@ import attrs
 
 from ..engine.handoff import HandoffState
 from ..errors import SpecdecError
+from .messages import MAX_GRAMMAR_BYTES, Options
+from .records import BadRecord
 from .secret import MAC_BYTES, check_mac, mac, new_nonce
 
 logger = logging.getLogger("specdec.cluster")
@@ -61,8 +64,9 @@ logger = logging.getLogger("specdec.cluster")
 MAGIC = b"SPECDEC-KV/2\n"
 #: The fixed-size start of every hand-off: the magic, the header's length, the body's length.
 PREAMBLE_BYTES = len(MAGIC) + 4 + 8
-#: The largest header accepted (prompt ids and sampling parameters of a long prompt fit).
-MAX_HEADER_BYTES = 4 * 2**20
+#: The largest header accepted (prompt ids and sampling parameters of a long prompt fit, and
+#: the largest grammar a job carries).
+MAX_HEADER_BYTES = 4 * 2**20 + MAX_GRAMMAR_BYTES
 #: Seconds a hand-off may take, connection to answer.
 TRANSFER_TIMEOUT_S = 60.0
 #: Seconds a sender has to deliver the preamble and header after connecting.
@@ -183,12 +187,13 @@ class TicketBook:
 # -- sending ---------------------------------------------------------------------------------
 
 
-def frame_handoff(ticket: dict, seq: int, state: HandoffState, secret: Optional[bytes]) -> tuple[bytes, list, bytes]:
+def frame_handoff(ticket: dict, seq: int, state: HandoffState, secret: Optional[bytes],
+                  options: Options = Options()) -> tuple[bytes, list, bytes]:
     """A hand-off as sent: ``(preamble + header + header MAC, buffers, body MAC)``."""
     state_header, buffers = state.to_wire()
     views = [memoryview(buffer).cast("B") for buffer in buffers]
     header = json.dumps({"ticket": ticket, "seq": int(seq), "state": state_header,
-                         "sizes": [view.nbytes for view in views]}).encode()
+                         "sizes": [view.nbytes for view in views], "options": options.to_dict()}).encode()
     preamble = MAGIC + len(header).to_bytes(4, "big") + sum(view.nbytes for view in views).to_bytes(8, "big")
     header_tag = mac(secret, b"kv-header", preamble, header) if secret else NO_MAC
     body_tag = NO_MAC
@@ -201,12 +206,13 @@ def frame_handoff(ticket: dict, seq: int, state: HandoffState, secret: Optional[
 
 
 async def send_handoff(address: str, ticket: dict, seq: int, state: HandoffState, secret: Optional[bytes] = None,
-                       timeout: float = TRANSFER_TIMEOUT_S, tls: Optional[ssl.SSLContext] = None) -> TransferStats:
-    """Send ``state`` with its ``ticket`` (from the job) and ``seq`` (the request's next event
-    number) to the transfer listener at ``HOST:PORT`` (over TLS with ``tls``, a
-    :meth:`TransferTLS.client_context`); returns once the decode instance runs it."""
+                       timeout: float = TRANSFER_TIMEOUT_S, tls: Optional[ssl.SSLContext] = None,
+                       options: Options = Options()) -> TransferStats:
+    """Send ``state`` with its ``ticket`` (from the job), ``seq`` (the request's next event
+    number) and ``options`` (the job's) to the transfer listener at ``HOST:PORT`` (over TLS
+    with ``tls``, a :meth:`TransferTLS.client_context`); returns once the decode instance runs it."""
     host, _, port = address.rpartition(":")
-    head, views, body_tag = frame_handoff(ticket, seq, state, secret)
+    head, views, body_tag = frame_handoff(ticket, seq, state, secret, options)
     started = time.perf_counter()
     try:
         reader, writer = await asyncio.wait_for(
@@ -244,8 +250,9 @@ class _Refused(Exception):
 
 class TransferServer:
     """Listens for hand-offs; ``handler(meta, state)`` starts the request and returns None, or
-    a one-line reason it could not. ``meta`` (``request_id``, ``attempt``, ``origin``, ``seq``)
-    comes from the redeemed ticket, never from the sender's say-so.
+    a one-line reason it could not. ``meta`` (``request_id``, ``attempt``, ``origin``) comes
+    from the redeemed ticket, never from the sender's say-so; ``seq`` and ``options`` (the
+    job's :class:`~.messages.Options`, checked) from the header its MAC authenticates.
 
     :param byte_cap: ``byte_cap(num_positions)``: the most body bytes a hand-off of that many
         positions may carry (its KV blocks and hidden states); 0 refuses the positions.
@@ -316,6 +323,10 @@ class TransferServer:
         refusal = self.tickets.redeem(ticket)
         if refusal is not None:
             raise _Refused(refusal)
+        try:
+            options = Options.from_dict(header.get("options", {}))
+        except BadRecord as exc:
+            raise _Refused(f"bad options: {exc}") from None
         state_header = header["state"]
         sizes = [int(size) for size in header["sizes"]]
         cap = self.byte_cap(int(state_header["num_positions"]))
@@ -333,7 +344,7 @@ class TransferServer:
             raise _Refused("the body's MAC does not match the cluster secret")
         state = HandoffState.from_wire(state_header, buffers, share_prefix=self.secret is not None)
         meta = {"request_id": str(ticket["request_id"]), "attempt": int(ticket["attempt"]),
-                "origin": str(ticket["origin"]), "seq": int(header["seq"])}
+                "origin": str(ticket["origin"]), "seq": int(header["seq"]), "options": options}
         return await self.handler(meta, state)
 
     async def _read_header(self, reader: asyncio.StreamReader) -> tuple[dict, bytes, int]:

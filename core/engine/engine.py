@@ -377,9 +377,10 @@ class Engine:
         to it should come with them: ``add_request(..., capture_hidden=True)`` there)."""
         return bool(self.proposer.NEEDS_HIDDEN_STATES)
 
-    def import_request(self, state: HandoffState, request_id: Optional[str] = None) -> Request:
+    def import_request(self, state: HandoffState, request_id: Optional[str] = None, *,
+                       tenant: Optional[str] = None, row_processors: Sequence = ()) -> Request:
         """Continue a request another engine handed off: :func:`specdec.engine.handoff.import_request`."""
-        return import_request(self, state, request_id)
+        return import_request(self, state, request_id, tenant=tenant, row_processors=row_processors)
 
     # -- admission (admission.py) ------------------------------------------------------------
 

@@ -214,7 +214,8 @@ def check_handoff_supported(engine, what: str) -> None:
         raise SpecdecError(f"{what}: handing requests between engines does not work with tensor_parallel_size > 1")
 
 
-def import_request(engine, state: HandoffState, request_id: Optional[str] = None):
+def import_request(engine, state: HandoffState, request_id: Optional[str] = None, *,
+                   tenant: Optional[str] = None, row_processors: Sequence = ()):
     """Continue a request another engine handed off (``add_request(..., handoff=True)``
     there): it produces the tokens that engine alone would have produced (the same greedy
     tokens; a sampled request draws on from the same generator state).
@@ -227,6 +228,9 @@ def import_request(engine, state: HandoffState, request_id: Optional[str] = None
     the prefix cache only when ``state.share_prefix`` (a state from an authenticated sender).
 
     :param request_id: the request's id here (default: a fresh one of this engine's).
+    :param tenant: who sent it, as ``add_request``'s (a state does not carry it).
+    :param row_processors: as ``add_request``'s; a grammar's must already have consumed the
+        handed-off output tokens (the next row it masks follows them).
     :returns: the request; its ``text`` already holds the handed-off tokens' text, and its
         first-token time is the exporting engine's.
     :raises SpecdecError: one line, when the state's KV layout differs from this engine's
@@ -241,6 +245,8 @@ def import_request(engine, state: HandoffState, request_id: Optional[str] = None
     engine.check_sampling(state.sampling, len(prompt_ids))
     output_ids = _checked_handoff(engine, state, len(prompt_ids))
     request = engine.new_request(prompt_ids, state.sampling, None, request_id)
+    request.tenant = tenant
+    request.row_processors[:0] = list(row_processors)
     _restore(request, state, output_ids)
     if not _seat_imported(engine, request, state):
         request.context_len = 0  # recomputed, as a preempted request is

@@ -58,7 +58,7 @@ from .protocol import (
     ServedSpeculation,
 )
 from .responses import ChatShape, CompletionShape, Shape, StreamGroup, event_stream, sse_events
-from .structured import Structured, plan_chat, response_format_grammar
+from .structured import CompiledGrammar, Structured, plan_chat, response_format_grammar
 from .tenant import tenant_of
 from .tokenization import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize
 
@@ -95,7 +95,9 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
         :mod:`~specdec.server.hosts`; ``serve`` passes ``--allowed-hosts`` or its default);
         None: any.
     :param cluster: a :class:`specdec.cluster.Cluster` built over ``engine_loop``, or None. The
-        lifespan starts and stops it, and requests are routed through it.
+        lifespan starts and stops it, and requests are routed through it with their tenant,
+        grammar and token sources (the jobs it runs compile their grammars with this app's
+        compiler).
     :param hide_speculative_usage: leave ``usage.speculative`` out of responses: how many
         drafts a request had accepted tells how much its text matched earlier requests' (with
         the ``suffix`` method's global tree, other tenants').
@@ -115,22 +117,20 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str, api_key: Optio
     metrics.watch(engine_loop.snapshot)
     max_prompt_chars = limits.max_prompt_chars or default_max_prompt_chars(engine_loop.max_model_len,
                                                                            engine_loop.tokenizer)
-    if cluster is not None:
-        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, row_processors=(), token_sources=False):
-            # The cluster routes neither tenants, grammars nor token sources (refused before:
-            # _row_processors, _check_token_sources).
-            return cluster.submit(prompt_ids, sampling, request_id, streaming=streaming)
-    else:
-        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, row_processors=(), token_sources=False):
-            # streaming is the cluster's concern
-            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant, row_processors=row_processors,
-                                      token_sources=token_sources)
     # The llguidance tokenizer is built at the first structured request (~1 s), not here.
     grammar_compiler = GrammarCompiler(engine_loop.tokenizer, engine_loop.vocab_size,
                                        timeout_s=grammar_compile_timeout)
+    if cluster is not None:
+        cluster.grammar_compiler = grammar_compiler  # the jobs it runs share the compiler's cache and bound
+        submit = cluster.submit  # routes the request, its tenant, grammar and token sources with it
+    else:
+        def submit(prompt_ids, sampling, request_id, streaming, tenant=None, grammar=None, token_sources=False):
+            # streaming is the cluster's concern
+            return engine_loop.submit(prompt_ids, sampling, request_id, tenant=tenant,
+                                      row_processors=grammar.processors() if grammar else (),
+                                      token_sources=token_sources)
     handlers = _Handlers(engine_loop, served_model_name, max_prompt_chars, submit, hide_speculative_usage,
-                         generation_defaults or GenerationDefaults(), grammar_compiler,
-                         clustered=cluster is not None)
+                         generation_defaults or GenerationDefaults(), grammar_compiler)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -238,10 +238,9 @@ class _Handlers:
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_prompt_chars: int, submit,
                  hide_speculative_usage: bool = False, generation_defaults: GenerationDefaults = GenerationDefaults(),
-                 grammar_compiler: Optional[GrammarCompiler] = None, clustered: bool = False):
+                 grammar_compiler: Optional[GrammarCompiler] = None):
         self.engine_loop = engine_loop
         self.grammars = grammar_compiler
-        self.clustered = clustered
         self.generation_defaults = generation_defaults
         self.hide_speculative_usage = hide_speculative_usage
         self.submit = submit  # the engine loop's, or the cluster's (which routes)
@@ -273,9 +272,9 @@ class _Handlers:
         sampling = await self._with_prediction(body, lambda: body.sampling_params(
             default_max_tokens, self.engine_loop.num_speculative_tokens, self.generation_defaults))
         structured = _checked(lambda: Structured(response_format_grammar(body.response_format)))
-        processors = await self._row_processors(structured)
+        grammar = await self._compiled_grammar(structured)
         shape = CompletionShape(self.model_name, self.hide_speculative_usage, self._token_text)
-        return await self._generate(body, request, prompt_ids, sampling, shape, processors)
+        return await self._generate(body, request, prompt_ids, sampling, shape, grammar)
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self._check_model(body.model)
@@ -295,22 +294,20 @@ class _Handlers:
         # Without max_tokens the answer may run to the end of the context.
         sampling = await self._with_prediction(body, lambda: body.sampling_params(
             self._room(prompt_ids), self.engine_loop.num_speculative_tokens, self.generation_defaults))
-        processors = await self._row_processors(structured)
+        grammar = await self._compiled_grammar(structured)
         shape = ChatShape(self.model_name, self.hide_speculative_usage, self._token_text, tools=structured.tools)
-        return await self._generate(body, request, prompt_ids, sampling, shape, processors)
+        return await self._generate(body, request, prompt_ids, sampling, shape, grammar)
 
-    async def _row_processors(self, structured: Structured):
-        """A function giving each choice of the request its row processors: its grammar's,
-        compiled once (off the engine thread, in bounded time: see
-        :class:`~specdec.structured.grammar.GrammarCompiler`); None without a grammar. A
-        grammar that does not compile is a 400 naming the field."""
+    async def _compiled_grammar(self, structured: Structured) -> Optional[CompiledGrammar]:
+        """The request's grammar compiled once (off the engine thread, in bounded time: see
+        :class:`~specdec.structured.grammar.GrammarCompiler`), which gives each choice its row
+        processors; None without a grammar. A grammar that does not compile is a 400 naming
+        the field. On a cluster it is compiled here too, whichever instance runs the request:
+        this is where a bad schema is refused, before any job is sent."""
         if structured.grammar is None:
             return None
-        if self.clustered:
-            raise APIError(400, f"{structured.grammar.param}: structured output is not supported on a cluster",
-                           param=structured.grammar.param, code="unsupported_value")
         try:
-            return await structured.processor_factory(self.grammars)
+            return await structured.compile(self.grammars)
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
@@ -381,18 +378,10 @@ class _Handlers:
 
     def _check_token_sources(self, body: GenerationRequest) -> None:
         """``include_token_sources`` tells which tokens were accepted drafts: refused where
-        ``usage.speculative`` is hidden (it tells as much), and on a clustered server (whose
-        instances do not send them)."""
-        if not body.include_token_sources:
-            return
-        if self.hide_speculative_usage:
-            why = "this server hides how speculation went (--hide-speculative-usage)"
-        elif self.clustered:
-            why = "not available on a server in a cluster (--scheduler)"
-        else:
-            return
-        raise APIError(400, f"include_token_sources: {why}", param="include_token_sources",
-                       code="unsupported_value")
+        ``usage.speculative`` is hidden (it tells as much)."""
+        if body.include_token_sources and self.hide_speculative_usage:
+            raise APIError(400, "include_token_sources: this server hides how speculation went "
+                                "(--hide-speculative-usage)", param="include_token_sources", code="unsupported_value")
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
@@ -400,7 +389,7 @@ class _Handlers:
                            param="model", code="model_not_found")
 
     async def _generate(self, body: GenerationRequest, request: Request, prompt_ids, sampling,
-                        shape: Shape, row_processors=None) -> BaseModel | Response:
+                        shape: Shape, grammar: Optional[CompiledGrammar] = None) -> BaseModel | Response:
         """Run the request's choices (``n`` engine requests sharing the prompt, whose KV the
         prefix cache shares); answer with server-sent events, or the whole response at the end."""
         group = StreamGroup([])
@@ -409,8 +398,7 @@ class _Handlers:
                 group.streams.append(await self._submit(prompt_ids, choice_sampling, f"{shape.request_id}-{len(group.streams)}"
                                                         if body.num_choices > 1 else shape.request_id,
                                                         shape.prompt_param, bool(body.stream), tenant_of(request),
-                                                        row_processors() if row_processors else (),
-                                                        body.include_token_sources))
+                                                        grammar, body.include_token_sources))
         except BaseException:
             group.abort()
             raise
@@ -431,7 +419,7 @@ class _Handlers:
         return shape.response(finals, logprobs)
 
     async def _submit(self, prompt_ids, sampling, request_id: str, prompt_param: str,
-                      streaming: bool, tenant: Optional[str] = None, row_processors=(),
+                      streaming: bool, tenant: Optional[str] = None, grammar: Optional[CompiledGrammar] = None,
                       token_sources: bool = False) -> RequestStream:
         """Check the request against the engine, hand it to the engine loop (or the cluster)
         and wait until an engine has taken it.
@@ -441,7 +429,7 @@ class _Handlers:
         try:
             self.engine_loop.check_request(prompt_ids, sampling)
             stream = self.submit(prompt_ids, sampling, request_id, streaming=streaming, tenant=tenant,
-                                 row_processors=row_processors, token_sources=token_sources)
+                                 grammar=grammar, token_sources=token_sources)
         except RequestRejected as exc:
             raise _rejected(exc, prompt_param) from None
         except QueueFull as exc:

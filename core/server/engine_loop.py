@@ -420,16 +420,23 @@ class EngineLoop:
         self._commands.put(("add", tracked))
         return tracked.stream
 
-    def submit_imported(self, state: "HandoffState", request_id: Optional[str] = None) -> RequestStream:
+    def submit_imported(self, state: "HandoffState", request_id: Optional[str] = None, *,
+                        tenant: Optional[str] = None, row_processors: Sequence = (),
+                        token_sources: bool = False) -> RequestStream:
         """Continue a request another engine handed off (``submit(..., handoff=True)`` there,
         see the engine's ``import_request``); call from the event loop. The same bounds and
         events as :meth:`submit`: :class:`Admitted`, then :class:`Delta` events (the first
         holds the text of the handed-off tokens too) and :class:`Finished`; a state this
         engine cannot take (another KV layout, a prompt that does not fit) is
         :class:`Rejected` (:meth:`RequestStream.admitted` raises :class:`RequestRejected`).
+        ``tenant``, ``row_processors`` (whose state already follows the handed-off tokens) and
+        ``token_sources`` as for :meth:`submit`; the handed-off tokens count as ``decode``.
         """
         tracked = self._track(request_id, state.prompt_token_ids, state.sampling)
-        tracked.imported = state
+        tracked.imported, tracked.tenant = state, tenant
+        tracked.row_processors = list(row_processors)
+        if token_sources:
+            tracked.sources = SourceTracker(self.engine.tokenizer)
         self._commands.put(("add", tracked))
         return tracked.stream
 
@@ -549,10 +556,12 @@ class EngineLoop:
 
     def _add_to_engine(self, tracked: _Tracked, request_id: str):
         if tracked.imported is not None:
-            return self.engine.import_request(tracked.imported, request_id=request_id)
+            return self.engine.import_request(tracked.imported, request_id=request_id, tenant=tracked.tenant,
+                                              row_processors=tracked.row_processors)
         if tracked.handoff:
             return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
-                                           handoff=True, capture_hidden=tracked.capture_hidden, tenant=tracked.tenant)
+                                           handoff=True, capture_hidden=tracked.capture_hidden, tenant=tracked.tenant,
+                                           row_processors=tracked.row_processors)
         return self.engine.add_request(tracked.prompt_token_ids, tracked.sampling, request_id=request_id,
                                        tenant=tracked.tenant, row_processors=tracked.row_processors)
 

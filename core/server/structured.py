@@ -5,9 +5,10 @@ into what the engine and the response need.
   "json_schema": {"name", "schema", "strict"}}`` as a grammar (``text`` and null: none);
 - :func:`plan_chat`: the tools offered, the messages and template variables that render them,
   and the grammar of ``tool_choice`` ``required`` / a named function;
-- :meth:`Structured.processor_factory`: the grammar compiled (off the engine thread, bounded in
-  time: :class:`~specdec.structured.grammar.GrammarCompiler`) into the request's
-  :class:`~specdec.structured.processor.GrammarProcessor`.
+- :meth:`Structured.compile`: the grammar compiled (off the engine thread, bounded in time:
+  :class:`~specdec.structured.grammar.GrammarCompiler`) into a :class:`CompiledGrammar`, which
+  gives each choice its :class:`~specdec.structured.processor.GrammarProcessor` (and a cluster
+  the grammar's text, which the instance that runs the request compiles again).
 
 Every problem is a :class:`~specdec.errors.RequestError` naming the field, which the app
 answers with a 400.
@@ -43,13 +44,32 @@ class Structured:
     #: The tools whose calls are parsed out of the output (none: the output is all content).
     tools: list[FunctionTool] = attrs.field(factory=list)
 
-    async def processor_factory(self, compiler: GrammarCompiler):
-        """The grammar compiled once, as a function that gives each engine request of this
-        request (one per choice, ``n``) its own row processors (a fresh matcher each)."""
+    async def compile(self, compiler: GrammarCompiler) -> "CompiledGrammar":
+        """The grammar compiled once, for every engine request of this request (one per choice,
+        ``n``). RequestError naming the field when it does not compile (in time)."""
+        matcher = await compiler.compile_async(self.grammar.text, self.grammar.param, self.grammar.schemas)
+        return CompiledGrammar(self.grammar, matcher, compiler.eos_token_ids)
+
+
+@attrs.frozen
+class CompiledGrammar:
+    """A request's grammar, compiled: :meth:`processors` for each engine request that runs on
+    this instance, :meth:`spec` for one a cluster runs elsewhere (row processors are Python
+    objects; the text is what another instance compiles again)."""
+
+    grammar: Grammar
+    matcher: Any
+    eos_token_ids: list
+
+    def processors(self) -> list:
+        """The row processors of one engine request: a fresh matcher each."""
         from ..structured.processor import GrammarProcessor
 
-        matcher = await compiler.compile_async(self.grammar.text, self.grammar.param, self.grammar.schemas)
-        return lambda: [GrammarProcessor(matcher.deep_copy(), compiler.eos_token_ids)]
+        return [GrammarProcessor(self.matcher.deep_copy(), self.eos_token_ids)]
+
+    def spec(self) -> dict:
+        """``{"text", "param"}``: the grammar as a cluster's job carries it."""
+        return {"text": self.grammar.text, "param": self.grammar.param}
 
 
 def response_format_grammar(value: Any) -> Optional[Grammar]:

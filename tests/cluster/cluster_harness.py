@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import httpx
+import jsonschema
 import pytest
 
 MODEL_NAME = "smollm2-cluster"
@@ -221,6 +222,42 @@ def cluster_directory() -> Iterator[Path]:
         yield directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+#: The first schemas of the server tests' set (tests/fixtures/json_schemas.json).
+SCHEMAS = json.loads((Path(__file__).parents[1] / "fixtures" / "json_schemas.json").read_text())[:4]
+
+
+async def json_chat(instance, entry: dict, stream: bool) -> tuple[str, list, int, int]:
+    """A greedy ``json_schema`` chat completion with token sources, through the official client:
+    its content, its token sources' entries, its completion tokens and accepted drafts."""
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": entry["prompt"] + " Answer in JSON."}],
+                  max_tokens=48, temperature=0, extra_body={"include_token_sources": True},
+                  response_format={"type": "json_schema", "json_schema": {"name": entry["name"],
+                                                                          "schema": entry["schema"], "strict": True}})
+    async with instance.async_openai() as client:
+        if not stream:
+            response = await client.chat.completions.create(**kwargs)
+            choice, usage = response.choices[0], response.usage
+            return choice.message.content, choice.model_extra["token_sources"], usage.completion_tokens, \
+                usage.model_extra["speculative"]["num_accepted_tokens"]
+        content, entries, usage = "", [], None
+        async for chunk in await client.chat.completions.create(**kwargs, stream=True,
+                                                                stream_options={"include_usage": True}):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                entries += choice.model_extra.get("token_sources") or []
+            usage = chunk.usage or usage  # the last chunk's
+        return content, entries, usage.completion_tokens, usage.model_extra["speculative"]["num_accepted_tokens"]
+
+
+def check_json_chat(entry: dict, content: str, entries: list, num_tokens: int, accepted: int) -> None:
+    """A :func:`json_chat` output validates against its schema, and its token sources make up
+    its text, cover every token, and count its accepted drafts."""
+    jsonschema.validate(json.loads(content), entry["schema"])
+    assert "".join(e["text"] for e in entries) == content
+    assert sorted({e["index"] for e in entries}) == list(range(num_tokens))
+    assert len({e["index"] for e in entries if e["source"] == "draft"}) == accepted
 
 
 #: The in-process engines of :func:`solo_outputs`, one per speculative config (loaded once).

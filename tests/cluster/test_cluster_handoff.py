@@ -3,6 +3,11 @@ subprocesses, the official ``openai`` client), and the attacks on their hand-off
 docs/deployment.md's "Security" section describes: garbage sent to the KV transfer port while a
 stream is in flight, a job pushed twice, a job that names a foreign transfer address, and an
 instance that registers and never takes its jobs (a black hole).
+
+Structured output (``response_format`` json_schema, a named ``tool_choice``) and
+``include_token_sources`` through the same pairs: the grammar applies on the prefill instance's
+first token and on the decode instance's, whose matcher starts where the prefill's left off.
+And tenants: ``suffix`` in tenant scope keeps them apart on the decode instance.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import json
 import time
 
 import attrs
+import httpx
+import jsonschema
 import pytest
 import redis
-from cluster_harness import (_SOLO_ENGINES, CLUSTER_SECRET, MODEL_NAME, solo_outputs, start_instances,
-                             wait_for_instances)
+from cluster_harness import (_SOLO_ENGINES, CLUSTER_SECRET, MODEL_NAME, SCHEMAS, check_json_chat, json_chat,
+                             solo_outputs, start_instances, wait_for_instances)
 from test_cluster import MAX_TOKENS, PROMPTS, _complete, _outcomes
 
 from specdec.cluster.messages import Job, sampling_to_dict
@@ -73,6 +80,85 @@ def test_prefill_and_decode_instances_match_a_single_instance(pd_pair, solo):
     # Speculation ran on the decode side, and decoding happened there only.
     assert decode.metric("specdec_spec_decode_num_draft_tokens_total") > 0
     assert decode.metric("specdec_generation_tokens_total") > prefill.metric("specdec_generation_tokens_total")
+
+
+# -- structured output and token sources ---------------------------------------------------------
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers and return the sum.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                   "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+
+
+async def _tool_call(instance) -> dict:
+    async with instance.async_openai() as client:
+        response = await client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "What is 12 plus 30?"}], max_tokens=40,
+            temperature=0, tools=[ADD_TOOL], tool_choice={"type": "function", "function": {"name": "add"}})
+    [call] = response.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    return json.loads(call.function.arguments)
+
+
+def test_structured_output_and_token_sources_through_prefill_and_decode(pd_pair):
+    """Each schema's output parses and validates, streamed and not; a named tool choice gives
+    a call of that tool with valid arguments; the token sources make up the text, cover every
+    token, and count the decode instance's accepted drafts."""
+    _, prefill, decode = pd_pair
+
+    async def run():
+        calls = [json_chat(prefill if i % 2 else decode, entry, stream=i < 2) for i, entry in enumerate(SCHEMAS)]
+        return await asyncio.gather(*calls, _tool_call(decode))
+
+    *outputs, arguments = asyncio.run(run())
+    jsonschema.validate(arguments, ADD_TOOL["function"]["parameters"])
+    for entry, output in zip(SCHEMAS, outputs):
+        check_json_chat(entry, *output)
+
+
+@ngram_pair
+def test_a_bad_schema_is_a_400_naming_the_field_on_a_cluster(pd_pair):
+    _, prefill, _ = pd_pair
+    schema = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    response = prefill.http.post("/v1/chat/completions", json={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "response_format.json_schema.schema.properties.a"
+
+
+TENANT_SUFFIX = {"method": "suffix", "verify_strategy": "greedy", "num_speculative_tokens": 8,
+                 "adaptive_draft_length": False, "suffix_decoding_cache_scope": "tenant"}
+
+
+def test_a_tenants_suffix_tree_stays_its_own_on_the_decode_instance(directory, redis_server):
+    """``suffix`` in tenant scope on a prefill and a decode instance without an API key (the
+    tenant is the hashed bearer token), in a topic of their own: B asking A's question right
+    after A gets no drafts from A's answer (the very figures of A's first request), while A
+    asking again does. Without the tenant in the job and the hand-off, B would draft from A's."""
+    options = {"speculative": TENANT_SUFFIX, "env": {"SPECDEC_API_KEY": ""},
+               "extra": ("--scheduler-topic", "tenants")}
+    prefill, decode = start_instances(redis_server.url, directory, ("prefill-suffix", {"role": "prefill", **options}),
+                                      ("decode-suffix", {"role": "decode", **options}))
+    try:
+        wait_for_instances(prefill, 2)
+
+        def complete(key: str) -> dict:
+            response = httpx.post(prefill.url + "/v1/completions", timeout=120, headers={
+                "Authorization": f"Bearer {key}"}, json={"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0})
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        a_first, b_first, a_again = (complete(key) for key in ("key-of-a", "key-of-b", "key-of-a"))
+        assert decode.metric("specdec_kv_transfers_total", direction="received") == 3
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert a_first["choices"][0]["text"] == b_first["choices"][0]["text"] == a_again["choices"][0]["text"]
+    speculative = [r["usage"]["speculative"] for r in (a_first, b_first, a_again)]
+    assert speculative[1] == speculative[0], speculative
+    assert speculative[2]["num_accepted_tokens"] > speculative[0]["num_accepted_tokens"] + 5, speculative
 
 
 # -- attacks -------------------------------------------------------------------------------------

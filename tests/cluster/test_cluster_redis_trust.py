@@ -24,8 +24,8 @@ import time
 
 import httpx
 import pytest
-from cluster_harness import (MODEL_NAME, RedisServer, free_port, launch_instance, ready,
-                             wait_for_instances)
+from cluster_harness import (MODEL_NAME, SCHEMAS, RedisServer, check_json_chat, free_port, json_chat,
+                             launch_instance, ready, wait_for_instances)
 
 from specdec.cluster.secret import seal
 
@@ -193,6 +193,20 @@ def test_the_fastdeploy_pd_command_line_runs_without_its_password_in_ps(cluster)
     metrics = httpx.get(f"http://127.0.0.1:{prefill.metrics_port}/metrics", timeout=10)
     assert metrics.status_code == 200 and "specdec_cluster_instances" in metrics.text
     assert httpx.get(f"http://127.0.0.1:{prefill.metrics_port}/v1/models", timeout=10).status_code == 404
+
+
+def test_structured_output_and_token_sources_cross_the_cluster_in_run_jobs(cluster):
+    """The prefill instance sends whole requests to the mixed one: their grammars (compiled
+    again there) and token sources go with them, streamed and not."""
+    prefill = cluster["fd-prefill"]
+    routed = prefill.metric("specdec_cluster_requests_routed_total", route="run")
+
+    async def run():
+        return await asyncio.gather(*(json_chat(prefill, entry, stream=i % 2 == 0) for i, entry in enumerate(SCHEMAS)))
+
+    for entry, output in zip(SCHEMAS, asyncio.run(run())):
+        check_json_chat(entry, *output)
+    assert prefill.metric("specdec_cluster_requests_routed_total", route="run") == routed + len(SCHEMAS)
 
 
 def test_a_wrong_password_or_an_unknown_ca_is_one_line_that_never_shows_the_password(redis_server):

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from specdec.cluster.messages import decode_event, encode_event, to_loop_event
+from specdec.cluster.messages import MAX_GRAMMAR_BYTES, Options, decode_event, encode_event, to_loop_event
 from specdec.engine.logprobs import TokenLogprob
 from specdec.cluster.records import BadRecord, BadRecords
 from specdec.cluster.redis_link import parse_scheduler_url, redacted
@@ -103,6 +103,9 @@ def test_a_password_never_shows_in_messages():
     Finished("", 0, 12, "error", SpecMetrics(), "instance b stopped"),
     Delta("ab", 2, logprobs=(TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5))), TokenLogprob(7, -2.0))),
     Finished("c", 3, 12, "length", SpecMetrics(), None, logprobs=(TokenLogprob(1, -0.5, ((1, -0.5),)),)),
+    Delta("ab", 2, token_sources=[{"index": 0, "text": "a", "source": "decode"},
+                                  {"index": 1, "text": "b", "source": "draft"}]),
+    Finished("", 2, 12, "stop", SpecMetrics(), None, token_sources=[{"index": 2, "text": "", "source": "bonus"}]),
 ])
 def test_events_survive_the_stream_encoding(event):
     fields = encode_event(event, attempt=2, seq=7)
@@ -176,11 +179,13 @@ def test_a_hand_off_arrives_whole_and_only_an_authenticated_one_may_share_its_pr
         return None
 
     sent = _state()
-    stats = asyncio.run(_with_server(handler, lambda address: send_handoff(address, _ticket(secret), 3, sent, secret),
-                                     secret=secret))
+    options = Options(tenant="key-0123", grammar={"text": '{"grammars": []}', "param": "response_format"},
+                      token_sources=True)
+    stats = asyncio.run(_with_server(handler, lambda address: send_handoff(address, _ticket(secret), 3, sent, secret,
+                                                                           options=options), secret=secret))
     assert stats.num_bytes == sum(layer.nbytes for layer in sent.kv)
     [(meta, state)] = received
-    assert meta == {"request_id": "r", "attempt": 1, "origin": "o", "seq": 3}
+    assert meta == {"request_id": "r", "attempt": 1, "origin": "o", "seq": 3, "options": options}
     assert state.share_prefix is (secret is not None)  # unauthenticated blocks never join the prefix cache
     assert state.layout == sent.layout and state.sampling == sent.sampling
     for got, want in zip(state.kv, sent.kv):
@@ -231,6 +236,17 @@ def test_garbage_gets_an_error_answer_and_the_listener_goes_on(payload, error):
     answer, received = _good_handoff_after(lambda address: _exchange(address, payload, eof=True))
     assert answer["ok"] is False and error in answer["error"]
     assert len(received) == 1
+
+
+@pytest.mark.parametrize("options, error", [
+    (Options(tenant=7), "tenant: expected null or a string"),
+    (Options(grammar={"text": "x" * MAX_GRAMMAR_BYTES, "param": "response_format"}), "grammar: expected null"),
+    (Options(token_sources="yes"), "token_sources: expected a boolean"),
+])
+def test_a_hand_off_with_bad_options_is_refused_before_it_runs(options, error):
+    with pytest.raises(TransferError, match=f"bad options: {error}"):
+        asyncio.run(_with_server(_never, lambda address: send_handoff(address, _ticket(), 0, _state(), HANDOFF_SECRET,
+                                                                      options=options)))
 
 
 def test_a_sender_without_the_cluster_secret_cannot_hand_off():
@@ -486,6 +502,8 @@ def test_a_job_is_checked_field_by_field_before_it_runs():
     secret = b"s" * 32
     good = dict(request_id="r", attempt=1, origin="a", kind="run", prompt=[1, 2], sampling={})
     assert Job.from_json(Job(**good).to_json(secret), secret).prompt == [1, 2]
+    options = dict(tenant="key-0123", grammar={"text": "start: /[a-z]+/", "param": "tools"}, token_sources=True)
+    assert Job.from_json(Job(**good, **options).to_json(secret), secret).options == Options(**options)
     cases = {
         b"not json": "malformed",
         b"[1, 2]": "malformed",
@@ -498,6 +516,10 @@ def test_a_job_is_checked_field_by_field_before_it_runs():
         Job(**{**good, "kind": "shell"}).to_json(secret): "field",
         Job(**{**good, "request_id": "x" * 300}).to_json(secret): "field",
         Job(**{**good, "decode": "10.0.0.9:1"}).to_json(secret): "field",
+        Job(**{**good, "tenant": "k" * 300}).to_json(secret): "field",
+        Job(**{**good, "grammar": "start: x"}).to_json(secret): "field",
+        Job(**{**good, "grammar": {"text": "x" * MAX_GRAMMAR_BYTES, "param": "tools"}}).to_json(secret): "field",
+        Job(**{**good, "token_sources": 1}).to_json(secret): "field",
     }
     for data, reason in cases.items():
         with pytest.raises(BadRecord) as info:
