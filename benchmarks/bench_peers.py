@@ -3,9 +3,12 @@
     python benchmarks/bench_peers.py --llama-server /path/to/llama-server
         [--model FILE.gguf] [--workload code-edit|chat] [--prompts 6] [--max-tokens 96]
         [--methods naive,ngram,suffix] [--threads 2] [--rounds 1]
+        [--draft-model DRAFT.gguf --draft-k 5]
 
 Starts one ``specdec serve`` per method and two ``llama-server`` processes on the same GGUF
-file: plain, and ``--spec-type ngram-mod`` (its lookup speculation). Every engine gets the same
+file: plain, and ``--spec-type ngram-mod`` (its lookup speculation). With ``--draft-model``,
+also specdec's ``draft_model`` method and llama.cpp's ``--spec-type draft-simple -md`` on that
+draft, both drafting ``--draft-k`` tokens a step (llama.cpp's ``--spec-draft-n-max``). Every engine gets the same
 chat prompts through the official ``openai`` client, streamed, greedy, batch 1, stopping at EOS
 or ``--max-tokens``; the engines take turns prompt by prompt (a shared machine's slow spells hit
 them alike), so at most one of them is busy at a time. Each figure is measured by the client:
@@ -100,6 +103,9 @@ def main() -> None:
     parser.add_argument("--methods", default="naive,ngram,suffix")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
+    parser.add_argument("--draft-model", help="a draft GGUF file of the model's tokenizer: adds specdec's draft_model "
+                                              "and llama.cpp's draft-simple")
+    parser.add_argument("--draft-k", type=int, default=5, help="tokens drafted a step by both draft models")
     args = parser.parse_args()
     from openai import OpenAI
 
@@ -110,10 +116,19 @@ def main() -> None:
     try:
         for name in args.methods.split(","):
             servers[f"specdec {name}"] = start_server(METHODS[name], 1, logs / f"specdec-{name}.log", ["--model", model])
+        if args.draft_model:
+            draft = str(resolve_model_path(args.draft_model))
+            spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.draft_k}
+            servers["specdec draft_model"] = start_server(spec, 1, logs / "specdec-draft.log", ["--model", model])
         servers["llama.cpp plain"] = start_llama_server(args.llama_server, model, args.threads, [],
                                                         logs / "llama-plain.log")
         servers["llama.cpp ngram-mod"] = start_llama_server(args.llama_server, model, args.threads,
                                                             ["--spec-type", "ngram-mod"], logs / "llama-ngram.log")
+        if args.draft_model:
+            servers["llama.cpp draft-simple"] = start_llama_server(
+                args.llama_server, model, args.threads,
+                ["--spec-type", "draft-simple", "-md", draft, "--spec-draft-n-max", str(args.draft_k)],
+                logs / "llama-draft.log")
         clients = {name: OpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600) for name, (_, url) in servers.items()}
         served = {name: client.models.list().data[0].id for name, client in clients.items()}
         for name, client in clients.items():  # warm-up: first-call allocations

@@ -48,6 +48,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("suffix", "specdec.plugins.suffix"),
     ("mtp", "specdec.plugins.mtp"),
     ("hybrid", "specdec.plugins.hybrid"),
+    ("draft_model", "specdec.plugins.draft_model"),
     ("verify_greedy", "specdec.plugins.verify.greedy"),
     ("verify_topp", "specdec.plugins.verify.topp"),
     ("verify_target_match", "specdec.plugins.verify.target_match"),

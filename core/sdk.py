@@ -25,7 +25,7 @@ from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
 from .kernels.triton import load_triton_kernels
 from .model.quant import QuantizedLinear
 from .model.quant_layer import QuantizedDecoderLayer
-from .model.resolve import resolve_model_path
+from .model_paths import resolve_model_path
 from .plugin import Plugin
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
                     target_choice, target_distribution, top_tokens)

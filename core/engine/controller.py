@@ -21,10 +21,13 @@ decayed mean of it per request (a new request starts from the method's mean) and
   that only wastes time is called once in that many steps, and in a large batch, where only
   near-certain drafts pay for their rows, the probes' rows stay a few percent of a step.
   Probes also share a budget: 3% of the engine's time (:data:`PROBE_TIME_SHARE`), the longest
-  idle request first.
+  idle request first. A proposer call that carries a catch-up (a request's first proposal, or
+  one after steps it was left out of) charges the budget what it took beyond the usual: a
+  draft model's pass over a prompt is a probe's real cost.
 
 A request whose proposer was off gets the hidden states of every step it skipped at its next
-proposal (the engine keeps them): a model proposer catches up over them in one call.
+proposal (the engine keeps them): a model proposer catches up over them in one call. The
+proposer's usual time is learned from the calls without such a catch-up only.
 
 A seeded request at temperature > 0 is always proposed for and verified uncut: which drafts
 are verified decides which random numbers it draws, and its tokens must depend on its seed
@@ -138,6 +141,18 @@ class DraftController:
             return
         share = min(share, PROPOSER_OUTLIER_FACTOR * self.proposer_seconds)
         self.proposer_seconds = 0.9 * self.proposer_seconds + 0.1 * share
+
+    def catch_up_time(self, num_requests: int, seconds: float) -> None:
+        """A proposer call for ``num_requests`` requests that carried a catch-up (see
+        ``Engine._catching_up``) took ``seconds``: what it took beyond the proposer's usual
+        time comes out of the probe budget, since probes (and new requests) cause such calls.
+        A draft model's pass over a long prompt then puts the budget in debt, and the next
+        probes wait until the engine has run long enough to pay for it."""
+        if self._probe_credit is None:
+            return
+        extra = seconds - num_requests * (self.proposer_seconds or 0.0)
+        if extra > 0:
+            self._probe_credit -= extra
 
     def step_time(self, rows: int, seconds: float) -> None:
         """A decode step of ``rows`` packed rows took ``seconds`` besides its proposer call:

@@ -501,6 +501,7 @@ class Engine:
         for request in plan.exhausted:
             self._retire(request, "length")
         for request in plan.preempted:  # it recomputes its rows, hidden states included
+            request.proposed_last_step = False
             self.hidden_states.drop(request)
             self.captured_hidden.drop(request)
         for request in plan.admitted:
@@ -691,6 +692,9 @@ class Engine:
         if adaptive:
             wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes), max_draft_lens)
         rows = np.flatnonzero(wanted)
+        catching_up = self._catching_up([plan.decodes[b] for b in rows])
+        for request, proposed in zip(plan.decodes, wanted):
+            request.proposed_last_step = bool(proposed)
         state.proposed = wanted & (max_draft_lens > 0)
         state.proposer_off = ~wanted & (max_draft_lens > 0)
         drafts = Drafts.empty(len(batch))
@@ -710,7 +714,9 @@ class Engine:
                     raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
                                        f"{len(rows)} non-negative integer labels")
                 proposed.classes = classes
-            if not (needs_hidden and self._catching_up(proposals)):
+            if catching_up:
+                self.controller.catch_up_time(len(rows), state.proposer_seconds)
+            else:
                 self.controller.proposer_time(len(rows), state.proposer_seconds)
             drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))
         drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, rooms)
@@ -723,13 +729,14 @@ class Engine:
             drafts = drafts.clipped(max_draft_lens)
         return drafts
 
-    def _catching_up(self, proposals: list[ProposalRequest]) -> bool:
-        """Whether a model proposer's call carries a catch-up: a request bringing more hidden
-        states than one step makes (its prompt after the prefill, or the steps it was left
-        out of). Such a call's time is mostly that one-time work, not what drafting costs a
-        step, so the controller does not learn the proposer's time from it."""
-        most = self.num_speculative_tokens + 1
-        return any(p.hidden_positions is not None and len(p.hidden_positions) > most for p in proposals)
+    @staticmethod
+    def _catching_up(requests: list[Request]) -> bool:
+        """Whether a proposer call may carry a catch-up: one of ``requests`` was not proposed
+        for at its previous step (its first proposal, or the controller left it out). A model
+        proposer then runs every token it missed (a draft model its whole prompt), one-time
+        work that is not what drafting costs a step: the controller does not learn the
+        proposer's time from such a call."""
+        return any(not r.proposed_last_step for r in requests)
 
     @staticmethod
     def _keeps_drafts(requests: list[Request]) -> np.ndarray:

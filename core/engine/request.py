@@ -101,6 +101,9 @@ class Request:
     started: bool = False
     #: Times the request lost its KV cache to make room, and was recomputed.
     num_preemptions: int = 0
+    #: Whether the proposer was called for the request at its last decode step (a call that
+    #: is not the next after one catches up: see ``Engine._catching_up``).
+    proposed_last_step: bool = False
     #: ``stop``, ``length``, ``abort``, ``handoff`` (handed to another engine: see
     #: ``handoff_state``), or ``error`` (then ``error`` says why); None while running.
     finish_reason: Optional[str] = None

@@ -81,6 +81,9 @@ CASES = [
     Case("logprobs", ["--logprobs", "21"], "--logprobs: must be an integer between 0 and 20, got 21", documented=False),
     Case("prediction-file", ["--prediction", "@missing.txt"],
          "--prediction: cannot read missing.txt: No such file or directory", documented=False),
+    Case("draft-model-missing", [SPEC, '{"method": "draft_model", "model": "missing.gguf"}'],
+         "--speculative-config.model: 'missing.gguf' is not a GGUF file, a checkpoint directory or a known alias; "
+         "aliases: smollm2-135m-instruct", documented=False),
     Case("unknown-method", [SPEC, '{"method": "ngarm"}'],
          "--speculative-config.method: unknown proposer 'ngarm' (did you mean 'ngram'?); installed: ",
          prefix=True),

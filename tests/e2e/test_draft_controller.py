@@ -109,3 +109,36 @@ def test_mtp_catches_up_over_skipped_steps_to_the_drafts_it_would_have_made(mode
     assert len(both) >= 10, "too few positions drafted in both runs to compare"
     same = sum(every_step[key] == after_gaps[key] for key in both)
     assert same >= 0.95 * len(both), f"{same} of {len(both)} drafts equal"
+
+
+class SlowFirstCall(specdec.Proposer):
+    """Takes 0.2 s at a request's first call (a model proposer running its prompt) and no time
+    after; drafts nothing."""
+
+    NAME = "test_slow_first_call"
+
+    def __init__(self, config=None, spec_config=None):
+        super().__init__(config, spec_config)
+        self.seen: set[str] = set()
+
+    def propose(self, batch: specdec.ProposalBatch) -> specdec.Drafts:
+        if any(r.request_id not in self.seen for r in batch.requests):
+            time.sleep(0.2)
+        self.seen.update(r.request_id for r in batch.requests)
+        return specdec.Drafts.empty(len(batch))
+
+
+def test_a_catch_up_call_does_not_teach_the_controller_what_a_step_costs(model_session, monkeypatch):
+    """A request's first proposal carries one-time work (a draft model's pass over the prompt):
+    the controller learns the proposer's time from the calls after it, so one slow first call
+    neither switches a cheap proposer off nor leaves its estimate high."""
+    plugins = load_plugins()
+    plugins.proposers.register(SlowFirstCall, "tests/e2e/test_draft_controller.py")
+    monkeypatch.setattr(model_session.llm.engine, "plugins", plugins)
+    try:
+        [output] = model_session.run({"method": SlowFirstCall.NAME}, PROMPTS[:1], SAMPLING, cache=False)
+        learned = model_session.llm.engine.controller.proposer_seconds
+    finally:
+        model_session.llm.set_speculative_config(None)
+    assert learned is not None and learned < 0.02, learned
+    assert output.metrics.num_proposer_off_steps == 0

@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("specdec", "specdec.sdk", "specdec.plugin", "specdec.hookspecs", "specdec.plugin_kinds",
                   "specdec.attention", "specdec.proposer", "specdec.verify", "specdec.probs",
                   "specdec.verify_builders", "specdec.device_verify", "specdec.sampling", "specdec.proposer_context", "specdec.metrics",
-                  "specdec.workloads", "specdec.model.quant", "specdec.model.quant_layer")),
+                  "specdec.workloads", "specdec.model.quant", "specdec.model.quant_layer", "specdec.model_paths")),
     ("model", ("specdec.model",)),
     ("plugin host", ("specdec.registry", "specdec.plugin_manager", "specdec.config")),
     ("engine", ("specdec.engine", "specdec.structured")),
