@@ -284,7 +284,8 @@ class SpeculativeConfig:
     :ivar method: the proposer's ``NAME`` (``naive`` drafts nothing: plain decoding).
     :ivar num_speculative_tokens: the most drafts per request and step; ``None`` means the
         method default (5, or 0 for a method that drafts nothing).
-    :ivar num_model_steps: forward steps of an MTP / draft model per step.
+    :ivar num_model_steps: forward steps of an MTP head per step (a draft model drafts
+        ``num_speculative_tokens``).
     :ivar model: path of a draft or MTP model (methods that have none ignore it).
     :ivar quantization: quantization of the draft model.
     :ivar verify_strategy: the verify strategy's ``NAME``.

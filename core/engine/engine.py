@@ -29,6 +29,7 @@ from specdec.kernels.cpu import release_free_heap
 
 from ..config import EngineConfig, SpeculativeConfig
 from ..errors import SpecdecError
+from ..model.gguf_file import release_mapped_pages
 from ..model.resolve import known_model_name
 from ..proposer import Drafts, ProposalBatch, ProposalRequest, valid_draft_classes
 from ..proposer_context import ProposerContext, TargetModel
@@ -160,6 +161,7 @@ class Engine:
             built = build_model(config, self.plugins, progress,
                                 tensor_parallel=None if rank_zero is None else rank_zero.tensor_parallel)
             release_free_heap()  # the loader's temporaries, freed by now
+            release_mapped_pages()  # the file's pages, read once to load it
             if rank_zero is not None:
                 from .tensor_parallel import init_process_group
 
@@ -269,6 +271,7 @@ class Engine:
                                      num_blocks=self.kv.pool.num_blocks, block_size=self.block_size)
             self._draft_models[key] = draft
             release_free_heap()  # the loader's temporaries
+            release_mapped_pages()
         self.kv.pool.reset_prefix_cache()  # its cached blocks hold no draft rows
         return draft
 

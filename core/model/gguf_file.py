@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -158,3 +159,18 @@ def open_gguf_reader(path: str | Path):
             return reader
     except (OSError, ValueError, struct.error) as exc:
         raise SpecdecError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def release_mapped_pages() -> None:
+    """Take the shared readers' mapped file pages out of this process's resident set.
+
+    Loading reads every tensor of a file once, through its memory map, and copies the
+    matrices into the kernels' layouts; the map stays (the readers are shared, and a map
+    costs nothing), but its touched pages would count in the process's resident memory for
+    good: 1.2 GB for Qwen2.5-Coder-1.5B's file. The pages stay in the page cache, and a tensor
+    read through the map again (a tensor the kernels use in place) faults them back."""
+    with _readers_lock:
+        for reader in _readers.values():
+            mapped = getattr(getattr(reader, "data", None), "_mmap", None)
+            if mapped is not None and hasattr(mapped, "madvise"):
+                mapped.madvise(mmap.MADV_DONTNEED)

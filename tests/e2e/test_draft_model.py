@@ -188,3 +188,25 @@ def test_the_draft_cache_follows_the_target_blocks(model_session):
     finally:
         pool.release(block)
     assert logits.shape == (1, engine.model_config.vocab_size) and np.isfinite(logits).all()
+
+
+def test_switching_the_draft_off_and_on_mid_request_changes_no_token(model_session, monkeypatch):
+    """The controller leaves every request out for 5 steps in 10 whatever it measures: each
+    proposal after a gap runs the tokens the draft missed, and the tokens stay naive's."""
+    from specdec.engine.controller import DraftController
+
+    real = DraftController.proposing
+    steps = iter(range(10 ** 9))
+
+    def proposing(self, request_ids, always, max_draft_lens):
+        real(self, request_ids, always, max_draft_lens)
+        return np.full(len(request_ids), (next(steps) // 5) % 2 == 0)
+
+    monkeypatch.setattr(DraftController, "proposing", proposing)
+    prompts = PROMPTS[:3]
+    outputs = model_session.run({**DRAFT, "adaptive_draft_length": True}, prompts, SAMPLING, max_num_seqs=3,
+                                cache=False)
+    assert_equal_to_naive(model_session, prompts, outputs, "draft_model switched off and on")
+    for output in outputs:
+        assert 0 < output.metrics.num_proposer_off_steps < output.metrics.num_steps
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
