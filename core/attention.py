@@ -48,9 +48,13 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens, context_lens, block_tables, block_size: int) -> "AttentionMetadata":
-        """Derive the row-level arrays from the per-request ones (no per-row Python loop)."""
+        """Derive the row-level arrays from the per-request ones (no per-row Python loop).
+        ``block_tables`` is one ``[B, max_blocks]`` array, or one table per request of any
+        lengths (padded here with block 0, never read past a request's own rows)."""
         query_lens = np.asarray(query_lens, dtype=np.int32)
         context_lens = np.asarray(context_lens, dtype=np.int32)
+        if isinstance(block_tables, (list, tuple)) and len({len(t) for t in block_tables}) > 1:
+            block_tables = _padded_tables(block_tables)
         block_tables = np.asarray(block_tables, dtype=np.int32).reshape(len(query_lens), -1)
         cu_q = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu_q[1:])
@@ -71,6 +75,14 @@ class AttentionMetadata:
     @property
     def num_rows(self) -> int:
         return int(self.cu_seqlens_q[-1])
+
+
+def _padded_tables(tables) -> np.ndarray:
+    """Block tables of different lengths as one zero-padded ``[B, max_blocks]`` int32 array."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = table
+    return out
 
 
 class AttentionBackend(Plugin):

@@ -126,6 +126,14 @@ def resolve_kernels(config: EngineConfig) -> tuple[str, str]:
     return kernels, dtype
 
 
+def holds_quantized(weights: dict) -> bool:
+    """Whether loaded ``weights`` keep a quantized matrix (``auto`` quantization of a GGUF file
+    of float matrices comes to ``none``)."""
+    from ..model.quant import QuantizedMatrix
+
+    return any(isinstance(w, QuantizedMatrix) for w in weights.values())
+
+
 @attrs.define
 class BuiltModel:
     """What :func:`build_model` made: the model and what was resolved on the way."""
@@ -151,7 +159,6 @@ def build_model(config: EngineConfig, plugins, progress: bool = True, tensor_par
     :class:`~specdec.model.llama.LlamaModel` takes it). The engine and the tensor-parallel
     workers both build theirs here, so that every rank resolves the same way."""
     from ..model.llama import LlamaModel
-    from ..model.quant import QuantizedMatrix
     from ..model.resolve import load_checkpoint
 
     kernels, weight_dtype = resolve_kernels(config)
@@ -162,7 +169,7 @@ def build_model(config: EngineConfig, plugins, progress: bool = True, tensor_par
     quantization = resolve_quantization(config, kernels)
     model_config, weights, tokenizer = load_checkpoint(config.model, progress=progress,
                                                        keep_quantized=quantization == "gguf")
-    if config.quantization == "auto" and not any(isinstance(w, QuantizedMatrix) for w in weights.values()):
+    if config.quantization == "auto" and not holds_quantized(weights):
         quantization = "none"  # a GGUF file of float matrices
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
@@ -196,7 +203,6 @@ def load_draft_model(model: str, quantization: Optional[str], *, target_name: st
     target's before any weight is read."""
     from ..config import QUANTIZATIONS
     from ..model.llama import LlamaModel
-    from ..model.quant import QuantizedMatrix
     from ..model.resolve import load_checkpoint, resolve_model_path
     from ..model.tokenizer import Tokenizer, tokenizer_difference
     from ..proposer_context import DraftModel
@@ -217,7 +223,7 @@ def load_draft_model(model: str, quantization: Optional[str], *, target_name: st
         raise ConfigError(f"model: the draft model {model} does not tokenize as the target {target_name} does: "
                           f"{difference}")
     config, weights, tokenizer = load_checkpoint(model, progress=progress, keep_quantized=resolved == "gguf")
-    if requested == "auto" and not any(isinstance(w, QuantizedMatrix) for w in weights.values()):
+    if requested == "auto" and not holds_quantized(weights):
         resolved = "none"  # a GGUF file of float matrices
     draft_attention = type(attention)(attention.config, None)
     draft = LlamaModel(config, weights, draft_attention, max_positions=max_positions, kernels=kernels,

@@ -185,7 +185,7 @@ class DraftModelProposer(specdec.Proposer):
         starts = [state.cached for _, _, state in drafting]
         query_lens = [len(r.token_ids) - start for r, start in zip(requests, starts)]
         tokens = np.concatenate([r.token_ids[start:] for r, start in zip(requests, starts)])
-        meta = AttentionMetadata.build(query_lens, starts, _padded([r.block_table for r in requests]),
+        meta = AttentionMetadata.build(query_lens, starts, [r.block_table for r in requests],
                                        self.block_size)
         for request, start in zip(requests, starts):
             self._overwriting(request.block_table, start, len(request.token_ids))
@@ -211,7 +211,7 @@ class DraftModelProposer(specdec.Proposer):
             for k, position in zip(active, positions):
                 self._overwriting(requests[k].block_table, position, position + 1)
             meta = AttentionMetadata.build([1] * len(active), positions,
-                                           _padded([requests[k].block_table for k in active]), self.block_size)
+                                           [requests[k].block_table for k in active], self.block_size)
             logits = self.draft.forward(chosen[keep], meta, np.arange(len(active)))
         for b, request, state in drafting:
             written = drafts[b][:-1]  # the rows fed back in; the last draft's row is not computed
@@ -260,11 +260,3 @@ def _restarted(state: _RequestState, positions: Optional[np.ndarray], table: Opt
         return True
     known = state.blocks
     return known is not None and table is not None and not np.array_equal(table[: len(known)], known)
-
-
-def _padded(tables: list[np.ndarray]) -> np.ndarray:
-    """Block tables of different lengths as one zero-padded ``[B, max_blocks]`` int32 array."""
-    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-    for row, table in enumerate(tables):
-        out[row, : len(table)] = table
-    return out

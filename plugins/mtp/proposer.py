@@ -124,7 +124,7 @@ class MtpProposer(specdec.Proposer):
             query_lens.append(len(rows))
             context_lens.append(int(rows[0]))
             tables.append(request.block_table)
-        meta = AttentionMetadata.build(query_lens, context_lens, _padded(tables), self.block_size)
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
         out = self.head.forward(np.concatenate(tokens), states[0] if len(states) == 1 else p.concat(states, axis=0),
                                 meta)
         return out, np.cumsum(query_lens) - 1
@@ -150,7 +150,7 @@ class MtpProposer(specdec.Proposer):
             active = [active[row] for row in keep]
             requests = [drafting[k][2] for k in active]
             meta = AttentionMetadata.build([1] * len(active), [len(r.token_ids) + substep - 1 for r in requests],
-                                           _padded([r.block_table for r in requests]), self.block_size)
+                                           [r.block_table for r in requests], self.block_size)
             state = self.head.forward(tokens[keep], _rows(p, state, np.array(keep, dtype=np.int64)), meta)
         return draft_probs
 
@@ -193,12 +193,3 @@ def _rows(p, x, rows: np.ndarray):
     if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
         return x[int(rows[0]):int(rows[0]) + len(rows)]
     return p.gather(x, p.to_tensor(rows))
-
-
-def _padded(tables: list[np.ndarray]) -> np.ndarray:
-    """Block tables of different lengths as one zero-padded ``[B, max_blocks]`` int32 array."""
-    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-    for row, table in enumerate(tables):
-        out[row, : len(table)] = table
-    return out
-
