@@ -72,6 +72,15 @@ class ProposalRequest:
         return 0.0 if self.sampling is None else float(self.sampling.temperature)
 
     @property
+    def reproducible(self) -> bool:
+        """Whether the request samples with its own seed (``SamplingParams.reproducible``).
+        Its drafts must then be a function of its own tokens (and its ``rng``) alone: a
+        proposer that chooses by timing, learns across requests or drafts from other
+        requests' text (``hybrid``'s leader, ``suffix``'s response trees) leaves those out
+        for it. The engine, for its part, always proposes for it and verifies every draft."""
+        return self.sampling is not None and self.sampling.reproducible
+
+    @property
     def num_generated_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

@@ -192,6 +192,14 @@ class SamplingParams:
     logprobs: Optional[int] = attrs.field(default=None, validator=_check_logprobs)
 
     @property
+    def reproducible(self) -> bool:
+        """Whether the request samples with its own ``seed``: its tokens must then depend on
+        the seed alone. At temperature > 0 which drafts are verified decides which random
+        numbers it draws, so its drafts may depend only on its own tokens: never on timing,
+        on the requests that share its batch, or on requests before it."""
+        return self.seed is not None and self.temperature > 0
+
+    @property
     def needs_processing(self) -> bool:
         """Whether any of the logits controls (penalties, bias, min-p) is on."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0

@@ -105,7 +105,8 @@ def check_proposer(cls: type, config: object = None, spec_config: object = None,
     contract: a subclass of :class:`specdec.Proposer` with a ``NAME``; ``propose`` returns
     :class:`specdec.Drafts` with one row per request, lengths within ``max_draft_len``, pads of
     ``-1``, token ids in ``[0, vocab_size)`` and, if given, one non-negative integer class per
-    request; the lifecycle methods accept their arguments.
+    request; the lifecycle methods accept their arguments; a seeded sampled request's drafts
+    depend on its own tokens alone (not on the requests beside or before it).
 
     ``config`` defaults to ``cls.Config()`` when the class declares a ``Config``.
     """
@@ -118,6 +119,42 @@ def check_proposer(cls: type, config: object = None, spec_config: object = None,
     proposer = cls(config, spec_config)
     for batch in batches if batches is not None else synthetic_batches(vocab_size):
         _run_step(proposer, batch, vocab_size)
+    _check_reproducible(proposer, cls(config, spec_config), vocab_size)
+
+
+def _check_reproducible(used: Proposer, fresh: Proposer, vocab_size: int) -> None:
+    """A seeded sampled request (``ProposalRequest.reproducible``) gets the same drafts from a
+    fresh proposer, alone, as from ``used`` beside other requests, after an earlier request
+    whose response holds its context's end and a continuation: its drafts may depend on its
+    own tokens and generator only."""
+    from .sampling import SamplingParams
+
+    rng = np.random.default_rng(1)
+    text = rng.integers(0, vocab_size, size=60)
+    earlier = np.concatenate([rng.integers(0, vocab_size, size=10), text[-8:], rng.integers(0, vocab_size, size=8)])
+
+    def seeded() -> ProposalRequest:
+        return ProposalRequest("seeded", _request("seeded", text, 30, 5).token_ids, 30, 5,
+                               sampling=SamplingParams(temperature=0.8, seed=1), rng=np.random.default_rng(1))
+
+    _run_step(used, ProposalBatch(requests=[_request("earlier", earlier, 10, 5)]), vocab_size)
+    mates = [_request("mate-earlier", earlier, 18, 5), _request("mate-random", rng.integers(0, vocab_size, 80), 40, 5)]
+    drafts = []
+    for proposer, batch in ((fresh, [seeded()]), (used, [mates[0], seeded(), mates[1]])):
+        for request in batch:
+            proposer.on_request_start(_prompt_only(request))
+        proposer.on_step(ProposalBatch(requests=[_prompt_only(r) for r in batch]),
+                         [np.array(r.token_ids[r.num_prompt_tokens:]) for r in batch])
+        result = proposer.propose(ProposalBatch(requests=batch))
+        check_drafts(result, ProposalBatch(requests=batch), vocab_size, who=type(proposer).NAME)
+        row = next(b for b, r in enumerate(batch) if r.request_id == "seeded")
+        drafts.append(result.token_ids[row, : int(result.lengths[row])].tolist())
+        for request in batch:
+            proposer.on_request_finish(request.request_id)
+    if drafts[0] != drafts[1]:
+        raise AssertionError(f"{type(used).NAME}.propose: a seeded sampled request (ProposalRequest.reproducible) "
+                             f"drafted {drafts[0]} alone in a fresh proposer but {drafts[1]} beside other requests, "
+                             f"after earlier ones: its drafts must depend on its own tokens alone")
 
 
 def _prompt_only(request: ProposalRequest) -> ProposalRequest:

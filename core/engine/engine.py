@@ -357,7 +357,7 @@ class Engine:
             row_processors=sampling_processors(sampling, prompt_ids),
             logprobs=None if sampling.logprobs is None else [],
         )
-        if sampling.seed is not None and sampling.temperature > 0 and self.proposer.NEEDS_HIDDEN_STATES:
+        if sampling.reproducible and self.proposer.NEEDS_HIDDEN_STATES:
             # A model proposer's drafts depend on the hidden states it is given, and a cached
             # prefix gives none for its positions; sampled tokens depend on the drafts. Computing
             # the whole prompt keeps a seeded request's tokens the same from run to run.
@@ -747,8 +747,7 @@ class Engine:
         and keep all their drafts: which drafts are verified decides which random numbers a
         lossless strategy draws, and their tokens must depend on their seed alone, not on
         what else shares the batch."""
-        return np.fromiter((r.sampling.seed is not None and r.sampling.temperature > 0 for r in requests),
-                           dtype=bool, count=len(requests))
+        return np.fromiter((r.sampling.reproducible for r in requests), dtype=bool, count=len(requests))
 
     def _forward(self, state: _StepState) -> np.ndarray:
         """Pack every scheduled request's rows (``batch.py``; the packing goes to

@@ -117,7 +117,7 @@ class HybridProposer(specdec.Proposer):
         rest: dict[int, list[int]] = {}
         classes = np.zeros(len(batch), dtype=np.int64)
         for b, (draft, matched) in self._matches(batch).items():
-            if self._lookup_leads(matched, len(batch)):
+            if self._lookup_leads(matched, len(batch), batch.requests[b].reproducible):
                 rest[b], classes[b] = draft, matched
                 self._led[batch.requests[b].request_id] = self.leaders.kind(matched)
         model_rows = [b for b in range(len(batch)) if b not in rest]
@@ -146,8 +146,13 @@ class HybridProposer(specdec.Proposer):
         drafts = [first[b] + rest.get(b, []) for b in range(len(batch))]
         return Drafts.from_lists(drafts, probs=self._probs(model_drafts, drafts), classes=classes)
 
-    def _lookup_leads(self, matched: int, batch_size: int) -> bool:
+    def _lookup_leads(self, matched: int, batch_size: int, reproducible: bool) -> bool:
+        """Whether the lookup's draft on a match of ``matched`` tokens goes first. The learned
+        choice weighs timing and every request's acceptance, so a ``reproducible`` request
+        (seeded, sampled) takes the model first unless ``draft_lookup_first`` is set."""
         setting = self.config.draft_lookup_first
+        if setting is None and reproducible:
+            return False
         if setting is None:
             return self.leaders.lookup_leads(matched, self._model_cost(batch_size))
         return 0 < setting <= matched

@@ -130,16 +130,17 @@ class SuffixProposer(specdec.Proposer):
                 classes.append(0)
                 continue
             state = self._sync(request.request_id, request.token_ids, request.num_prompt_tokens, request.tenant)
-            draft = self.speculate(state, request.max_draft_len)
+            draft = self.speculate(state, request.max_draft_len, own_only=request.reproducible)
             drafts.append(draft.token_ids)
             classes.append(min(draft.match_len, MAX_DRAFT_CLASS) if draft.token_ids else 0)
         return specdec.Drafts.from_lists(drafts, classes=classes)
 
-    def speculate(self, state: RequestState, max_tokens: int) -> Draft:
+    def speculate(self, state: RequestState, max_tokens: int, own_only: bool = False) -> Draft:
         """The best draft over both trees and all match lengths; ties go to the request's own
-        tree, then to the longer match."""
+        tree, then to the longer match. ``own_only``: from the request's own tree alone (a
+        seeded sampled request, whose drafts must not depend on other requests' responses)."""
         own = best_node_draft(state.tree.suffix_nodes(), max_tokens, self.max_spec_factor, self.min_token_prob)
-        tree = self.response_trees.get(state.cache_key)
+        tree = None if own_only else self.response_trees.get(state.cache_key)
         if tree is None or not len(tree):
             return own
         matcher = state.matcher

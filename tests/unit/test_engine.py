@@ -223,16 +223,32 @@ def test_stop_string_that_never_appears(model_session):
 # Seeds
 
 
-@pytest.mark.parametrize("spec", [None, NGRAM_REJECTION], ids=["naive", "ngram+rejection"])
-def test_seed_reproducibility(model_session, spec):
-    def params(seed):
-        return SamplingParams(max_tokens=24, temperature=0.8, seed=seed, ignore_eos=True)
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 5}
+HYBRID = {"method": "mtp", "mtp_strategy": "with_ngram", "num_model_steps": 2, "num_speculative_tokens": 5}
 
-    [alone] = model_session.run(spec, [STORY], params(7), cache=False)
-    batch = model_session.run(spec, [STORY, STORY], [params(7), params(8)], max_num_seqs=2, cache=False)
-    assert alone.token_ids == batch[0].token_ids, "same seed, different tokens"
-    assert batch[0].token_ids != batch[1].token_ids, "different seeds gave the same 24 tokens"
-    greedy = model_session.run(None, [STORY], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+
+@pytest.mark.parametrize("spec", [None, NGRAM_REJECTION, SUFFIX, HYBRID],
+                         ids=["naive", "ngram+rejection", "suffix", "hybrid"])
+def test_seed_reproducibility(model_session, spec):
+    """A seeded sampled request's tokens depend on its seed alone: not on the greedy and
+    seeded requests beside it (whose acceptance ``hybrid``'s leader choice learns from), nor
+    on the requests before it (whose responses ``suffix``'s global tree drafts from)."""
+    def params(seed):
+        return SamplingParams(max_tokens=48, temperature=0.8, seed=seed, ignore_eos=True)
+
+    llm = model_session.llm
+    llm.set_speculative_config(spec)  # one proposer for the three runs (suffix keeps its tree)
+    try:
+        [alone] = llm.generate([STORY], params(7), use_chat_template=True)
+        greedy_mates = [SamplingParams(max_tokens=48, ignore_eos=True)] * 2
+        batch = llm.generate([STORY, STORY, CODE[0], CODE[1]], [params(7), params(8), *greedy_mates], use_chat_template=True)
+        [again] = llm.generate([STORY], params(7), use_chat_template=True)
+    finally:
+        llm.set_speculative_config(None)
+    assert alone.token_ids == batch[0].token_ids, "same seed, different tokens in a batch"
+    assert alone.token_ids == again.token_ids, "same seed, different tokens on a second run"
+    assert batch[0].token_ids != batch[1].token_ids, "different seeds gave the same 48 tokens"
+    greedy = model_session.run(None, [STORY], SamplingParams(max_tokens=48, ignore_eos=True))[0]
     assert alone.token_ids != greedy.token_ids, "temperature 0.8 decoded exactly greedily"
     if spec is not None:
         assert alone.metrics.num_drafts > 0  # the rejection path really ran
