@@ -9,8 +9,9 @@ channel, on the default model's shapes, for decode, verify and prefill row count
 Each matrix is random blocks of the format (the kernels' speed does not depend on the values)
 in the shape the default model's layers use (SmolLM2-135M: hidden 576, inner 1536, vocab 49152;
 ``--shapes`` for others), built once in each layout: ``interleaved`` (groups of 16 rows, what
-``layout_array`` stores) and ``split`` (every row split, what it stored before the groups). A
-format without a split layout (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is timed as stored
+``layout_array`` stores) and ``split`` (every row split, what it stored before the groups).
+Q4_K and Q6_K, where this CPU interleaves them (AVX2), are timed interleaved against stored
+rows. A format without a split layout (Q5_0, Q5_1, Q5_K; Q4_K, Q6_K elsewhere) is timed as stored
 (``layout_array``) against the same matrix dequantized and requantized to int8 per channel
 (``quantize(..., "wint8")``: what the loader made of Q5 blocks before the kernels read them).
 The table gives the best of ``--repeats`` calls of ``specdec_q_matmul`` (the weights stay in
@@ -25,8 +26,8 @@ import time
 
 import numpy as np
 
-from specdec.model.quant import (BLOCK_FORMATS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment, layout_array,
-                                 quantize, split_rows)
+from specdec.model.quant import (BLOCK_FORMATS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment,
+                                 K_INTERLEAVED, interleave_k_here, layout_array, quantize, split_rows)
 
 #: name: (format, rows N, columns K) of the default model's matrices.
 DEFAULT_SHAPES = {"qkv": ("Q4_1", 960, 576), "o": ("Q4_1", 576, 576), "gate_up": ("Q4_1", 3072, 576),
@@ -81,6 +82,8 @@ def main() -> None:
         matrix = random_matrix(rng, type_name, n, k)
         if type_name in SPLIT_TYPE_IDS:
             baseline, before = "split", split_layout(matrix)
+        elif type_name in K_INTERLEAVED and interleave_k_here():
+            baseline, before = "stored", layout_array(matrix, interleave_k=False)
         else:
             baseline, before = "int8/ch", layout_array(quantize(matrix.dequantize(), "wint8"))
         layouts = {"before": before, "now": layout_array(matrix)}
@@ -96,6 +99,8 @@ def main() -> None:
                     start = time.perf_counter()
                     ops.specdec_q_matmul(x, none, data, layout, none, 1e-5, False)
                     best[key] = min(best[key], time.perf_counter() - start)
+            if baseline == "stored":  # the same integer sums and float steps
+                np.testing.assert_array_equal(outputs["now"], outputs["before"])
             if baseline == "split":  # both layouts compute the same products (in another float order)
                 np.testing.assert_allclose(outputs["now"], outputs["before"], rtol=1e-3,
                                            atol=1e-3 * np.abs(outputs["before"]).max())

@@ -13,9 +13,11 @@ import attrs
 import numpy as np
 
 # The kernels' byte layouts live below the model layer; re-exported here under their old names.
-from specdec.kernels.cpu.layout import (BLOCK_FORMATS, GROUP_ROWS, INTERLEAVED_TYPE_IDS, SLACK_BYTES,  # noqa: F401
-                                        SPLIT_TYPE_IDS, TYPE_IDS, TYPE_NAMES, deinterleave_rows,
-                                        interleave_rows, split_rows, unsplit_rows)
+from specdec.kernels.cpu.layout import (BLOCK_FORMATS, GROUP_ROWS, INTERLEAVED_TYPE_IDS,  # noqa: F401
+                                        Q4K_INTERLEAVED_TYPE_ID, Q6K_INTERLEAVED_TYPE_ID, SLACK_BYTES,
+                                        SPLIT_TYPE_IDS, TYPE_IDS, TYPE_NAMES, deinterleave_q4k_rows,
+                                        deinterleave_q6k_rows, deinterleave_rows, interleave_q4k_rows,
+                                        interleave_q6k_rows, interleave_rows, split_rows, unsplit_rows)
 
 #: ``quantization`` values that quantize float weights at load, and the format each uses.
 LOAD_TIME_FORMATS = {"wint8": "Q8_0", "wint4": "Q4_0"}
@@ -116,12 +118,35 @@ def quantize(weight: np.ndarray, method: str) -> QuantizedMatrix:
     raise ValueError(f"unknown quantization method {method!r}")
 
 
-def kernel_parts(segment: Segment, cols: int) -> list[tuple[int, np.ndarray]]:
+#: The K-quants the kernels also read interleaved in groups of 16 rows: name -> (kernel type
+#: id, the regrouping).
+K_INTERLEAVED = {"Q4_K": (Q4K_INTERLEAVED_TYPE_ID, interleave_q4k_rows),
+                 "Q6_K": (Q6K_INTERLEAVED_TYPE_ID, interleave_q6k_rows)}
+
+
+def interleave_k_here() -> bool:
+    """Whether Q4_K and Q6_K rows are interleaved for this CPU: where the kernels run on AVX2
+    (no AVX-512 VNNI), whose interleaved kernels compute several activation rows without the
+    stored-row kernels' horizontal sums; AVX-512 and AMX keep their own stored-row kernels.
+    Both layouts give the same outputs bit for bit."""
+    from specdec.kernels.cpu import _cpu_flags
+
+    return not {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
+
+
+def kernel_parts(segment: Segment, cols: int, interleave_k: bool | None = None) -> list[tuple[int, np.ndarray]]:
     """``segment`` as the kernels store it: ``(kernel type id, rows of data)`` parts in row
     order. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: whole groups of 16 rows interleaved
     (:func:`interleave_rows`), the rows left over split (:func:`split_rows`; Q8_0, and Q4 rows
-    whose length is a multiple of 64) or as stored; any other format as stored."""
+    whose length is a multiple of 64) or as stored; Q4_K and Q6_K: whole groups of 16 rows
+    interleaved (:data:`K_INTERLEAVED`) where ``interleave_k`` (default:
+    :func:`interleave_k_here`), the rest as stored; any other format as stored."""
     data, name = np.asarray(segment.data), segment.type_name
+    if name in K_INTERLEAVED and (interleave_k_here() if interleave_k is None else interleave_k):
+        type_id, interleave = K_INTERLEAVED[name]
+        grouped = segment.rows // GROUP_ROWS * GROUP_ROWS
+        parts = [(type_id, interleave(data[:grouped]))] if grouped else []
+        return parts + ([(TYPE_IDS[name], data[grouped:])] if grouped < segment.rows else [])
     if name not in INTERLEAVED_TYPE_IDS:
         return [(TYPE_IDS[name], data)]
     grouped = segment.rows // GROUP_ROWS * GROUP_ROWS
@@ -140,7 +165,8 @@ def packed_size(matrix: QuantizedMatrix) -> int:
     return matrix.nbytes + SLACK_BYTES
 
 
-def layout_array(matrix: QuantizedMatrix, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def layout_array(matrix: QuantizedMatrix, out: np.ndarray | None = None,
+                 interleave_k: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(data, layout)`` for the kernels: every segment's rows back to back, as
     :func:`kernel_parts` stores them (uint8, then ``SLACK_BYTES`` zeros), and ``[parts, 4]``
     int64 rows of (kernel type id, rows, byte offset, bytes per row). ``out``
@@ -148,7 +174,7 @@ def layout_array(matrix: QuantizedMatrix, out: np.ndarray | None = None) -> tupl
     data_out = np.empty(packed_size(matrix), np.uint8) if out is None else out
     layout, offset = [], 0
     for segment in matrix.segments:
-        for type_id, data in kernel_parts(segment, matrix.cols):
+        for type_id, data in kernel_parts(segment, matrix.cols, interleave_k):
             layout.append((type_id, data.shape[0], offset, data.shape[1]))
             data_out[offset:offset + data.nbytes] = data.reshape(-1)
             offset += data.nbytes

@@ -1,7 +1,7 @@
 """The byte layouts of quantized weights that the CPU kernels read (``specdec_quant_ops.cc``).
 
 GGML block formats and their type ids, and the two regroupings of Q4_0 / Q4_1 / Q8_0 rows the
-kernels read fastest (split and interleaved; Q5_0 / Q5_1 interleaved), with their inverses. Here, below the model layer,
+kernels read fastest (split and interleaved; Q5_0 / Q5_1 and Q4_K interleaved), with their inverses. Here, below the model layer,
 so that the numpy twins and the model's packing share one definition of the bytes.
 """
 
@@ -108,4 +108,75 @@ def deinterleave_rows(type_name: str, data: np.ndarray) -> np.ndarray:
         field = grouped[..., offset:offset + GROUP_ROWS * (b - a)].reshape(groups, count, GROUP_ROWS, b - a)
         out[..., a:b] = field.transpose(0, 2, 1, 3)
         offset += GROUP_ROWS * (b - a)
+    return out.reshape(rows, -1)
+
+
+#: The kernels' id for Q4_K rows interleaved in groups of 16 (:func:`interleave_q4k_rows`).
+Q4K_INTERLEAVED_TYPE_ID = 212
+#: Q4_K block fields in the interleaved order, with the bytes a kernel lane takes at a time: the
+#: nibbles, the 12 bytes of 6-bit scales and mins, d, dmin.
+_Q4K_FIELDS = (((16, 144), 4), ((4, 16), 4), ((0, 2), 2), ((2, 4), 2))
+
+
+def interleave_q4k_rows(data: np.ndarray) -> np.ndarray:
+    """Q4_K rows ``[16 * groups, supers * 144]`` regrouped as the interleaved Q4_K kernel reads
+    them (quant_formats.h, ``InterleavedQ4K``): per group of 16 rows and per super-block, the 16
+    rows' nibbles 4 bytes at a time (bytes 4c..4c+3 of every row, then 4c+4..), their 12 bytes
+    of scales as three 4-byte words (word w of every row, then w+1), their 16 d, their 16 dmin.
+    The same bytes, moved; returned as ``[16 * groups, supers * 144]``."""
+    return _interleave_fields(data, 144, _Q4K_FIELDS)
+
+
+def deinterleave_q4k_rows(data: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`interleave_q4k_rows`."""
+    return _deinterleave_fields(data, 144, _Q4K_FIELDS)
+
+
+#: The kernels' id for Q6_K rows interleaved in groups of 16 (:func:`interleave_q6k_rows`).
+Q6K_INTERLEAVED_TYPE_ID = 214
+#: Q6_K block fields, with the bytes a kernel lane takes at a time: ql (low 4 bits), qh (high
+#: 2 bits), the 16 int8 scales, d.
+_Q6K_FIELDS = (((0, 128), 4), ((128, 192), 4), ((192, 208), 4), ((208, 210), 2))
+
+
+def interleave_q6k_rows(data: np.ndarray) -> np.ndarray:
+    """Q6_K rows ``[16 * groups, supers * 210]`` regrouped as the interleaved Q6_K kernel reads
+    them (quant_formats.h, ``InterleavedQ6K``): per group of 16 rows and per super-block, the 16
+    rows' ql 4 bytes at a time, their qh 4 bytes at a time, their 16 scales as four 4-byte
+    words, their 16 d. The same bytes, moved; returned as ``[16 * groups, supers * 210]``."""
+    return _interleave_fields(data, 210, _Q6K_FIELDS)
+
+
+def deinterleave_q6k_rows(data: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`interleave_q6k_rows`."""
+    return _deinterleave_fields(data, 210, _Q6K_FIELDS)
+
+
+def _interleave_fields(data: np.ndarray, block: int, fields) -> np.ndarray:
+    """Rows of ``block``-byte blocks regrouped per group of 16 rows and per block: each field
+    ``((start, end), word)`` of the 16 rows, ``word`` bytes of every row at a time."""
+    rows = data.shape[0]
+    if rows % GROUP_ROWS:
+        raise ValueError(f"interleaved rows come in groups of {GROUP_ROWS}, got {rows}")
+    groups, count = rows // GROUP_ROWS, data.shape[1] // block
+    blocks = np.asarray(data).reshape(groups, GROUP_ROWS, count, block)
+    parts = []
+    for (a, b), word in fields:
+        field = blocks[..., a:b].reshape(groups, GROUP_ROWS, count, (b - a) // word, word)
+        parts.append(field.transpose(0, 2, 3, 1, 4).reshape(groups, count, -1))
+    return np.concatenate(parts, axis=2).reshape(rows, -1)
+
+
+def _deinterleave_fields(data: np.ndarray, block: int, fields) -> np.ndarray:
+    """Inverse of :func:`_interleave_fields`."""
+    rows = data.shape[0]
+    groups, count = rows // GROUP_ROWS, data.shape[1] // block
+    grouped = np.asarray(data).reshape(groups, count, GROUP_ROWS * block)
+    out = np.empty((groups, GROUP_ROWS, count, block), np.uint8)
+    offset = 0
+    for (a, b), word in fields:
+        size = GROUP_ROWS * (b - a)
+        field = grouped[..., offset:offset + size].reshape(groups, count, (b - a) // word, GROUP_ROWS, word)
+        out[..., a:b] = field.transpose(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, count, b - a)
+        offset += size
     return out.reshape(rows, -1)
