@@ -10,8 +10,8 @@ Each matrix is random blocks of the format (the kernels' speed does not depend o
 in the shape the default model's layers use (SmolLM2-135M: hidden 576, inner 1536, vocab 49152;
 ``--shapes`` for others), built once in each layout: ``interleaved`` (groups of 16 rows, what
 ``layout_array`` stores) and ``split`` (every row split, what it stored before the groups).
-Q4_K and Q6_K, where this CPU interleaves them (AVX2), are timed interleaved against stored
-rows. A format without a split layout (Q5_0, Q5_1, Q5_K; Q4_K, Q6_K elsewhere) is timed as stored
+Q4_K, where this CPU interleaves it (AVX2), is timed interleaved against stored rows. A format
+without a split layout (Q5_0, Q5_1, Q5_K, Q6_K; Q4_K elsewhere) is timed as stored
 (``layout_array``) against the same matrix dequantized and requantized to int8 per channel
 (``quantize(..., "wint8")``: what the loader made of Q5 blocks before the kernels read them).
 The table gives the best of ``--repeats`` calls of ``specdec_q_matmul`` (the weights stay in

@@ -14,10 +14,9 @@ import numpy as np
 
 # The kernels' byte layouts live below the model layer; re-exported here under their old names.
 from specdec.kernels.cpu.layout import (BLOCK_FORMATS, GROUP_ROWS, INTERLEAVED_TYPE_IDS,  # noqa: F401
-                                        Q4K_INTERLEAVED_TYPE_ID, Q6K_INTERLEAVED_TYPE_ID, SLACK_BYTES,
-                                        SPLIT_TYPE_IDS, TYPE_IDS, TYPE_NAMES, deinterleave_q4k_rows,
-                                        deinterleave_q6k_rows, deinterleave_rows, interleave_q4k_rows,
-                                        interleave_q6k_rows, interleave_rows, split_rows, unsplit_rows)
+                                        Q4K_INTERLEAVED_TYPE_ID, SLACK_BYTES, SPLIT_TYPE_IDS, TYPE_IDS,
+                                        TYPE_NAMES, deinterleave_q4k_rows, deinterleave_rows,
+                                        interleave_q4k_rows, interleave_rows, split_rows, unsplit_rows)
 
 #: ``quantization`` values that quantize float weights at load, and the format each uses.
 LOAD_TIME_FORMATS = {"wint8": "Q8_0", "wint4": "Q4_0"}
@@ -119,15 +118,15 @@ def quantize(weight: np.ndarray, method: str) -> QuantizedMatrix:
 
 
 #: The K-quants the kernels also read interleaved in groups of 16 rows: name -> (kernel type
-#: id, the regrouping).
-K_INTERLEAVED = {"Q4_K": (Q4K_INTERLEAVED_TYPE_ID, interleave_q4k_rows),
-                 "Q6_K": (Q6K_INTERLEAVED_TYPE_ID, interleave_q6k_rows)}
+#: id, the regrouping). (Q6_K interleaved the same way ran 0.7-1.1x its stored rows on AVX2:
+#: its values take twice the unpacking, docs/benchmarks/llamacpp.md.)
+K_INTERLEAVED = {"Q4_K": (Q4K_INTERLEAVED_TYPE_ID, interleave_q4k_rows)}
 
 
 def interleave_k_here() -> bool:
-    """Whether Q4_K and Q6_K rows are interleaved for this CPU: where the kernels run on AVX2
-    (no AVX-512 VNNI), whose interleaved kernels compute several activation rows without the
-    stored-row kernels' horizontal sums; AVX-512 and AMX keep their own stored-row kernels.
+    """Whether Q4_K rows are interleaved for this CPU: where the kernels run on AVX2
+    (no AVX-512 VNNI), whose interleaved kernel computes several activation rows without the
+    stored-row kernel's horizontal sums; AVX-512 and AMX keep their own stored-row kernels.
     Both layouts give the same outputs bit for bit."""
     from specdec.kernels.cpu import _cpu_flags
 
@@ -138,7 +137,7 @@ def kernel_parts(segment: Segment, cols: int, interleave_k: bool | None = None) 
     """``segment`` as the kernels store it: ``(kernel type id, rows of data)`` parts in row
     order. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: whole groups of 16 rows interleaved
     (:func:`interleave_rows`), the rows left over split (:func:`split_rows`; Q8_0, and Q4 rows
-    whose length is a multiple of 64) or as stored; Q4_K and Q6_K: whole groups of 16 rows
+    whose length is a multiple of 64) or as stored; Q4_K: whole groups of 16 rows
     interleaved (:data:`K_INTERLEAVED`) where ``interleave_k`` (default:
     :func:`interleave_k_here`), the rest as stored; any other format as stored."""
     data, name = np.asarray(segment.data), segment.type_name

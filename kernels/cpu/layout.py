@@ -132,26 +132,6 @@ def deinterleave_q4k_rows(data: np.ndarray) -> np.ndarray:
     return _deinterleave_fields(data, 144, _Q4K_FIELDS)
 
 
-#: The kernels' id for Q6_K rows interleaved in groups of 16 (:func:`interleave_q6k_rows`).
-Q6K_INTERLEAVED_TYPE_ID = 214
-#: Q6_K block fields, with the bytes a kernel lane takes at a time: ql (low 4 bits), qh (high
-#: 2 bits), the 16 int8 scales, d.
-_Q6K_FIELDS = (((0, 128), 4), ((128, 192), 4), ((192, 208), 4), ((208, 210), 2))
-
-
-def interleave_q6k_rows(data: np.ndarray) -> np.ndarray:
-    """Q6_K rows ``[16 * groups, supers * 210]`` regrouped as the interleaved Q6_K kernel reads
-    them (quant_formats.h, ``InterleavedQ6K``): per group of 16 rows and per super-block, the 16
-    rows' ql 4 bytes at a time, their qh 4 bytes at a time, their 16 scales as four 4-byte
-    words, their 16 d. The same bytes, moved; returned as ``[16 * groups, supers * 210]``."""
-    return _interleave_fields(data, 210, _Q6K_FIELDS)
-
-
-def deinterleave_q6k_rows(data: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`interleave_q6k_rows`."""
-    return _deinterleave_fields(data, 210, _Q6K_FIELDS)
-
-
 def _interleave_fields(data: np.ndarray, block: int, fields) -> np.ndarray:
     """Rows of ``block``-byte blocks regrouped per group of 16 rows and per block: each field
     ``((start, end), word)`` of the 16 rows, ``word`` bytes of every row at a time."""

@@ -29,7 +29,7 @@ namespace specdec_cpu {
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kQ4_0S = 102, kQ4_1S = 103, kQ8_0S = 108,
-  kQ4_0I = 202, kQ4_1I = 203, kQ5_0I = 206, kQ5_1I = 207, kQ8_0I = 208, kQ4_KI = 212, kQ6_KI = 214,
+  kQ4_0I = 202, kQ4_1I = 203, kQ5_0I = 206, kQ5_1I = 207, kQ8_0I = 208, kQ4_KI = 212,
 };
 
 struct SubBlock {
@@ -309,24 +309,6 @@ struct InterleavedQ4K {
     std::memcpy(block + 2, g + kDmin + 2 * lane, 2);
     for (int w = 0; w < 3; ++w) std::memcpy(block + 4 + 4 * w, g + kScaleWords + 64 * w + 4 * lane, 4);
     for (int c = 0; c < 32; ++c) std::memcpy(block + 16 + 4 * c, g + 64 * c + 4 * lane, 4);
-  }
-};
-
-// Q6_K interleaved in groups of 16 rows (kQ6_KI): per super-block, 3360 bytes (16 times 210):
-// the 16 rows' 128 bytes of ql 4 bytes at a time (as InterleavedQ4K's nibbles), their 64 bytes
-// of qh the same way, their 16 int8 scales as four 32-bit words (word w of every row, row after
-// row), then the 16 d. ql chunk 16n + t (t < 8) holds elements 128n + 4t..4t+3 (low bits) and
-// 128n + 64 + 4t.. (high bits), chunk 16n + 8 + t elements 128n + 32 + 4t.. and 128n + 96 + 4t..;
-// qh chunk 8n + t the top two bits of all four, as ggml's dequantize_row_q6_K reads them.
-struct InterleavedQ6K {
-  static constexpr int kHigh = 2048, kScaleWords = 3072, kD = 3328, kBlockBytes = 3360;
-  // Row `lane` (0..15)'s stored Q6_K block of super-block `b` of the group, into block[210].
-  static inline void gather_block(const uint8_t* group, int lane, int64_t b, uint8_t* block) {
-    const uint8_t* g = group + b * kBlockBytes;
-    for (int c = 0; c < 32; ++c) std::memcpy(block + 4 * c, g + 64 * c + 4 * lane, 4);
-    for (int c = 0; c < 16; ++c) std::memcpy(block + 128 + 4 * c, g + kHigh + 64 * c + 4 * lane, 4);
-    for (int w = 0; w < 4; ++w) std::memcpy(block + 192 + 4 * w, g + kScaleWords + 64 * w + 4 * lane, 4);
-    std::memcpy(block + 208, g + kD + 2 * lane, 2);
   }
 };
 
