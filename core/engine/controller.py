@@ -23,7 +23,10 @@ decayed mean of it per request (a new request starts from the method's mean) and
   Probes also share a budget: 3% of the engine's time (:data:`PROBE_TIME_SHARE`), the longest
   idle request first. A proposer call that carries a catch-up (a request's first proposal, or
   one after steps it was left out of) charges the budget what it took beyond the usual: a
-  draft model's pass over a prompt is a probe's real cost.
+  draft model's pass over a prompt is a probe's real cost. The controller learns that cost
+  per token caught up, so a probe's price includes the catch-up it will carry (a draft model
+  off since the prompt runs over the whole conversation so far); a probe dearer than the
+  budget holds waits until the budget has grown to its price.
 
 A request whose proposer was off gets the hidden states of every step it skipped at its next
 proposal (the engine keeps them): a model proposer catches up over them in one call. The
@@ -90,10 +93,15 @@ class DraftController:
         self.shared_net = 0.0
         self._requests: dict[str, _RequestState] = {}
         self._bar = 0.0  # tokens per second of this step without drafts (set by draft_lengths)
+        #: Mean seconds a catch-up costs per token the proposer had not seen (None until one
+        #: is measured).
+        self.catch_up_seconds_per_token: float | None = None
         #: Seconds of probes the budget holds (PROBE_TIME_SHARE of every step's time, at most
-        #: _probe_cap); None until a step is measured.
+        #: _probe_cap, or the price of the dearest probe waiting for it); None until a step is
+        #: measured.
         self._probe_credit: float | None = None
         self._probe_cap = 0.0
+        self._probe_waiting = 0.0
 
     def _state(self, request_id: str) -> _RequestState:
         state = self._requests.get(request_id)
@@ -101,12 +109,15 @@ class DraftController:
             state = self._requests[request_id] = _RequestState(net=self.shared_net, proposing=self._method_pays())
         return state
 
-    def proposing(self, request_ids: list[str], always: np.ndarray, max_draft_lens: np.ndarray) -> np.ndarray:
+    def proposing(self, request_ids: list[str], always: np.ndarray, max_draft_lens: np.ndarray,
+                  unseen_tokens: np.ndarray | None = None) -> np.ndarray:
         """``[B]`` bool: the requests the proposer is called for this step: those whose
         drafting pays, those due for a probe that the probe budget covers (the longest idle
         first), and those ``always`` marks (seeded, sampled).
 
-        ``max_draft_lens``: the most drafts each may verify (what a probe of it may cost)."""
+        ``max_draft_lens``: the most drafts each may verify; ``unseen_tokens``: the tokens of
+        each the proposer has not been shown (what a probe's catch-up runs over). Together,
+        what a probe of it costs."""
         states = [self._state(request_id) for request_id in request_ids]
         due = []
         for b, state in enumerate(states):
@@ -114,21 +125,29 @@ class DraftController:
             if not state.probing and state.idle_steps >= state.interval and max_draft_lens[b] > 0:
                 due.append(b)
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
-            states[b].probing = self._afford_probe(int(max_draft_lens[b]), calls_proposer=not states[b].proposing)
+            unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
+            states[b].probing = self._afford_probe(int(max_draft_lens[b]), calls_proposer=not states[b].proposing,
+                                                   catch_up_tokens=unseen)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
 
-    def _afford_probe(self, drafts: int, calls_proposer: bool) -> bool:
-        """Whether the probe budget covers a probe of ``drafts`` drafts (their rows, and the
-        proposer's time when it is off for the request: ``calls_proposer``), taking it from
-        the budget if so. A full budget pays for any probe, going into debt: a probe dearer
-        than the cap then waits until the debt is paid."""
+    def _afford_probe(self, drafts: int, calls_proposer: bool, catch_up_tokens: int = 0) -> bool:
+        """Whether the probe budget covers a probe of ``drafts`` drafts (their rows, and, when
+        the proposer is off for the request (``calls_proposer``), its time and the catch-up
+        over ``catch_up_tokens``), taking it from the budget if so. A probe dearer than the
+        budget holds waits for it: the budget may then grow beyond its cap, up to that price;
+        a full budget pays."""
         if self._probe_credit is None:  # nothing measured yet
             return True
         _, per_row = self.step_costs.costs()
-        cost = drafts * per_row + ((self.proposer_seconds or 0.0) if calls_proposer else 0.0)
-        if self._probe_credit < cost and self._probe_credit < self._probe_cap:
+        cost = drafts * per_row
+        if calls_proposer:
+            cost += (self.proposer_seconds or 0.0) + catch_up_tokens * (self.catch_up_seconds_per_token or 0.0)
+        full = self._probe_credit >= max(self._probe_cap, self._probe_waiting)  # its price may have moved since
+        if self._probe_credit < cost and not full:
+            self._probe_waiting = max(self._probe_waiting, cost)
             return False
         self._probe_credit -= cost
+        self._probe_waiting = 0.0
         return True
 
     def proposer_time(self, num_requests: int, seconds: float) -> None:
@@ -142,16 +161,19 @@ class DraftController:
         share = min(share, PROPOSER_OUTLIER_FACTOR * self.proposer_seconds)
         self.proposer_seconds = 0.9 * self.proposer_seconds + 0.1 * share
 
-    def catch_up_time(self, num_requests: int, seconds: float) -> None:
-        """A proposer call for ``num_requests`` requests that carried a catch-up (see
-        ``Engine._catching_up``) took ``seconds``: what it took beyond the proposer's usual
-        time comes out of the probe budget, since probes (and new requests) cause such calls.
+    def catch_up_time(self, num_requests: int, seconds: float, tokens: int = 0) -> None:
+        """A proposer call for ``num_requests`` requests that carried a catch-up over
+        ``tokens`` tokens it had not seen (see ``Engine._catching_up``) took ``seconds``:
+        what it took beyond the proposer's usual time comes out of the probe budget, since
+        probes (and new requests) cause such calls, and teaches the catch-up's cost per token.
         A draft model's pass over a long prompt then puts the budget in debt, and the next
         probes wait until the engine has run long enough to pay for it."""
-        if self._probe_credit is None:
-            return
-        extra = seconds - num_requests * (self.proposer_seconds or 0.0)
-        if extra > 0:
+        extra = max(seconds - num_requests * (self.proposer_seconds or 0.0), 0.0)
+        if tokens > 0:  # the first call, before the usual time is known, counts whole: an upper bound
+            share = extra / tokens
+            mean = self.catch_up_seconds_per_token
+            self.catch_up_seconds_per_token = share if mean is None else 0.8 * mean + 0.2 * share
+        if self._probe_credit is not None:
             self._probe_credit -= extra
 
     def step_time(self, rows: int, seconds: float) -> None:
@@ -161,7 +183,7 @@ class DraftController:
         self.step_costs.observe(rows, seconds)
         self._probe_cap = PROBE_TIME_SHARE * PROBE_INTERVAL_MAX * seconds
         credit = self._probe_cap if self._probe_credit is None else self._probe_credit + PROBE_TIME_SHARE * seconds
-        self._probe_credit = min(credit, self._probe_cap)
+        self._probe_credit = min(credit, max(self._probe_cap, self._probe_waiting))
 
     def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
                       base_tokens: int, adaptive: bool = True) -> np.ndarray:

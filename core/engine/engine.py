@@ -505,6 +505,7 @@ class Engine:
             self._retire(request, "length")
         for request in plan.preempted:  # it recomputes its rows, hidden states included
             request.proposed_last_step = False
+            request.proposed_through = 0
             self.hidden_states.drop(request)
             self.captured_hidden.drop(request)
         for request in plan.admitted:
@@ -692,12 +693,17 @@ class Engine:
         # A model proposer also gets the requests without room to draft: it catches up on
         # their states. Left out, a request's states wait for its next proposal.
         wanted = (max_draft_lens > 0) | needs_hidden
+        unseen = np.fromiter((r.num_tokens - r.proposed_through for r in plan.decodes), dtype=np.int64,
+                             count=len(plan.decodes))
         if adaptive:
-            wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes), max_draft_lens)
+            wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes), max_draft_lens, unseen)
         rows = np.flatnonzero(wanted)
         catching_up = self._catching_up([plan.decodes[b] for b in rows])
+        caught_up_tokens = int(sum(unseen[b] for b in rows if not plan.decodes[b].proposed_last_step))
         for request, proposed in zip(plan.decodes, wanted):
             request.proposed_last_step = bool(proposed)
+            if proposed:
+                request.proposed_through = request.num_tokens
         state.proposed = wanted & (max_draft_lens > 0)
         state.proposer_off = ~wanted & (max_draft_lens > 0)
         drafts = Drafts.empty(len(batch))
@@ -718,7 +724,7 @@ class Engine:
                                        f"{len(rows)} non-negative integer labels")
                 proposed.classes = classes
             if catching_up:
-                self.controller.catch_up_time(len(rows), state.proposer_seconds)
+                self.controller.catch_up_time(len(rows), state.proposer_seconds, caught_up_tokens)
             else:
                 self.controller.proposer_time(len(rows), state.proposer_seconds)
             drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))

@@ -104,6 +104,9 @@ class Request:
     #: Whether the proposer was called for the request at its last decode step (a call that
     #: is not the next after one catches up: see ``Engine._catching_up``).
     proposed_last_step: bool = False
+    #: How many of its tokens the proposer has been shown (``num_tokens`` at its last
+    #: proposal; 0 before the first and after a preemption): what a catch-up runs over.
+    proposed_through: int = 0
     #: ``stop``, ``length``, ``abort``, ``handoff`` (handed to another engine: see
     #: ``handoff_state``), or ``error`` (then ``error`` says why); None while running.
     finish_reason: Optional[str] = None

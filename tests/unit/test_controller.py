@@ -47,7 +47,9 @@ def test_a_proposer_that_only_wastes_time_is_called_once_in_many_steps():
     calls = run_steps(controller, 1000, proposer_seconds=0.020, accept=lambda drafted: 0, seconds=seconds)
     assert calls[0] and not calls[1]  # one step shows it loses
     gaps = np.diff(np.flatnonzero(calls))
-    assert gaps[0] == PROBE_INTERVAL_MIN + 1 and (np.diff(gaps) >= 0).all()  # probes back off
+    # Probes back off: the interval doubles, and a probe dearer than the budget's cap (its 20 ms
+    # call) waits until the budget has grown to its price.
+    assert gaps[0] == PROBE_INTERVAL_MIN + 1 and (gaps[1:] > 2 * PROBE_INTERVAL_MIN).all()
     # Once seen, it costs at most 3% over plain decoding (a plain step: FIXED + PER_ROW).
     plain = len(seconds[200:]) * (FIXED + PER_ROW)
     assert sum(seconds[200:]) <= 1.03 * plain
@@ -104,6 +106,33 @@ def test_a_seeded_sampled_request_is_always_proposed_for_and_kept_whole():
     assert all(calls)
     assert controller.proposing(["r"], np.array([True]), np.array([4]))[0]
     assert controller.draft_lengths(["r"], np.array([4]), None, 1, 1)[0] == 4
+
+
+def test_a_probe_waits_until_the_budget_covers_its_catch_up():
+    """A proposer off for a request catches up over every token it missed when probed (a
+    draft model runs the whole conversation so far): the controller learns that cost per token
+    from catch-up calls, and a probe over a long conversation waits until 3% of the engine's
+    time has paid for it, where a probe over a short one goes at once."""
+    controller = measured_controller()
+    controller.proposer_time(1, 0.005)
+    controller.catch_up_time(1, 0.005 + 0.100, tokens=100)  # 1 ms a token beyond the usual call
+    assert abs(controller.catch_up_seconds_per_token - 0.001) < 1e-9
+    for _ in range(600):  # refill the budget (the catch-up above put it 0.1 s in debt)
+        controller.step_time(1, FIXED + PER_ROW)
+    run_steps(controller, 1, proposer_seconds=0.005, accept=lambda drafted: 0, request_id="long")
+    run_steps(controller, 1, proposer_seconds=0.005, accept=lambda drafted: 0, request_id="short")
+
+    def first_probe(request_id: str, unseen: int) -> int:
+        for step in range(2000):
+            if controller.proposing([request_id], np.array([False]), np.array([4]), np.array([unseen]))[0]:
+                return step
+            controller.record([request_id], np.array([False]), None, np.array([0]), np.array([0]))
+            controller.step_time(1, FIXED + PER_ROW)
+        return 2000
+
+    short = first_probe("short", unseen=10)  # 4 + 5 + 10 ms: within the budget's cap (21 ms)
+    long = first_probe("long", unseen=1000)  # 1 s: some 3000 steps of 11 ms
+    assert short <= 2 * PROBE_INTERVAL_MIN and long == 2000
 
 
 def test_the_proposer_time_is_a_mean_per_request_robust_to_one_interrupted_call():
