@@ -97,8 +97,8 @@ class DraftController:
         #: is measured).
         self.catch_up_seconds_per_token: float | None = None
         #: Seconds of probes the budget holds (PROBE_TIME_SHARE of every step's time, at most
-        #: _probe_cap, or the price of the dearest probe waiting for it); None until a step is
-        #: measured.
+        #: _probe_cap, or _probe_waiting: the price of the dearest probe due at the last step
+        #: that it could not pay); None until a step is measured.
         self._probe_credit: float | None = None
         self._probe_cap = 0.0
         self._probe_waiting = 0.0
@@ -124,26 +124,28 @@ class DraftController:
             state.probing = bool(always[b])
             if not state.probing and state.idle_steps >= state.interval and max_draft_lens[b] > 0:
                 due.append(b)
+        # The most the budget may hold now (what the last step's waiting probes let it grow to);
+        # set again below by each due probe it cannot pay yet.
+        ceiling = max(self._probe_cap, self._probe_waiting)
+        self._probe_waiting = 0.0
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
             unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
-            states[b].probing = self._afford_probe(int(max_draft_lens[b]), calls_proposer=not states[b].proposing,
-                                                   catch_up_tokens=unseen)
+            states[b].probing = self._afford_probe(int(max_draft_lens[b]), not states[b].proposing, unseen, ceiling)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
 
-    def _afford_probe(self, drafts: int, calls_proposer: bool, catch_up_tokens: int = 0) -> bool:
+    def _afford_probe(self, drafts: int, calls_proposer: bool, catch_up_tokens: int, ceiling: float) -> bool:
         """Whether the probe budget covers a probe of ``drafts`` drafts (their rows, and, when
         the proposer is off for the request (``calls_proposer``), its time and the catch-up
         over ``catch_up_tokens``), taking it from the budget if so. A probe dearer than the
         budget holds waits for it: the budget may then grow beyond its cap, up to that price;
-        a full budget pays."""
+        a budget at its ``ceiling`` pays (the price may have moved a little meanwhile)."""
         if self._probe_credit is None:  # nothing measured yet
             return True
         _, per_row = self.step_costs.costs()
         cost = drafts * per_row
         if calls_proposer:
             cost += (self.proposer_seconds or 0.0) + catch_up_tokens * (self.catch_up_seconds_per_token or 0.0)
-        full = self._probe_credit >= max(self._probe_cap, self._probe_waiting)  # its price may have moved since
-        if self._probe_credit < cost and not full:
+        if self._probe_credit < cost and self._probe_credit < ceiling:
             self._probe_waiting = max(self._probe_waiting, cost)
             return False
         self._probe_credit -= cost
