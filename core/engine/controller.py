@@ -60,6 +60,9 @@ PROBE_INTERVAL_MAX = 64
 #: the proposer's time): in a batch of 32 all requests are due at once, and their rows would
 #: cost more than the drafts win.
 PROBE_TIME_SHARE = 0.03
+#: How far beyond a waiting probe's price the budget may grow (its price moves a little with
+#: the step's measured costs while it waits).
+PROBE_PRICE_MARGIN = 1.05
 #: How much of its mean a proposer call may take before it counts as interrupted.
 PROPOSER_OUTLIER_FACTOR = 3.0
 
@@ -97,8 +100,8 @@ class DraftController:
         #: is measured).
         self.catch_up_seconds_per_token: float | None = None
         #: Seconds of probes the budget holds (PROBE_TIME_SHARE of every step's time, at most
-        #: _probe_cap, or _probe_waiting: the price of the dearest probe due at the last step
-        #: that it could not pay); None until a step is measured.
+        #: _probe_cap, or _probe_waiting: a little more than the price of the dearest probe it
+        #: could not pay, the last time any probe was due); None until a step is measured.
         self._probe_credit: float | None = None
         self._probe_cap = 0.0
         self._probe_waiting = 0.0
@@ -124,32 +127,29 @@ class DraftController:
             state.probing = bool(always[b])
             if not state.probing and state.idle_steps >= state.interval and max_draft_lens[b] > 0:
                 due.append(b)
-        # The most the budget may hold now (what the last step's waiting probes let it grow to);
-        # set again below by each due probe it cannot pay yet.
-        ceiling = max(self._probe_cap, self._probe_waiting)
-        self._probe_waiting = 0.0
+        if due:  # the budget's ceiling follows the probes due now (set by those it cannot pay)
+            self._probe_waiting = 0.0
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
             unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
-            states[b].probing = self._afford_probe(int(max_draft_lens[b]), not states[b].proposing, unseen, ceiling)
+            states[b].probing = self._afford_probe(int(max_draft_lens[b]), not states[b].proposing, unseen)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
 
-    def _afford_probe(self, drafts: int, calls_proposer: bool, catch_up_tokens: int, ceiling: float) -> bool:
+    def _afford_probe(self, drafts: int, calls_proposer: bool, catch_up_tokens: int) -> bool:
         """Whether the probe budget covers a probe of ``drafts`` drafts (their rows, and, when
         the proposer is off for the request (``calls_proposer``), its time and the catch-up
         over ``catch_up_tokens``), taking it from the budget if so. A probe dearer than the
-        budget holds waits for it: the budget may then grow beyond its cap, up to that price;
-        a budget at its ``ceiling`` pays (the price may have moved a little meanwhile)."""
+        budget holds waits for it: the budget may then grow beyond its cap, up to that price
+        (and a margin, for the price moving with the step's measured costs)."""
         if self._probe_credit is None:  # nothing measured yet
             return True
         _, per_row = self.step_costs.costs()
         cost = drafts * per_row
         if calls_proposer:
             cost += (self.proposer_seconds or 0.0) + catch_up_tokens * (self.catch_up_seconds_per_token or 0.0)
-        if self._probe_credit < cost and self._probe_credit < ceiling:
-            self._probe_waiting = max(self._probe_waiting, cost)
+        if self._probe_credit < cost:
+            self._probe_waiting = max(self._probe_waiting, PROBE_PRICE_MARGIN * cost)
             return False
         self._probe_credit -= cost
-        self._probe_waiting = 0.0
         return True
 
     def proposer_time(self, num_requests: int, seconds: float) -> None:

@@ -47,15 +47,23 @@ def test_a_proposer_that_only_wastes_time_is_called_once_in_many_steps():
     calls = run_steps(controller, 1000, proposer_seconds=0.020, accept=lambda drafted: 0, seconds=seconds)
     assert calls[0] and not calls[1]  # one step shows it loses
     gaps = np.diff(np.flatnonzero(calls))
-    # Probes back off: the interval doubles, and a probe dearer than the budget's cap (its 20 ms
-    # call) waits until the budget has grown to its price.
-    assert gaps[0] == PROBE_INTERVAL_MIN + 1 and (gaps[1:] > 2 * PROBE_INTERVAL_MIN).all()
+    # Its 20 ms call makes a probe dearer than the budget's cap: each waits until 3% of the
+    # engine's time has paid for it (beyond the longest interval).
+    assert gaps[0] > PROBE_INTERVAL_MIN and (gaps[1:] > PROBE_INTERVAL_MAX).all()
     # Once seen, it costs at most 3% over plain decoding (a plain step: FIXED + PER_ROW).
     plain = len(seconds[200:]) * (FIXED + PER_ROW)
     assert sum(seconds[200:]) <= 1.03 * plain
     # A new request of the same method starts off: the method's record says drafting loses.
     assert controller.shared_net < -MIN_LOSS
     assert not controller.proposing(["new"], np.array([False]), np.array([4]))[0]
+
+
+def test_probes_of_a_cheap_call_back_off_by_doubling_the_interval():
+    controller = measured_controller()
+    calls = run_steps(controller, 1000, proposer_seconds=0.005, accept=lambda drafted: 0)
+    gaps = np.diff(np.flatnonzero(calls))
+    assert gaps[0] == PROBE_INTERVAL_MIN + 1 and (np.diff(gaps) >= 0).all()
+    assert gaps[-1] == PROBE_INTERVAL_MAX + 1
 
 
 def test_a_proposer_whose_drafts_pay_stays_on():
