@@ -213,6 +213,10 @@ class DraftController:
         _, per_row = self.step_costs.costs()
         proposer = self.proposer_seconds or 0.0
         negligible = self._proposer_negligible()
+        # Before a step and a proposer call without catch-up are measured, a step's net would
+        # be its accepted drafts for free: it teaches nothing (a draft model's first steps would
+        # otherwise keep it on for ten steps more).
+        costs_known = self._bar > 0.0 and self.proposer_seconds is not None
         for b, request_id in enumerate(request_ids):
             state = self._state(request_id)
             state.steps_since_probe += 1
@@ -221,9 +225,10 @@ class DraftController:
                 state.verified_since_probe = True
             if not proposed[b]:
                 continue
-            net = float(accepted[b]) - self._bar * (per_row * float(verified[b]) + proposer)
-            self.shared_net = SHARED_DECAY * self.shared_net + (1.0 - SHARED_DECAY) * net
-            state.net = net if state.probing else REQUEST_DECAY * state.net + (1.0 - REQUEST_DECAY) * net
+            if costs_known:
+                net = float(accepted[b]) - self._bar * (per_row * float(verified[b]) + proposer)
+                self.shared_net = SHARED_DECAY * self.shared_net + (1.0 - SHARED_DECAY) * net
+                state.net = net if state.probing else REQUEST_DECAY * state.net + (1.0 - REQUEST_DECAY) * net
             paying = negligible or state.net >= -MIN_LOSS
             if state.probing:
                 # A probe that neither switches the proposer back on nor follows drafts the
