@@ -128,9 +128,9 @@ def interleave_k_here() -> bool:
     (no AVX-512 VNNI), whose interleaved kernel computes several activation rows without the
     stored-row kernel's horizontal sums; AVX-512 and AMX keep their own stored-row kernels.
     Both layouts give the same outputs bit for bit."""
-    from specdec.kernels.cpu import _cpu_flags
+    from specdec.kernels.cpu import has_avx512_vnni
 
-    return not {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
+    return not has_avx512_vnni()
 
 
 def kernel_parts(segment: Segment, cols: int, interleave_k: bool | None = None) -> list[tuple[int, np.ndarray]]:

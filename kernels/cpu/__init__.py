@@ -58,6 +58,13 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@functools.lru_cache(maxsize=None)
+def has_avx512_vnni() -> bool:
+    """Whether this CPU has what the quantized kernels' AVX-512 VNNI path needs (they choose
+    it at run time; ``SPECDEC_CPU_ISA=avx2`` still forces the portable path)."""
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
+
+
 def kernel_build_dir(*sources: Path) -> Path:
     """Where native code made of ``sources`` (default: the engine's kernels) is built: one
     folder per version of those files (a hash of them all, and of where they are) under
