@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from specdec.model.quant import (BLOCK_FORMATS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment,
-                                 K_INTERLEAVED, interleave_k_here, layout_array, quantize, split_rows)
+                                 interleave_k_here, layout_array, quantize, split_rows)
 
 #: name: (format, rows N, columns K) of the default model's matrices.
 DEFAULT_SHAPES = {"qkv": ("Q4_1", 960, 576), "o": ("Q4_1", 576, 576), "gate_up": ("Q4_1", 3072, 576),
@@ -82,7 +82,7 @@ def main() -> None:
         matrix = random_matrix(rng, type_name, n, k)
         if type_name in SPLIT_TYPE_IDS:
             baseline, before = "split", split_layout(matrix)
-        elif type_name in K_INTERLEAVED and interleave_k_here():
+        elif type_name == "Q4_K" and interleave_k_here():
             baseline, before = "stored", layout_array(matrix, interleave_k=False)
         else:
             baseline, before = "int8/ch", layout_array(quantize(matrix.dequantize(), "wint8"))

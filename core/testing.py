@@ -29,11 +29,11 @@ __all__ = ["check_proposer", "check_drafts", "synthetic_batches", "check_verify_
 DEFAULT_VOCAB_SIZE = 512
 
 
-def _request(request_id: str, token_ids, num_prompt_tokens: int, max_draft_len: int) -> ProposalRequest:
+def _request(request_id: str, token_ids, num_prompt_tokens: int, max_draft_len: int, **fields) -> ProposalRequest:
     tokens = np.asarray(token_ids, dtype=np.int64)
     tokens.flags.writeable = False  # the engine hands a read-only view: catch proposers writing to it
     return ProposalRequest(request_id=request_id, token_ids=tokens,
-                           num_prompt_tokens=num_prompt_tokens, max_draft_len=max_draft_len)
+                           num_prompt_tokens=num_prompt_tokens, max_draft_len=max_draft_len, **fields)
 
 
 def synthetic_batches(vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> list[ProposalBatch]:
@@ -134,8 +134,8 @@ def _check_reproducible(used: Proposer, fresh: Proposer, vocab_size: int) -> Non
     earlier = np.concatenate([rng.integers(0, vocab_size, size=10), text[-8:], rng.integers(0, vocab_size, size=8)])
 
     def seeded() -> ProposalRequest:
-        return ProposalRequest("seeded", _request("seeded", text, 30, 5).token_ids, 30, 5,
-                               sampling=SamplingParams(temperature=0.8, seed=1), rng=np.random.default_rng(1))
+        return _request("seeded", text, 30, 5, sampling=SamplingParams(temperature=0.8, seed=1),
+                        rng=np.random.default_rng(1))
 
     _run_step(used, ProposalBatch(requests=[_request("earlier", earlier, 10, 5)]), vocab_size)
     mates = [_request("mate-earlier", earlier, 18, 5), _request("mate-random", rng.integers(0, vocab_size, 80), 40, 5)]

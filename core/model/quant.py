@@ -117,17 +117,13 @@ def quantize(weight: np.ndarray, method: str) -> QuantizedMatrix:
     raise ValueError(f"unknown quantization method {method!r}")
 
 
-#: The K-quants the kernels also read interleaved in groups of 16 rows: name -> (kernel type
-#: id, the regrouping). (Q6_K interleaved the same way ran 0.7-1.1x its stored rows on AVX2:
-#: its values take twice the unpacking, docs/benchmarks/llamacpp.md.)
-K_INTERLEAVED = {"Q4_K": (Q4K_INTERLEAVED_TYPE_ID, interleave_q4k_rows)}
-
-
 def interleave_k_here() -> bool:
     """Whether Q4_K rows are interleaved for this CPU: where the kernels run on AVX2
     (no AVX-512 VNNI), whose interleaved kernel computes several activation rows without the
     stored-row kernel's horizontal sums; AVX-512 and AMX keep their own stored-row kernels.
-    Both layouts give the same outputs bit for bit."""
+    Both layouts give the same outputs bit for bit. (Q6_K interleaved the same way ran
+    0.7-1.1x its stored rows on AVX2, its values taking twice the unpacking: it stays as
+    stored; docs/benchmarks/llamacpp.md.)"""
     from specdec.kernels.cpu import has_avx512_vnni
 
     return not has_avx512_vnni()
@@ -138,13 +134,12 @@ def kernel_parts(segment: Segment, cols: int, interleave_k: bool | None = None) 
     order. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: whole groups of 16 rows interleaved
     (:func:`interleave_rows`), the rows left over split (:func:`split_rows`; Q8_0, and Q4 rows
     whose length is a multiple of 64) or as stored; Q4_K: whole groups of 16 rows
-    interleaved (:data:`K_INTERLEAVED`) where ``interleave_k`` (default:
+    interleaved (:func:`interleave_q4k_rows`) where ``interleave_k`` (default:
     :func:`interleave_k_here`), the rest as stored; any other format as stored."""
     data, name = np.asarray(segment.data), segment.type_name
-    if name in K_INTERLEAVED and (interleave_k_here() if interleave_k is None else interleave_k):
-        type_id, interleave = K_INTERLEAVED[name]
+    if name == "Q4_K" and (interleave_k_here() if interleave_k is None else interleave_k):
         grouped = segment.rows // GROUP_ROWS * GROUP_ROWS
-        parts = [(type_id, interleave(data[:grouped]))] if grouped else []
+        parts = [(Q4K_INTERLEAVED_TYPE_ID, interleave_q4k_rows(data[:grouped]))] if grouped else []
         return parts + ([(TYPE_IDS[name], data[grouped:])] if grouped < segment.rows else [])
     if name not in INTERLEAVED_TYPE_IDS:
         return [(TYPE_IDS[name], data)]
