@@ -56,34 +56,57 @@ class VerifyInputs:
         fused kernel (:attr:`VerifyStrategy.DEVICE_KERNEL`) verifies from it through
         :func:`specdec.sdk.verify_on_device` and the logits never leave the device; any other
         strategy reads ``logits`` as usual.
+
+    The engine may also give the logits as ``rows`` (the step's ``[R, V]`` logits, one row per
+    request and draft, no padding) and ``row_index`` (``[B, k+1]`` into them, padding
+    repeating a request's last row): ``logits`` is then ``rows[row_index]``, built on first
+    access, and :meth:`argmax` never builds it (a greedy batch of 64 would otherwise copy
+    64 x (k+1) rows of the vocabulary each step).
     """
 
-    __slots__ = ("drafts", "sampling", "device_logits", "_logits")
+    __slots__ = ("drafts", "sampling", "device_logits", "_logits", "_rows", "_row_index", "_argmax")
 
-    def __init__(self, logits: Optional[np.ndarray], drafts: Drafts, sampling: BatchSampling, device_logits=None):
-        if logits is None and device_logits is None:
-            raise ValueError("VerifyInputs needs logits or device_logits")
+    def __init__(self, logits: Optional[np.ndarray], drafts: Drafts, sampling: BatchSampling, device_logits=None, *,
+                 rows: Optional[np.ndarray] = None, row_index: Optional[np.ndarray] = None):
+        if logits is None and device_logits is None and (rows is None or row_index is None):
+            raise ValueError("VerifyInputs needs logits, device_logits, or rows with row_index")
         self._logits = logits
         self.drafts = drafts
         self.sampling = sampling
         self.device_logits = device_logits
+        self._rows, self._row_index = rows, row_index
+        self._argmax: Optional[np.ndarray] = None
 
     @property
     def logits(self) -> np.ndarray:
         if self._logits is None:
-            self._logits = self.device_logits.numpy()
+            self._logits = self.device_logits.numpy() if self._rows is None else self._rows[self._row_index]
         return self._logits
 
     @logits.setter
     def logits(self, value: np.ndarray) -> None:
         self._logits = value
         self.device_logits = None  # they no longer hold the same logits
+        self._rows = self._row_index = self._argmax = None
 
     @property
     def logits_shape(self) -> tuple[int, ...]:
-        """The logits' shape, without copying device logits to the host."""
+        """The logits' shape, without copying device logits to the host or building them from rows."""
+        if self._logits is None and self._rows is not None:
+            return (*self._row_index.shape, self._rows.shape[-1])
         source = self._logits if self._logits is not None else self.device_logits
         return tuple(source.shape)
+
+    def argmax(self) -> np.ndarray:
+        """``[B, k+1]`` int64: the argmax of every row of ``logits`` (ties to the lowest id, as
+        :func:`specdec.sdk.greedy_tokens`), computed once; from ``rows`` without building
+        ``logits`` when the engine gave rows."""
+        if self._argmax is None:
+            if self._logits is None and self._rows is not None:
+                self._argmax = np.argmax(self._rows, axis=-1).astype(np.int64, copy=False)[self._row_index]
+            else:
+                self._argmax = np.argmax(self.logits, axis=-1).astype(np.int64, copy=False)
+        return self._argmax
 
 
 @attrs.define(slots=True)

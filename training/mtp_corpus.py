@@ -32,40 +32,93 @@ INSTRUCTIONS = ("Add type hints to this function and return the full code.",
                 "Add a docstring to this function and return the full code.",
                 "Rename the variables of this function to clearer names and return the full code.",
                 "Explain what this function does, step by step.")
+# The chat topics: none of them is a topic of specdec.workloads.CHAT_PROMPTS (the benchmark's
+# chat prompts stay held out).
 CONCEPTS = ("a hash table", "recursion", "photosynthesis", "inflation", "a black hole", "machine learning",
-            "the internet", "gravity", "a binary search", "democracy", "vaccines", "climate change",
-            "a linked list", "compound interest", "the immune system", "an API", "encryption", "evolution",
+            "the internet", "gravity", "a binary search", "democracy", "climate change",
+            "a linked list", "compound interest", "encryption", "evolution",
             "the stock market", "a compiler", "electricity", "the water cycle", "DNA", "a database index",
             "object-oriented programming", "the greenhouse effect", "supply and demand", "a neural network",
-            "version control", "the speed of light")
+            "version control", "the speed of light", "a volcano", "an earthquake", "the moon's phases",
+            "tides", "a rainbow", "magnetism", "friction", "sound waves", "the human heart", "digestion",
+            "sleep", "memory in the brain", "a solar panel", "a wind turbine", "nuclear energy", "a battery",
+            "a microwave oven", "an airplane's wings", "a bicycle's gears", "a cloud", "snowflakes",
+            "the seasons", "a food chain", "bees and pollination", "coral reefs", "the rainforest",
+            "deserts", "a tornado", "a hurricane", "the printing press", "the Roman Empire",
+            "the Industrial Revolution", "the Renaissance", "ancient Egypt", "a constitution", "taxes",
+            "a budget", "a credit score", "a mortgage", "unemployment", "globalization", "a startup",
+            "marketing", "a spreadsheet", "a web browser", "a search engine", "cloud computing",
+            "a password manager", "a firewall", "a sorting algorithm", "Big O notation", "a graph in computer science",
+            "a queue", "a stack", "a regular expression", "an HTTP request", "JSON", "SQL", "unit testing",
+            "a virtual machine", "a GPU", "caching", "multithreading", "garbage collection", "a pointer",
+            "an interpreter", "open source software", "blockchain", "artificial intelligence", "a chatbot",
+            "a smartphone camera", "GPS", "Wi-Fi", "Bluetooth", "a 3D printer", "a telescope", "a microscope",
+            "the periodic table", "an atom", "a chemical reaction", "acids and bases", "osmosis", "a cell",
+            "bacteria", "antibiotics", "exercise", "meditation", "nutrition", "habits", "procrastination",
+            "teamwork", "leadership", "negotiation", "critical thinking", "public speaking", "a good resume",
+            "time management", "music theory", "a symphony orchestra", "impressionist painting",
+            "photography", "chess", "the Olympic Games", "soccer", "a marathon", "yoga")
 SUBJECTS = ("a dragon who learns to bake bread", "a robot who wants to be a gardener", "a lost kitten in a big city",
             "two friends on a sailing trip", "a wizard who forgot his spells", "a girl who can talk to birds",
             "an astronaut alone on Mars", "a detective solving a mystery at a bakery", "a tree that can walk",
-            "a shy ghost in an old library", "a knight afraid of the dark", "a village without music")
+            "a shy ghost in an old library", "a knight afraid of the dark", "a village without music",
+            "a fox who opens a bookshop", "a pirate who is afraid of water", "a train that never stops",
+            "an old man and his dog", "a painter who loses her colors", "a city under the sea",
+            "a snowman who wants to see summer", "a young inventor", "a talking teapot", "a brave mouse",
+            "a family of owls", "a haunted bicycle", "a queen who cannot sleep", "a forgotten toy",
+            "a festival in the desert", "a musician in the rain", "a bridge between two kingdoms",
+            "a cat who becomes mayor", "the last bus of the night", "a garden on a rooftop",
+            "a letter that arrives fifty years late", "a turtle racing a rabbit again", "a kite that flies away",
+            "a storm at a farm", "a girl who collects stones", "a time traveler at a market",
+            "an elephant who paints", "a camping trip in the woods")
 ACTIVITIES = ("learning a new language", "staying productive at home", "writing clean code", "sleeping better",
               "saving money", "running a first marathon", "studying for exams", "cooking healthy meals",
-              "giving a presentation", "starting a vegetable garden")
+              "giving a presentation", "starting a vegetable garden", "learning to play the guitar",
+              "making new friends in a new city", "reducing stress", "traveling on a budget", "keeping a journal",
+              "learning to program", "preparing for a job interview", "drinking more water",
+              "reading more books", "taking better photos", "training a puppy", "working from home",
+              "staying safe online", "planning a birthday party", "moving to a new apartment",
+              "learning to swim", "writing a novel", "being a good listener", "organizing a closet",
+              "hiking in the mountains")
 PAIRS = (("a list", "a tuple in Python"), ("weather", "climate"), ("a virus", "a bacterium"), ("TCP", "UDP"),
          ("RAM", "storage"), ("a process", "a thread"), ("speed", "velocity"), ("HTML", "CSS"),
-         ("a stack", "a queue"), ("mitosis", "meiosis"))
+         ("a stack", "a queue"), ("mitosis", "meiosis"), ("a lake", "a pond"), ("a crocodile", "an alligator"),
+         ("a frog", "a toad"), ("a democracy", "a monarchy"), ("a loan", "a grant"), ("a noun", "a verb"),
+         ("Python", "JavaScript"), ("a compiler", "an interpreter"), ("AC", "DC current"), ("a moth", "a butterfly"),
+         ("a hurricane", "a typhoon"), ("baking soda", "baking powder"), ("a simile", "a metaphor"),
+         ("a CPU", "a GPU"), ("a library", "a framework"), ("mass", "weight"), ("an ocean", "a sea"),
+         ("a poem", "a song"), ("stocks", "bonds"), ("a fruit", "a vegetable"))
 TASKS = ("reverses a string", "checks whether a number is prime", "counts the words in a text",
          "merges two sorted lists", "finds the largest element of a list", "computes the factorial of n",
          "removes duplicates from a list", "checks whether a string is a palindrome",
          "converts Celsius to Fahrenheit", "returns the n-th Fibonacci number", "flattens a nested list",
-         "sorts a list of dictionaries by a key")
+         "sorts a list of dictionaries by a key", "counts the vowels in a string", "reads a CSV file into a list",
+         "computes the average of a list of numbers", "finds the second largest number in a list",
+         "checks whether two strings are anagrams", "capitalizes every word of a sentence",
+         "returns the common elements of two lists", "converts a number to binary",
+         "validates an email address", "computes the greatest common divisor of two numbers",
+         "groups words by their first letter", "finds the longest word in a sentence",
+         "rotates a list by k positions", "checks whether a year is a leap year", "sums the digits of a number",
+         "counts how often each character appears", "transposes a matrix", "generates a random password")
+CHAT_TEMPLATES = (
+    ("Explain {} in simple terms.", CONCEPTS), ("Write a short paragraph about {}.", CONCEPTS),
+    ("What are the main ideas behind {}?", CONCEPTS), ("How does {} work?", CONCEPTS),
+    ("Tell me three interesting facts about {}.", CONCEPTS), ("Why is {} important?", CONCEPTS),
+    ("Explain {} to a ten-year-old.", CONCEPTS),
+    ("Write a short poem about {}.", SUBJECTS), ("Write a short story about {}.", SUBJECTS),
+    ("Write the opening of a story about {}.", SUBJECTS),
+    ("Give five tips for {}.", ACTIVITIES), ("How do I get started with {}?", ACTIVITIES),
+    ("What are common mistakes when {}?", ACTIVITIES), ("Write a short plan for {}.", ACTIVITIES),
+    ("Write a Python function that {}.", TASKS), ("Show me how to write a function that {} in Python.", TASKS),
+)
 
 
 def prompts() -> list[str]:
     code = [f"{instruction}\n\n```python\n{source}\n```"
             for source in stdlib_functions(modules=TRAIN_MODULES) for instruction in INSTRUCTIONS]
-    chat = [f"Explain {c} in simple terms." for c in CONCEPTS]
-    chat += [f"Write a short paragraph about {c}." for c in CONCEPTS]
-    chat += [f"What are the main ideas behind {c}?" for c in CONCEPTS]
-    chat += [f"Write a short poem about {s}." for s in SUBJECTS]
-    chat += [f"Write a short story about {s}." for s in SUBJECTS]
-    chat += [f"Give five tips for {a}." for a in ACTIVITIES]
+    chat = [template.format(item) for template, items in CHAT_TEMPLATES for item in items]
     chat += [f"What is the difference between {a} and {b}?" for a, b in PAIRS]
-    chat += [f"Write a Python function that {t}." for t in TASKS]
+    chat += [f"Compare {a} and {b}." for a, b in PAIRS]
     return code + chat
 
 

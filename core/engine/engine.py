@@ -36,7 +36,7 @@ from ..proposer_context import ProposerContext, TargetModel
 from ..sampling import SamplingParams
 from ..verify import BatchSampling, VerifyInputs, VerifyResult
 from . import admission
-from .batch import SequenceRows, pack_step
+from .batch import PickedRows, SequenceRows, pack_step
 from .build import build_model, build_spec_plugins, create_cache_layers, load_draft_model, spec_plugin_classes
 from .controller import DraftController
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
@@ -66,10 +66,19 @@ def _merged_result(rows: list[tuple], width: int) -> VerifyResult:
     return VerifyResult(accepted_lengths=accepted, output_tokens=output, target_tokens=target)
 
 
+def _reads_argmax_only(requests: list[Request]) -> bool:
+    """Whether verifying these requests needs only the argmax of their logits: all greedy, none
+    with row processors or logprobs (which read the whole ``[k+1, V]`` rows)."""
+    return all(r.sampling.temperature <= 0.0 and not r.row_processors and r.sampling.logprobs is None
+               for r in requests)
+
+
 def _rows(logits, pick: np.ndarray):
     """The rows ``pick`` of step logits (numpy, or a paddle tensor on its device)."""
     if isinstance(logits, np.ndarray):
         return logits[pick]
+    if isinstance(logits, PickedRows):
+        return logits.select(pick)
     import paddle
 
     return paddle.gather(logits, paddle.to_tensor(pick))
@@ -83,7 +92,8 @@ class _StepState:
     plan: ScheduledStep
     batch: ProposalBatch
     drafts: Optional[Drafts] = None
-    #: ``[B, k+1, V]`` numpy logits, or a paddle tensor on the device with the Triton kernels.
+    #: ``[B, k+1, V]`` numpy logits, or a paddle tensor on the device with the Triton kernels,
+    #: or (a greedy step) :class:`PickedRows`, the same without the padded copy.
     logits: Any = None
     sampling: Optional[BatchSampling] = None
     result: Optional[VerifyResult] = None
@@ -598,9 +608,15 @@ class Engine:
         """Process the rows, verify and accept (:meth:`_verify_group`) on the ``[B, k+1, V]``
         logits of the step. Where most requests have no draft and a few have long ones, that
         array would be mostly padding (a batch of 64 with drafts of 5 copies 64 x 6 rows of
-        logits, 75 MB, for 70 real rows): the requests without drafts and those with drafts
-        then go as two groups, each at its own width, and the results are put together."""
+        logits, 75 MB, for 70 real rows). A step that needs only each row's argmax (every
+        request greedy, without row processors or logprobs) verifies from the step's rows
+        through their index (:class:`PickedRows`), no copy; otherwise the requests without
+        drafts and those with drafts go as two groups, each at its own width, and the results
+        are put together."""
         raw, packed, lengths = state.logits, state.packed, state.drafts.lengths
+        if isinstance(raw, np.ndarray) and packed.padded_rows is not None and _reads_argmax_only(state.plan.decodes):
+            state.logits = PickedRows(raw, packed.padded_rows)
+            return self._verify_group(state)
         groups = [np.flatnonzero(lengths == 0), np.flatnonzero(lengths > 0)]
         padded = len(lengths) * (state.drafts.width + 1)
         if not isinstance(raw, np.ndarray) or packed.padded_rows is None or not all(len(g) for g in groups) \
@@ -787,6 +803,9 @@ class Engine:
         them to the host only if it has no fused kernel)."""
         if isinstance(state.logits, np.ndarray):
             return VerifyInputs(state.logits, state.drafts, state.sampling)
+        if isinstance(state.logits, PickedRows):
+            return VerifyInputs(None, state.drafts, state.sampling, rows=state.logits.rows,
+                                row_index=state.logits.index)
         return VerifyInputs(None, state.drafts, state.sampling, device_logits=state.logits)
 
     def _sampling(self, running: list[Request], drafts: Drafts) -> BatchSampling:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import specdec
-from specdec.sdk import (DeviceVerifyKernel, VerifyInputs, VerifyResult, check_inputs, greedy_tokens,
+from specdec.sdk import (DeviceVerifyKernel, VerifyInputs, VerifyResult, check_inputs,
                          load_triton_kernels, prefix_match_result, verify_on_device)
 
 from ._fused import run_fused
@@ -12,7 +12,7 @@ from ._fused import run_fused
 def greedy_rule(inputs: VerifyInputs) -> VerifyResult:
     """The rule on the host: accept while ``draft == argmax``, emit the argmax where the drafts
     stop. Its device twin is :func:`greedy_on_device`."""
-    return prefix_match_result(inputs.drafts, greedy_tokens(inputs.logits))
+    return prefix_match_result(inputs.drafts, inputs.argmax())
 
 
 def greedy_on_device(inputs: VerifyInputs) -> VerifyResult:

@@ -26,7 +26,10 @@ def rejection_rule(inputs: VerifyInputs, accept=accept_drafts) -> VerifyResult:
     test, replaceable so that a control can bias it. Its device twin is
     :func:`rejection_on_device`."""
     drafts, sampling = inputs.drafts, inputs.sampling
-    target_tokens, sampled, probs = target_distribution(inputs.logits, sampling, sampling.uniforms[..., 1])
+    if sampling.all_greedy:  # the argmax alone: no [B, k+1, V] array needs building
+        target_tokens, sampled, probs = inputs.argmax(), np.zeros(drafts.batch_size, dtype=bool), None
+    else:
+        target_tokens, sampled, probs = target_distribution(inputs.logits, sampling, sampling.uniforms[..., 1])
     # Greedy requests: p is one-hot on the argmax, so the draft passes iff it is the argmax
     # and the residual is the argmax itself.
     accepted = accepted_prefix(drafts.token_ids == target_tokens[:, :-1], drafts.lengths)

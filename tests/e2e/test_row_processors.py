@@ -23,6 +23,7 @@ METHODS = {
     "ngram": {"method": "ngram", "adaptive_draft_length": False},
     "suffix": {"method": "suffix", "adaptive_draft_length": False},
     "mtp": {"method": "mtp", "adaptive_draft_length": False},
+    "hybrid": {"method": "hybrid", "adaptive_draft_length": False},
 }
 
 

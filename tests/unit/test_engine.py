@@ -546,26 +546,42 @@ def test_on_request_start_runs_in_the_step_that_admits_the_request(model_session
     assert not engine.has_unfinished() and engine.num_free_kv_blocks == engine.num_kv_blocks
 
 
-def test_a_batch_where_few_requests_draft_is_verified_in_two_groups(model_session, monkeypatch):
-    """Padding every request's logits to the longest draft would copy mostly padding: the
-    requests without drafts and those with drafts are verified apart, at their own widths,
-    and the tokens stay naive's."""
+def test_a_batch_where_few_requests_draft_is_verified_without_padded_copies(model_session, monkeypatch):
+    """Padding every request's logits to the longest draft would copy mostly padding. A greedy
+    step verifies from the argmax of the step's own rows (``PickedRows``: no ``[B, k+1, V]``
+    array is built); where the whole rows are read (here logprobs), the requests without
+    drafts and those with drafts are verified apart, at their own widths. The tokens stay
+    naive's either way."""
+    from specdec.engine.batch import PickedRows
     from specdec.workloads import chat_prompts
 
     engine = model_session.llm.engine
-    widths = []
+    kinds = []
     real = engine._verify_group
 
     def verify_group(state):
-        widths.append((len(state.plan.decodes), state.logits.shape[1]))
+        logits = state.logits
+        if isinstance(logits, PickedRows):
+            kinds.append(("picked", len(state.plan.decodes), logits.index.shape[1]))
+        else:
+            kinds.append(("array", len(state.plan.decodes), logits.shape[1]))
         return real(state)
 
     monkeypatch.setattr(engine, "_verify_group", verify_group)
     prompts = (*chat_prompts(5), *CODE[:3])
-    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
-    naive = model_session.run(None, prompts, sampling, max_num_seqs=8)
     spec = {"method": "ngram", "verify_strategy": "rejection", "num_speculative_tokens": 5, "adaptive_draft_length": False}
-    outputs = model_session.run(spec, prompts, sampling, max_num_seqs=8, cache=False)
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in naive]
-    # some steps went as two groups: the requests without drafts at width 1
-    assert any(width == 1 and size < 8 for size, width in widths), widths
+    for sampling in (SamplingParams(max_tokens=24, ignore_eos=True),
+                     SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1)):
+        kinds.clear()
+        naive = model_session.run(None, prompts, sampling, max_num_seqs=8)
+        outputs = model_session.run(spec, prompts, sampling, max_num_seqs=8, cache=False)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in naive]
+        if sampling.logprobs is None:
+            # padded steps went whole, as picked rows
+            assert any(kind == "picked" and size == 8 and width > 1 for kind, size, width in kinds), kinds
+        else:
+            assert [e.logprob for o in outputs for e in o.logprobs] == \
+                pytest.approx([e.logprob for o in naive for e in o.logprobs], abs=1e-4)
+            # some steps went as two groups: the requests without drafts at width 1
+            assert all(kind == "array" for kind, _, _ in kinds), kinds
+            assert any(width == 1 and size < 8 for _, size, width in kinds), kinds

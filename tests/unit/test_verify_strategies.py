@@ -366,3 +366,24 @@ def test_each_module_registers_its_strategy(module, cls):
     assert {GreedyVerify.NAME, ToppVerify.NAME, TargetMatchVerify.NAME, RejectionVerify.NAME} == {
         "greedy", "topp", "target_match", "rejection"
     }
+
+
+@pytest.mark.parametrize("strategy", [GreedyVerify, RejectionVerify, TargetMatchVerify, ToppVerify])
+def test_inputs_given_as_picked_rows_verify_as_the_padded_array(strategy):
+    """The engine may pass a step's unpadded rows and an index instead of ``[B, k+1, V]``
+    logits: every strategy returns the same result, and ``argmax`` never builds the array."""
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(9, 12)).astype(np.float32)  # request 0: 3 drafts, 1: none, 2: 4 drafts
+    index = np.array([[0, 1, 2, 3, 3], [4, 4, 4, 4, 4], [5, 6, 7, 8, 8]])
+    drafts = [[int(rows[0].argmax()), 5, 7], [], [int(rows[5].argmax()), int(rows[6].argmax()), 1, 2]]
+    for temperature in (0.0, [0.0, 0.7, 0.0]):
+        uniforms = rng.random((3, 5, 2))
+        padded = make_inputs(rows[index], drafts, temperature=temperature, uniforms=uniforms)
+        picked = VerifyInputs(None, padded.drafts, padded.sampling, rows=rows, row_index=index)
+        assert picked.logits_shape == (3, 5, 12)
+        expected, got = strategy().verify(padded), strategy().verify(picked)
+        for field in ("accepted_lengths", "output_tokens", "target_tokens"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))
+    lazy = VerifyInputs(None, padded.drafts, padded.sampling, rows=rows, row_index=index)
+    np.testing.assert_array_equal(lazy.argmax(), rows[index].argmax(axis=-1))
+    assert lazy._logits is None  # the argmax alone built no padded array
