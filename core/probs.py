@@ -33,8 +33,33 @@ _ARGMAX_TOP_TOKENS = 8
 
 
 def greedy_tokens(logits: np.ndarray) -> np.ndarray:
-    """``[B, R, V]`` logits -> ``[B, R]`` int64 argmax tokens."""
-    return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
+    """``[..., V]`` logits -> ``[...]`` int64 argmax tokens (ties to the lowest id).
+
+    A large array (a batch of 64 rows of a 49152-token vocabulary is 12.6 MB) is read at
+    memory speed by two threads, half the rows each (numpy's argmax releases the GIL): one
+    core alone reads it at about half the bandwidth the machine has."""
+    if logits.size < _PARALLEL_ARGMAX_ELEMENTS or logits.ndim < 2 or not logits.flags.c_contiguous:
+        return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
+    rows = logits.reshape(-1, logits.shape[-1])
+    half = len(rows) // 2
+    other = _argmax_pool().submit(np.argmax, rows[half:], axis=-1)
+    first = np.argmax(rows[:half], axis=-1)
+    return np.concatenate([first, other.result()]).astype(np.int64, copy=False).reshape(logits.shape[:-1])
+
+
+#: Logits from which :func:`greedy_tokens` splits the rows between two threads (a 4 MB array).
+_PARALLEL_ARGMAX_ELEMENTS = 1 << 20
+_POOL = None
+
+
+def _argmax_pool():
+    """The one extra thread of :func:`greedy_tokens` (started on first use)."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-argmax")
+    return _POOL
 
 
 def processed_probs(

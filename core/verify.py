@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 
 from .plugin import Plugin
+from .probs import greedy_tokens
 from .proposer import Drafts
 
 
@@ -103,9 +104,9 @@ class VerifyInputs:
         ``logits`` when the engine gave rows."""
         if self._argmax is None:
             if self._logits is None and self._rows is not None:
-                self._argmax = np.argmax(self._rows, axis=-1).astype(np.int64, copy=False)[self._row_index]
+                self._argmax = greedy_tokens(self._rows)[self._row_index]
             else:
-                self._argmax = np.argmax(self.logits, axis=-1).astype(np.int64, copy=False)
+                self._argmax = greedy_tokens(self.logits)
         return self._argmax
 
 

@@ -178,3 +178,19 @@ class TestTargetChoice:
 def test_top_tokens_best_first(count):
     logits = np.random.default_rng(count).standard_normal((3, 2, 100)).astype(np.float32)
     np.testing.assert_array_equal(top_tokens(logits, count), np.argsort(-logits, axis=-1)[..., :count])
+
+
+def test_greedy_tokens_of_a_large_batch_split_between_threads_equal_numpys_argmax():
+    """Above a million logits the rows are split between two threads: the same ids, ties to
+    the lowest, any shape."""
+    from specdec.probs import _PARALLEL_ARGMAX_ELEMENTS
+
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(33, 3, 16384)).astype(np.float32)
+    assert logits.size >= _PARALLEL_ARGMAX_ELEMENTS
+    logits[7, 1, [10, 900]] = 50.0  # a tie: the lower id wins
+    tokens = greedy_tokens(logits)
+    assert tokens.dtype == np.int64 and tokens.shape == (33, 3)
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    assert tokens[7, 1] == 10
+    np.testing.assert_array_equal(greedy_tokens(logits.reshape(99, 16384)), np.argmax(logits, axis=-1).reshape(99))
