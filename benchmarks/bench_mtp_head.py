@@ -2,11 +2,13 @@
 (catch-up, drafts, logits) timed around each call, beside a naive step.
 
     python benchmarks/bench_mtp_head.py [--tokens 128] [--prompts 6] [--rounds 2] [--quantizations none,wint8]
+                                        [--heads shipped,PATH]
 
 One process, one engine: request by request it alternates naive and ``{"method": "mtp"}`` with
-each head ``quantization`` (``none``: float32 eager paddle ops; ``wint8``, the default: the
-quantized kernels), so that load from other processes on a shared machine falls on all of them
-alike. Prints per configuration the median engine step, the median and mean ``propose`` time,
+each head (``shipped``: the one that ships for the default model; a path: a head of
+``specdec train-mtp``) and each head ``quantization`` (``none``: float32 eager paddle ops;
+``wint8``, the default: the quantized kernels), so that load from other processes on a shared
+machine falls on all of them alike. Prints per configuration the median engine step, the median and mean ``propose`` time,
 the acceptance rate, and checks every output equals naive's (greedy, lossless).
 """
 
@@ -28,12 +30,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6, help="chat prompts and code edits, two thirds chat")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quantizations", default="none,wint8")
+    parser.add_argument("--heads", default="shipped", help="comma-separated: shipped, or paths of heads")
     args = parser.parse_args()
 
     configs = {"naive": None}
-    for quantization in args.quantizations.split(","):
-        configs[f"mtp {quantization}"] = {"method": "mtp", "adaptive_draft_length": False,
-                                          "quantization": quantization}
+    heads = args.heads.split(",")
+    for head in heads:
+        for quantization in args.quantizations.split(","):
+            label = f"mtp {quantization}" if len(heads) == 1 else f"mtp {quantization} {head}"
+            configs[label] = {"method": "mtp", "adaptive_draft_length": False, "quantization": quantization,
+                              **({} if head == "shipped" else {"model": head})}
     llm = specdec.LLM(progress=False)
     engine = llm.engine
     engine.scheduler.max_num_seqs = 1
@@ -71,7 +77,7 @@ def main() -> None:
                 outputs[name] += llm.generate([prompt], sampling)
     for name in configs:
         same = [o.token_ids for o in outputs[name]] == [o.token_ids for o in outputs["naive"]]
-        line = f"{name:12s} step median {np.median(steps[name]) * 1e3:6.2f} ms"
+        line = f"{name:24s} step median {np.median(steps[name]) * 1e3:6.2f} ms"
         if proposes[name]:
             runs = outputs[name]
             accepted = sum(o.metrics.num_accepted_tokens for o in runs) / sum(o.metrics.num_draft_tokens for o in runs)
