@@ -35,9 +35,9 @@ _ARGMAX_TOP_TOKENS = 8
 def greedy_tokens(logits: np.ndarray) -> np.ndarray:
     """``[..., V]`` logits -> ``[...]`` int64 argmax tokens (ties to the lowest id).
 
-    A large array (a batch of 64 rows of a 49152-token vocabulary is 12.6 MB) is read at
-    memory speed by two threads, half the rows each (numpy's argmax releases the GIL): one
-    core alone reads it at about half the bandwidth the machine has."""
+    A large array (a batch of 64 rows of a 49152-token vocabulary is 12.6 MB) is read by two
+    threads, half the rows each (numpy's argmax releases the GIL): one core alone does not
+    reach the machine's memory bandwidth."""
     if logits.size < _PARALLEL_ARGMAX_ELEMENTS or logits.ndim < 2 or not logits.flags.c_contiguous:
         return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
     rows = logits.reshape(-1, logits.shape[-1])

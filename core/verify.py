@@ -100,8 +100,8 @@ class VerifyInputs:
 
     def argmax(self) -> np.ndarray:
         """``[B, k+1]`` int64: the argmax of every row of ``logits`` (ties to the lowest id, as
-        :func:`specdec.sdk.greedy_tokens`), computed once; from ``rows`` without building
-        ``logits`` when the engine gave rows."""
+        :func:`specdec.sdk.greedy_tokens`), computed once and shared (copy it before changing
+        it); from ``rows`` without building ``logits`` when the engine gave rows."""
         if self._argmax is None:
             if self._logits is None and self._rows is not None:
                 self._argmax = greedy_tokens(self._rows)[self._row_index]
