@@ -1,15 +1,19 @@
 """The ``mtp`` head's cost per step at batch 1 on the default model: the proposer's ``propose``
 (catch-up, drafts, logits) timed around each call, beside a naive step.
 
-    python benchmarks/bench_mtp_head.py [--tokens 128] [--prompts 6] [--rounds 2] [--quantizations none,wint8]
-                                        [--heads shipped,PATH]
+    python benchmarks/bench_mtp_head.py [--tokens 128] [--prompts 6] [--rounds 2] [--quantizations none,wint4]
+                                        [--heads shipped,PATH] [--phases]
 
 One process, one engine: request by request it alternates naive and ``{"method": "mtp"}`` with
 each head (``shipped``: the one that ships for the default model; a path: a head of
 ``specdec train-mtp``) and each head ``quantization`` (``none``: float32 eager paddle ops;
 ``wint8``, the default: the quantized kernels), so that load from other processes on a shared
 machine falls on all of them alike. Prints per configuration the median engine step, the median and mean ``propose`` time,
-the acceptance rate, and checks every output equals naive's (greedy, lossless).
+the acceptance rate, and checks every output equals naive's (greedy, lossless). ``--phases`` adds,
+per quantized head, the median time of each part of a ``propose`` call: the input call
+(embedding rows, both projections, the layer's q/k/v), the cache layer's ``prepare`` and
+attention, the layer's output with the LM head, and the rest (the proposer's Python, metadata,
+the argmax).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=6, help="chat prompts and code edits, two thirds chat")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--quantizations", default="none,wint8")
+    parser.add_argument("--quantizations", default="none,wint4")
     parser.add_argument("--heads", default="shipped", help="comma-separated: shipped, or paths of heads")
+    parser.add_argument("--phases", action="store_true", help="time the parts of each propose call")
     args = parser.parse_args()
 
     configs = {"naive": None}
@@ -48,6 +53,8 @@ def main() -> None:
     prompts = chat_prompts(chat) + code_edit_prompts(args.prompts - chat)
     steps = {name: [] for name in configs}
     proposes = {name: [] for name in configs}
+    phases = {name: {} for name in configs}  # name -> phase -> [seconds per propose call]
+    in_call: dict[str, float] = {}
     outputs = {name: [] for name in configs}
     current = [""]
     step = engine.step
@@ -65,11 +72,17 @@ def main() -> None:
                 llm.set_speculative_config(spec)
                 if spec is not None:
                     propose = engine.proposer.propose
+                    if args.phases:
+                        time_phases(engine.proposer.head, in_call)
 
                     def timed_propose(batch, propose=propose, name=name):
+                        in_call.clear()
                         start = time.perf_counter()
                         result = propose(batch)
                         proposes[name].append(time.perf_counter() - start)
+                        if args.phases:
+                            for label, _, _ in PHASES:
+                                phases[name].setdefault(label, []).append(in_call.get(label, 0.0))
                         return result
 
                     engine.proposer.propose = timed_propose
@@ -85,6 +98,61 @@ def main() -> None:
                      f"{np.mean(proposes[name]) * 1e3:.3f} ms ({len(proposes[name])} steps)  acceptance {accepted:.3f}"
                      f"  equals naive: {'yes' if same else 'NO'}")
         print(line, flush=True)
+    if args.phases:
+        print_phases(configs, proposes, phases)
+
+
+#: The head's parts timed by --phases: (label, object path from the head, method).
+PHASES = (("input: embedding, projections, q/k/v", "input", "__call__"),
+          ("cache layer prepare", "cache", "prepare"),
+          ("attention", "cache", "forward"),
+          ("layer output + LM head", "layer", "output"))
+
+
+def time_phases(head, in_call: dict) -> None:
+    """Wrap the head's native calls so that each adds its time to ``in_call`` (once per head)."""
+    if head.layer is None or getattr(head, "_phases_timed", False):
+        return  # the float path has no such calls
+    head._phases_timed = True
+    for label, owner, method in PHASES:
+        target = getattr(head, owner)
+        original = getattr(target, method)
+
+        def timed(*a, original=original, label=label, **k):
+            start = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                in_call[label] = in_call.get(label, 0.0) + time.perf_counter() - start
+
+        if method == "__call__":  # a call of the instance itself: wrap it through the head
+            head.input = _Called(target, timed)
+        else:
+            setattr(target, method, timed)
+
+
+class _Called:
+    """An object whose call goes through ``timed`` (attributes from the wrapped one)."""
+
+    def __init__(self, wrapped, timed):
+        self._wrapped, self._timed = wrapped, timed
+
+    def __call__(self, *a, **k):
+        return self._timed(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+
+def print_phases(configs, proposes, phases) -> None:
+    """Median ms of each phase per propose call, and of the rest (propose minus the phases)."""
+    names = [name for name in configs if phases[name]]
+    print("\nphase (median ms per propose call)".ljust(44) + "".join(f"{n:>14s}" for n in names))
+    for label, _, _ in PHASES:
+        print(f"{label:44s}" + "".join(f"{np.median(phases[n][label]) * 1e3:14.3f}" for n in names))
+    rest = {n: np.array(proposes[n]) - sum(np.array(phases[n][label]) for label, _, _ in PHASES) for n in names}
+    print(f"{'the rest (Python, metadata, argmax)':44s}" + "".join(f"{np.median(rest[n]) * 1e3:14.3f}" for n in names))
+    print(f"{'whole propose call':44s}" + "".join(f"{np.median(proposes[n]) * 1e3:14.3f}" for n in names))
 
 
 if __name__ == "__main__":

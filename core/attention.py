@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import attrs
@@ -29,11 +30,10 @@ class AttentionMetadata:
         ``block_size``-position pages (padding entries are 0 and never read).
     :ivar block_size: positions per cache block.
     :ivar cu_seqlens_q: ``[B + 1]`` int32 offsets of each request's rows in the packed array.
-    :ivar cu_seqlens_k: ``[B + 1]`` int32 offsets of each request's keys (context + new rows).
-    :ivar positions: ``[T]`` int64, each row's position in its own sequence.
-    :ivar batch_ids: ``[T]`` int32, the request of each row.
-    :ivar slot_mapping: ``[T]`` int64, where each row's key/value goes:
-        ``block * block_size + offset``.
+
+    The row-level arrays (:attr:`cu_seqlens_k`, :attr:`positions`, :attr:`batch_ids`,
+    :attr:`slot_mapping`) are computed on first read: a backend that does not read them (the
+    ``cpu`` one) does not pay for them, a few us a step each.
     """
 
     query_lens: np.ndarray
@@ -41,16 +41,12 @@ class AttentionMetadata:
     block_tables: np.ndarray
     block_size: int
     cu_seqlens_q: np.ndarray
-    cu_seqlens_k: np.ndarray
-    positions: np.ndarray
-    batch_ids: np.ndarray
-    slot_mapping: np.ndarray
 
     @classmethod
     def build(cls, query_lens, context_lens, block_tables, block_size: int) -> "AttentionMetadata":
-        """Derive the row-level arrays from the per-request ones (no per-row Python loop).
-        ``block_tables`` is one ``[B, max_blocks]`` array, or one table per request of any
-        lengths (padded here with block 0, never read past a request's own rows)."""
+        """From the per-request arrays (the row-level ones follow on first read, with no per-row
+        Python loop). ``block_tables`` is one ``[B, max_blocks]`` array, or one table per
+        request of any lengths (padded here with block 0, never read past a request's own rows)."""
         query_lens = np.asarray(query_lens, dtype=np.int32)
         context_lens = np.asarray(context_lens, dtype=np.int32)
         if isinstance(block_tables, (list, tuple)) and len({len(t) for t in block_tables}) > 1:
@@ -58,15 +54,32 @@ class AttentionMetadata:
         block_tables = np.asarray(block_tables, dtype=np.int32).reshape(len(query_lens), -1)
         cu_q = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu_q[1:])
-        cu_k = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(context_lens + query_lens, out=cu_k[1:])
-        batch_ids = np.repeat(np.arange(len(query_lens), dtype=np.int32), query_lens)
-        rows = np.arange(int(cu_q[-1]), dtype=np.int64)
-        positions = rows - cu_q[batch_ids] + context_lens[batch_ids]
-        blocks = block_tables[batch_ids, positions // block_size].astype(np.int64)
         return cls(query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
-                   block_size=block_size, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, positions=positions,
-                   batch_ids=batch_ids, slot_mapping=blocks * block_size + positions % block_size)
+                   block_size=block_size, cu_seqlens_q=cu_q)
+
+    @functools.cached_property
+    def cu_seqlens_k(self) -> np.ndarray:
+        """``[B + 1]`` int32 offsets of each request's keys (context + new rows)."""
+        cu_k = np.zeros(len(self.query_lens) + 1, dtype=np.int32)
+        np.cumsum(self.context_lens + self.query_lens, out=cu_k[1:])
+        return cu_k
+
+    @functools.cached_property
+    def batch_ids(self) -> np.ndarray:
+        """``[T]`` int32, the request of each row."""
+        return np.repeat(np.arange(len(self.query_lens), dtype=np.int32), self.query_lens)
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """``[T]`` int64, each row's position in its own sequence."""
+        rows = np.arange(self.num_rows, dtype=np.int64)
+        return rows - self.cu_seqlens_q[self.batch_ids] + self.context_lens[self.batch_ids]
+
+    @functools.cached_property
+    def slot_mapping(self) -> np.ndarray:
+        """``[T]`` int64, where each row's key/value goes: ``block * block_size + offset``."""
+        blocks = self.block_tables[self.batch_ids, self.positions // self.block_size].astype(np.int64)
+        return blocks * self.block_size + self.positions % self.block_size
 
     @property
     def num_requests(self) -> int:

@@ -54,6 +54,11 @@ class TargetModel:
         """``[n, H]`` embeddings of ``token_ids`` (``[n]`` int64)."""
         return self._model.embed_tokens(token_ids)
 
+    def _quantized_embedding(self):
+        """``(data, layout)``: the embedding table as the CPU kernels read it, or None when the
+        target is not on the quantized kernels (for :class:`specdec.sdk.QuantizedDraftInput`)."""
+        return getattr(getattr(self._model, "weights", None), "embedding_blocks", None)
+
     def logits(self, hidden_states):
         """``[n, V]`` logits of last-layer hidden states ``[n, H]`` (before the final norm),
         computed exactly as the target computes its own: the final RMSNorm, then the LM head."""

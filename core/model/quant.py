@@ -226,6 +226,17 @@ class QuantizedLinear:
             np.ascontiguousarray(np.asarray(norm_gain), dtype=np.float32))
         self.eps = float(eps) if self._normalize else 0.0
 
+    @property
+    def normalizes(self) -> bool:
+        """Whether the call normalizes its input (built with a ``norm_gain``)."""
+        return self._normalize
+
+    @property
+    def operands(self) -> tuple:
+        """``(gain, data, layout)``: the kernel operands, for the fused calls of
+        :class:`specdec.model.quant_layer.QuantizedDecoderLayer` that end with this projection."""
+        return self._gain, self._data, self._layout
+
     def __call__(self, x):
         """``[M, in]`` float32 paddle tensor -> ``[M, out]``."""
         return self._ops.specdec_q_matmul(x, self._gain, self._data, self._layout, self._none, self.eps,

@@ -1,7 +1,8 @@
 """One decoder layer on the quantized CPU kernels, in two native calls: the code the target's
 quantized path (:class:`specdec.model.quant_weights.QuantizedWeights`) runs per layer, and
 :class:`QuantizedDecoderLayer`, the same for a plugin's own layer (an MTP head, an EAGLE or
-draft layer), exported as ``specdec.sdk.QuantizedDecoderLayer``.
+draft layer), exported as ``specdec.sdk.QuantizedDecoderLayer``, with
+:class:`QuantizedDraftInput`, a one-layer draft head's input in one call.
 
 A layer is a dict of kernel operands (:func:`build_layer`):
 
@@ -128,7 +129,79 @@ class QuantizedDecoderLayer:
         takes them: before RoPE, queries pre-scaled by ``1/sqrt(head_dim)``, biases added."""
         return attention_input(self._ops, self._layer, x, self.eps)
 
-    def output(self, attn, x):
+    def output(self, attn, x, *, head=None, rows=None):
         """``[T, H]``: the layer's output from the attention backend's output ``attn``
-        ``[T, num_heads * head_dim]`` and the layer's input ``x`` ``[T, H]``."""
-        return layer_output(self._ops, self._layer, attn, x, self.eps)
+        ``[T, num_heads * head_dim]`` and the layer's input ``x`` ``[T, H]``.
+
+        With ``head`` (a :class:`~specdec.model.quant.QuantizedLinear` built with a
+        ``norm_gain``: a draft head's final norm and LM head) returns ``(output, logits)``,
+        ``logits`` being ``head`` over the output's rows ``rows`` (a sequence of row indices;
+        every row when None), in the same native call: a one-layer head's forward and its
+        logits then cost two calls around the attention, not four. Pass only the rows that
+        draft (a catch-up over a prompt needs none of its other rows' logits)."""
+        if head is None:
+            return layer_output(self._ops, self._layer, attn, x, self.eps)
+        if not head.normalizes:
+            from specdec.errors import SpecdecError
+
+            raise SpecdecError("QuantizedDecoderLayer.output: head must be a QuantizedLinear with a norm_gain")
+        picked = list(range(int(x.shape[0]))) if rows is None else [int(r) for r in rows]
+        o, mlp, gate_up, down = self._layer["o"], self._layer["mlp_gain"], self._layer["gate_up"], self._layer["down"]
+        return self._ops.specdec_q_layer_tail_head(attn, x, *o, mlp, *gate_up, *down, *head.operands, picked, self.eps)
+
+
+class QuantizedDraftInput:
+    """The input of a one-layer draft head and its first layer's q/k/v, in one native call:
+    ``x = embed_proj(n_e(embed(t))) + hidden_proj(n_h(h))``, then
+    ``layer.attention_input(x)``, where ``embed(t)`` are the target's embeddings of the tokens
+    (read from its quantized table inside the call when the target is quantized) and ``n_e``,
+    ``n_h`` RMSNorms with their gains. It is DeepSeek-V3's MTP input (``eh_proj`` over
+    ``[enorm(embedding); hnorm(hidden)]``, split into its two halves) and EAGLE-1/2's (``fc``
+    over ``[embedding; feature]``, no norms: gains None). Exported as
+    ``specdec.sdk.QuantizedDraftInput``.
+
+    Written out, the same forward costs an embedding lookup, two projections, an add and the
+    attention input: five paddle dispatches of 20-60 us each on a CPU, more than the head's
+    arithmetic at batch 1. The result is the same, bit for bit.
+
+    :param target: ``context.target`` (:class:`specdec.TargetModel`).
+    :param embed_proj: ``[H, E]`` float weight over the embedding (``E`` the target's hidden size).
+    :param hidden_proj: ``[H, Hh]`` float weight over the hidden state.
+    :param method: ``wint8`` or ``wint4``, as :class:`QuantizedDecoderLayer`.
+    :param embed_gain: ``[E]`` RMSNorm gain of the embedding, or None for no norm.
+    :param hidden_gain: ``[Hh]`` RMSNorm gain of the hidden state, or None for no norm.
+    :param eps: the norms' epsilon.
+    """
+
+    def __init__(self, target, embed_proj: np.ndarray, hidden_proj: np.ndarray, method: str = "wint8", *,
+                 embed_gain=None, hidden_gain=None, eps: float = 1e-6):
+        from specdec.errors import require_paddle
+
+        from .quant import QuantizedLinear
+
+        paddle = require_paddle()
+        self._ops = load_quantized_ops(method)
+        self._target = target
+        self._embed = QuantizedLinear(np.asarray(embed_proj, np.float32), method, norm_gain=embed_gain, eps=eps)
+        self._hidden = QuantizedLinear(np.asarray(hidden_proj, np.float32), method, norm_gain=hidden_gain, eps=eps)
+        self.eps = float(eps)
+        #: The target's quantized embedding table ``(data, layout)``, None for a float target
+        #: (whose embeddings then come from ``target.embed``, one call more).
+        self._table = target._quantized_embedding()
+        self._empty = paddle.empty([0], dtype="float32")
+        self._no_table = paddle.empty([0], dtype="uint8"), paddle.empty([0, 4], dtype="int64")
+
+    def __call__(self, token_ids: np.ndarray, hidden, layer: QuantizedDecoderLayer):
+        """``(x, qkv)`` for ``token_ids`` ``[T]`` and the hidden states ``hidden`` ``[T, Hh]``
+        (float32 paddle tensor): ``x`` ``[T, H]`` is the layer's input (its residual), ``qkv``
+        what ``layer.attention_input(x)`` returns."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if self._table is None:
+            embeds, (data, layout), listed = self._target.embed(ids), self._no_table, []
+        else:
+            embeds, (data, layout), listed = self._empty, self._table, ids.tolist()
+        operands = layer._layer
+        return self._ops.specdec_q_draft_input(
+            embeds, data, layout, hidden, *self._embed.operands, *self._hidden.operands, operands["attn_gain"],
+            *operands["qkv"], operands["qkv_epilogue"], listed, self._embed.in_features, self.eps,
+            self._embed.normalizes, self._hidden.normalizes)

@@ -1,4 +1,6 @@
-"""Float weights packed into the panels the CPU float kernels stream (``specdec_cpu_ops.cc``).
+"""What the CPU kernels of ``specdec_cpu_ops.cc`` read, packed: float weights as the panels the
+float kernels stream, and a step's attention metadata as the one array the paged attention
+kernel takes.
 
 The model packs its production weights with these at load time; the numpy twins in
 :mod:`specdec.kernels.cpu.reference` read the same panels back.
@@ -30,3 +32,17 @@ def pack_gate_up_panels(gate_in_out: np.ndarray, up_in_out: np.ndarray, dtype=np
     gate = gate_in_out.reshape(k, inner // 8, 8)
     up = up_in_out.reshape(k, inner // 8, 8)
     return np.ascontiguousarray(np.concatenate([gate, up], axis=2).transpose(1, 0, 2), dtype=dtype)
+
+
+def pack_attention_metadata(block_tables: np.ndarray, cu_seqlens_q: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
+    """``[B, 2 + max_blocks]`` int32 for ``specdec_paged_attention``: per request its first
+    packed row (``cu_seqlens_q[b]``), its context length, then its block table (the row count
+    ``cu_seqlens_q[B]`` is the kernel's ``qkv`` row count). One array, so that a step copies its
+    metadata to the kernel once rather than three times (each copy costs a paddle dispatch)."""
+    tables = np.asarray(block_tables, dtype=np.int32)
+    cu = np.asarray(cu_seqlens_q, dtype=np.int32)
+    out = np.empty((tables.shape[0], 2 + tables.shape[1]), dtype=np.int32)
+    out[:, 0] = cu[:-1]
+    out[:, 1] = context_lens
+    out[:, 2:] = tables
+    return out

@@ -168,3 +168,19 @@ def q_layer_tail_qkv(attn, x, wo, lo, gain, wgu, lgu, wd, ld, next_gain, wqkv, l
     """:func:`q_layer_tail`, then the next layer's attention input over its output."""
     out = q_layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps)
     return out, q_matmul(out, next_gain, wqkv, lqkv, epilogue, eps, True)
+
+
+def q_draft_input(embeds, table, table_layout, hidden, embed_gain, we, le, hidden_gain, wh, lh, attn_gain, wqkv,
+                  lqkv, epilogue, ids, embed_cols, eps, normalize_embed, normalize_hidden):
+    """A draft head's input ``x`` (the two projections summed) and its layer's q/k/v (see the
+    kernel): the embeddings are rows ``ids`` of ``table`` when it is not empty, else ``embeds``."""
+    e = q_embedding(ids, table, table_layout, embed_cols) if np.size(table) else embeds
+    x = (q_matmul(e, embed_gain, we, le, [], eps, normalize_embed).astype(np.float64)
+         + q_matmul(hidden, hidden_gain, wh, lh, [], eps, normalize_hidden)).astype(np.float32)
+    return x, q_matmul(x, attn_gain, wqkv, lqkv, epilogue, eps, True)
+
+
+def q_layer_tail_head(attn, x, wo, lo, gain, wgu, lgu, wd, ld, head_gain, wh, lh, rows, eps):
+    """:func:`q_layer_tail`, then a normalized projection of its output's ``rows``."""
+    out = q_layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps)
+    return out, q_matmul(out[np.asarray(rows, dtype=np.int64)], head_gain, wh, lh, [], eps, True)

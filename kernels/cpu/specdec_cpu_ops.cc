@@ -454,25 +454,39 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   });
 }
 
+// `meta` int32 [B, 2 + max_blocks]: per request its first packed row (cu_seqlens_q[b]), its
+// context length, then its block table (specdec.kernels.cpu.packing.pack_attention_metadata):
+// one tensor for the metadata, so that a step makes one host copy of it rather than three.
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
                                            const paddle::Tensor& cos, const paddle::Tensor& sin,
-                                           const paddle::Tensor& block_tables, const paddle::Tensor& cu_seqlens_q,
-                                           const paddle::Tensor& context_lens, int64_t heads, int64_t kv_heads) {
+                                           const paddle::Tensor& meta, int64_t heads, int64_t kv_heads) {
   const int64_t T = qkv.shape()[0];
-  const int64_t B = context_lens.shape()[0];
+  PD_CHECK(meta.dtype() == paddle::DataType::INT32 && meta.shape().size() == 2 && meta.shape()[1] >= 2,
+           "paged_attention: metadata must be int32 [B, 2 + max_blocks]");
+  const int64_t B = meta.shape()[0];
   const int64_t num_blocks = cache.shape()[0];
   const int64_t bs = cache.shape()[2];
   const int64_t D = cache.shape()[3];
-  const int64_t max_blocks = block_tables.shape()[1];
+  const int64_t max_blocks = meta.shape()[1] - 2;
   const int64_t width = (heads + 2 * kv_heads) * D;
   PD_CHECK(qkv.numel() == T * width, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
   PD_CHECK(cache.shape()[1] == 2 * kv_heads, "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
   PD_CHECK(bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
-  PD_CHECK(block_tables.shape()[0] == B && cu_seqlens_q.shape()[0] == B + 1, "paged_attention: metadata shapes");
-  const int32_t* tables = block_tables.data<int32_t>();
-  const int32_t* cu = cu_seqlens_q.data<int32_t>();
-  const int32_t* ctx = context_lens.data<int32_t>();
-  PD_CHECK(cu[B] == T, "paged_attention: cu_seqlens_q must end at the row count");
+  std::vector<int32_t> table_data(B * max_blocks), cu_data(B + 1), ctx_data(B);
+  const int32_t* packed = meta.data<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* row = packed + b * (2 + max_blocks);
+    cu_data[b] = row[0];
+    ctx_data[b] = row[1];
+    std::copy_n(row + 2, max_blocks, table_data.data() + b * max_blocks);
+  }
+  cu_data[B] = static_cast<int32_t>(T);
+  const int32_t* tables = table_data.data();
+  const int32_t* cu = cu_data.data();
+  const int32_t* ctx = ctx_data.data();
+  PD_CHECK(cu[0] == 0, "paged_attention: the first request's rows must start at row 0");
+  for (int64_t b = 0; b < B; ++b)
+    PD_CHECK(cu[b] <= cu[b + 1] && ctx[b] >= 0, "paged_attention: rows must be in request order");
   for (int64_t b = 0; b < B; ++b) {
     const int64_t end = ctx[b] + cu[b + 1] - cu[b];
     PD_CHECK(end <= max_blocks * bs, "paged_attention: positions exceed the block table");
@@ -525,7 +539,7 @@ PD_BUILD_OP(specdec_rms_norm)
     .SetKernelFn(PD_KERNEL(RmsNorm));
 
 PD_BUILD_OP(specdec_paged_attention)
-    .Inputs({"QKV", "Cache", "Cos", "Sin", "BlockTables", "CuSeqlensQ", "ContextLens"})
+    .Inputs({"QKV", "Cache", "Cos", "Sin", "Meta"})
     .Outputs({"Out"})
     .Attrs({"heads: int64_t", "kv_heads: int64_t"})
     .SetKernelFn(PD_KERNEL(PagedAttention));

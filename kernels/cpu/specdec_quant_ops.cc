@@ -583,21 +583,106 @@ std::vector<paddle::Tensor> QLayerTailQkv(const paddle::Tensor& attn, const padd
   return {out, q_matmul(out, next_gain, wqkv, lqkv, epilogue, eps, true)};
 }
 
+namespace {
+
+// Rows id[0..T) of a quantized table, dequantized into out [T, cols].
+void embed_rows(const QuantWeight& table, const int64_t* id, int64_t T, int64_t cols, float* out, const char* what) {
+  for (int64_t t = 0; t < T; ++t) {
+    PD_CHECK(id[t] >= 0 && id[t] < table.rows, what, ": token id out of range");
+    for (const WeightSegment& seg : table.segments)
+      if (id[t] >= seg.first_row && id[t] < seg.first_row + seg.rows)
+        dequantize_row(seg, id[t] - seg.first_row, cols, out + t * cols);
+  }
+}
+
+}  // namespace
+
 std::vector<paddle::Tensor> QEmbedding(const paddle::Tensor& ids, const paddle::Tensor& w, const paddle::Tensor& layout,
                                        int64_t cols) {
   PD_CHECK(ids.dtype() == paddle::DataType::INT64, "q_embedding: ids must be int64");
   const QuantWeight table = parse_weight(w, layout, cols, "q_embedding");
   const int64_t T = ids.numel();
-  const int64_t* id = ids.data<int64_t>();
   auto out = paddle::empty({T, cols}, paddle::DataType::FLOAT32, w.place());
-  float* o = out.data<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    PD_CHECK(id[t] >= 0 && id[t] < table.rows, "q_embedding: token id out of range");
-    for (const WeightSegment& seg : table.segments)
-      if (id[t] >= seg.first_row && id[t] < seg.first_row + seg.rows)
-        dequantize_row(seg, id[t] - seg.first_row, cols, o + t * cols);
-  }
+  embed_rows(table, ids.data<int64_t>(), T, cols, out.data<float>(), "q_embedding");
   return {out};
+}
+
+// The input of a one-layer draft head and its layer's q/k/v, in one call (one paddle dispatch
+// instead of five): x = We . n_e(e) + Wh . n_h(hidden), where e is rows `ids` of the quantized
+// `table` (E = embed_cols; or `embeds` [T, E] when the table is empty) and n_e, n_h are RMSNorms with their
+// gains (when normalize_embed / normalize_hidden; an empty gain is 1); then qkv as q_matmul
+// with attn_gain and the epilogue. The same float operations as those calls made one by one.
+std::vector<paddle::Tensor> QDraftInput(const paddle::Tensor& embeds, const paddle::Tensor& table,
+                                        const paddle::Tensor& table_layout, const paddle::Tensor& hidden,
+                                        const paddle::Tensor& embed_gain, const paddle::Tensor& we,
+                                        const paddle::Tensor& le, const paddle::Tensor& hidden_gain,
+                                        const paddle::Tensor& wh, const paddle::Tensor& lh,
+                                        const paddle::Tensor& attn_gain, const paddle::Tensor& wqkv,
+                                        const paddle::Tensor& lqkv, const paddle::Tensor& epilogue,
+                                        const std::vector<int64_t>& ids, int64_t embed_cols, float eps,
+                                        bool normalize_embed, bool normalize_hidden) {
+  check_rows(hidden, "q_draft_input: hidden");
+  const int64_t T = hidden.shape()[0], Hh = hidden.shape()[1];
+  std::vector<float> gathered;
+  const float* e = nullptr;
+  int64_t E = 0;
+  if (table.numel() > 0) {
+    PD_CHECK(static_cast<int64_t>(ids.size()) == T, "q_draft_input: one id per hidden row");
+    E = embed_cols;
+    const QuantWeight t = parse_weight(table, table_layout, E, "q_draft_input: table");
+    gathered.resize(T * E);
+    embed_rows(t, ids.data(), T, E, gathered.data(), "q_draft_input");
+    e = gathered.data();
+  } else {
+    check_rows(embeds, "q_draft_input: embeds");
+    PD_CHECK(embeds.shape()[0] == T, "q_draft_input: embeds and hidden rows differ");
+    E = embeds.shape()[1];
+    e = embeds.data<float>();
+  }
+  const QuantWeight embed_proj = parse_weight(we, le, E, "q_draft_input: embed_proj");
+  const QuantWeight hidden_proj = parse_weight(wh, lh, Hh, "q_draft_input: hidden_proj");
+  PD_CHECK(embed_proj.rows == hidden_proj.rows, "q_draft_input: the projections' outputs differ");
+  const int64_t H = embed_proj.rows;
+  auto projected = [&](const float* in, int64_t K, bool normalize, const paddle::Tensor& gain, const QuantWeight& w,
+                       const Epilogue& epi, float* out) {
+    if (normalize && gain.numel() > 0) PD_CHECK(gain.numel() == K, "q_draft_input: a gain's size");
+    if (!normalize) return matmul(in, T, K, w, epi, out);
+    const std::vector<float> h = normalized(in, T, K, gain.numel() > 0 ? gain.data<float>() : nullptr, eps);
+    matmul(h.data(), T, K, w, epi, out);
+  };
+  std::vector<float> from_embeds(T * H);
+  projected(e, E, normalize_embed, embed_gain, embed_proj, Epilogue{}, from_embeds.data());
+  auto x = paddle::empty({T, H}, paddle::DataType::FLOAT32, hidden.place());
+  Epilogue sum;  // the hidden projection plus the embeddings' one: the add of the separate calls
+  sum.residual = from_embeds.data();
+  projected(hidden.data<float>(), Hh, normalize_hidden, hidden_gain, hidden_proj, sum, x.data<float>());
+  return {x, q_matmul(x, attn_gain, wqkv, lqkv, epilogue, eps, true)};
+}
+
+// A decoder layer's tail (q_layer_tail) and a normalized projection of some of its output rows
+// (a draft head's final norm and LM head over the rows that draft), in one call: returns the
+// layer's output [T, H] and rms_norm(out[rows]) * head_gain @ W^T, [len(rows), N].
+std::vector<paddle::Tensor> QLayerTailHead(const paddle::Tensor& attn, const paddle::Tensor& x,
+                                           const paddle::Tensor& wo, const paddle::Tensor& lo,
+                                           const paddle::Tensor& gain, const paddle::Tensor& wgu,
+                                           const paddle::Tensor& lgu, const paddle::Tensor& wd,
+                                           const paddle::Tensor& ld, const paddle::Tensor& head_gain,
+                                           const paddle::Tensor& wh, const paddle::Tensor& lh,
+                                           const std::vector<int64_t>& rows, float eps) {
+  auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps, out.data<float>());
+  const int64_t T = x.shape()[0], H = x.shape()[1], R = static_cast<int64_t>(rows.size());
+  const QuantWeight head = parse_weight(wh, lh, H, "q_layer_tail_head: head");
+  if (head_gain.numel() > 0) PD_CHECK(head_gain.numel() == H, "q_layer_tail_head: head_gain must be [H]");
+  std::vector<float> picked(R * H);
+  for (int64_t r = 0; r < R; ++r) {
+    PD_CHECK(rows[r] >= 0 && rows[r] < T, "q_layer_tail_head: row out of range");
+    std::copy_n(out.data<float>() + rows[r] * H, H, picked.data() + r * H);
+  }
+  const std::vector<float> h = normalized(picked.data(), R, H, head_gain.numel() > 0 ? head_gain.data<float>() : nullptr, eps);
+  auto logits = paddle::empty({R, head.rows}, paddle::DataType::FLOAT32, x.place());
+  matmul(h.data(), R, H, head, Epilogue{}, logits.data<float>());
+  return {out, logits};
 }
 
 PD_BUILD_OP(specdec_q_matmul)
@@ -617,6 +702,20 @@ PD_BUILD_OP(specdec_q_layer_tail_qkv)
     .Outputs({"Out", "Qkv"})
     .Attrs({"eps: float"})
     .SetKernelFn(PD_KERNEL(QLayerTailQkv));
+
+PD_BUILD_OP(specdec_q_draft_input)
+    .Inputs({"Embeds", "Table", "TableLayout", "Hidden", "EmbedGain", "We", "Le", "HiddenGain", "Wh", "Lh", "AttnGain",
+             "Wqkv", "Lqkv", "Epilogue"})
+    .Outputs({"X", "Qkv"})
+    .Attrs({"ids: std::vector<int64_t>", "embed_cols: int64_t", "eps: float", "normalize_embed: bool",
+            "normalize_hidden: bool"})
+    .SetKernelFn(PD_KERNEL(QDraftInput));
+
+PD_BUILD_OP(specdec_q_layer_tail_head)
+    .Inputs({"Attn", "X", "Wo", "Lo", "Gain", "Wgu", "Lgu", "Wd", "Ld", "HeadGain", "Wh", "Lh"})
+    .Outputs({"Out", "Logits"})
+    .Attrs({"rows: std::vector<int64_t>", "eps: float"})
+    .SetKernelFn(PD_KERNEL(QLayerTailHead));
 
 PD_BUILD_OP(specdec_q_embedding)
     .Inputs({"Ids", "W", "Layout"})

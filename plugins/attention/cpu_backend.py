@@ -11,7 +11,8 @@ from __future__ import annotations
 
 
 import specdec
-from specdec.sdk import AttentionMetadata, KernelUnavailable, SpecdecError, load_cpu_ops, require_paddle
+from specdec.sdk import (AttentionMetadata, KernelUnavailable, SpecdecError, load_cpu_ops, pack_attention_metadata,
+                         require_paddle)
 
 
 class CpuAttention(specdec.AttentionBackend):
@@ -46,15 +47,12 @@ class CpuAttention(specdec.AttentionBackend):
         self._import_leading_blocks(self._caches, block_ids, data)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        p = self.paddle
-        self._tables = p.to_tensor(meta.block_tables)
-        self._cu_q = p.to_tensor(meta.cu_seqlens_q)
-        self._context = p.to_tensor(meta.context_lens)
+        self._meta = self.paddle.to_tensor(pack_attention_metadata(meta.block_tables, meta.cu_seqlens_q,
+                                                                   meta.context_lens))
 
     def forward(self, layer, qkv, meta: AttentionMetadata):
-        return self.ops.specdec_paged_attention(
-            qkv, self._caches[layer], self._cos_table, self._sin_table, self._tables, self._cu_q,
-            self._context, self.num_heads, self.num_kv_heads)
+        return self.ops.specdec_paged_attention(qkv, self._caches[layer], self._cos_table, self._sin_table,
+                                                self._meta, self.num_heads, self.num_kv_heads)
 
 
 @specdec.hookimpl

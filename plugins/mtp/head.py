@@ -1,8 +1,9 @@
 """One MTP layer: ``h' = proj([enorm(embed(t)); hnorm(h)])``, a decoder layer whose attention
 runs over the proposer's cache layer, then the LM head; on the quantized CPU kernels through the
-public SDK (``QuantizedLinear``, ``QuantizedDecoderLayer``: with the target's embedding and the
-cache layer's attention, seven kernel calls and one add for a forward and its logits), or in
-float32 eager paddle ops.
+public SDK (``QuantizedDraftInput``, ``QuantizedDecoderLayer``, ``QuantizedLinear``: three
+native calls for a forward and its logits, the input with the layer's q/k/v, the cache layer's
+attention, the layer's output with the LM head over the rows that draft), or in float32 eager
+paddle ops.
 
 The row at position ``p`` is built from the hidden state at ``p - 1`` and the token at ``p``
 (so it depends on tokens ``0 .. p`` only, as the shared prefix blocks require); its output
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from specdec.sdk import AttentionMetadata, QuantizedDecoderLayer, QuantizedLinear, require_paddle
+from specdec.sdk import AttentionMetadata, QuantizedDecoderLayer, QuantizedDraftInput, QuantizedLinear, require_paddle
 
 from .weights import MtpLayerWeights
 
@@ -24,12 +25,12 @@ class MtpHead:
     """The layer's weights and its forward, on one of two paths:
 
     - ``quantization`` ``wint8`` or ``wint4`` (what the ``mtp`` proposer runs, ``wint8`` unless
-      its config says otherwise): the engine's fast path, a handful of native calls per forward.
-      ``embed_proj``/``hidden_proj`` are :class:`specdec.sdk.QuantizedLinear` with the
-      ``enorm``/``hnorm`` gains (RMSNorm and projection in one call each), the decoder layer a
-      :class:`specdec.sdk.QuantizedDecoderLayer` (its attention input and its output, one call
-      each, around the cache layer's ``forward``), and the LM head one ``QuantizedLinear`` with
-      the final norm's gain (over the draft vocabulary when the head has one).
+      its config says otherwise): the engine's fast path, three native calls per forward.
+      ``input`` is a :class:`specdec.sdk.QuantizedDraftInput` (the target's embedding rows,
+      ``enorm``/``hnorm``, both projections, their sum and the layer's q/k/v in one call), the
+      decoder layer a :class:`specdec.sdk.QuantizedDecoderLayer` whose ``output`` also runs the
+      LM head (a ``QuantizedLinear`` with the final norm's gain, over the draft vocabulary when
+      the head has one) on the rows that draft, in the same call.
     - ``quantization`` None: float32, eager paddle ops (``[in, out]`` tensors): the reference
       the training code is checked against (``tests/e2e/test_mtp_chained_training.py``).
     """
@@ -95,10 +96,8 @@ class MtpHead:
     def _init_quantized(self, weights: MtpLayerWeights, method: str) -> None:
         """The fast path's matrices, quantized with ``method`` (see the class docstring)."""
         c, eps = self, self.eps
-        self.embed_proj = QuantizedLinear(np.asarray(weights.embed_proj, np.float32), method,
-                                          norm_gain=weights.enorm, eps=eps)
-        self.hidden_proj = QuantizedLinear(np.asarray(weights.hidden_proj, np.float32), method,
-                                           norm_gain=weights.hnorm, eps=eps)
+        self.input = QuantizedDraftInput(self.target, weights.embed_proj, weights.hidden_proj, method,
+                                         embed_gain=weights.enorm, hidden_gain=weights.hnorm, eps=eps)
         self.layer = QuantizedDecoderLayer(weights.decoder, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                            head_dim=c.head_dim, eps=eps, method=method)
         #: The LM head with its final norm in one call: the head's own final norm, else the
@@ -118,27 +117,31 @@ class MtpHead:
         x = x * p.rsqrt(p.mean(x * x, axis=-1, keepdim=True) + self.eps)
         return x if gain is None else x * gain
 
-    def forward(self, token_ids: np.ndarray, hidden, meta: AttentionMetadata):
+    def forward(self, token_ids: np.ndarray, hidden, meta: AttentionMetadata, logit_rows=None):
         """Rows for ``token_ids`` ``[T]`` with the previous positions' hidden states ``[T, H]``
         at the positions ``meta`` gives (their keys and values go to the cache layer); returns
-        the layer's output ``[T, H]`` (before any final norm)."""
+        the layer's output ``[T, H]`` (before any final norm) and the :meth:`logits` of its rows
+        ``logit_rows`` (indices into the ``T`` rows; None: no logits): ``(output, logits)``."""
         p = self.paddle
         with p.no_grad():
-            embeds = self.target.embed(token_ids)
             if self.layer is not None:
-                x = self.embed_proj(embeds) + self.hidden_proj(hidden)
-                qkv = self.layer.attention_input(x)
+                x, qkv = self.input(token_ids, hidden, self.layer)
                 self.cache.prepare(meta)
-                return self.layer.output(self.cache.forward(self.layer_index, qkv, meta), x)
-            x = self.embed_proj(self._rms(embeds, self.enorm)) + self.hidden_proj(self._rms(hidden, self.hnorm))
-            qkv = self.qkv(self._rms(x, self.attn_norm))
-            if self.qkv_bias is not None:
-                qkv = qkv + self.qkv_bias
-            self.cache.prepare(meta)
-            x = x + self.o(self.cache.forward(self.layer_index, qkv, meta))
-            y = self._rms(x, self.mlp_norm)
-            x = x + self.down(p.nn.functional.silu(self.gate(y)) * self.up(y))
-        return x
+                attn = self.cache.forward(self.layer_index, qkv, meta)
+                if logit_rows is not None and self.lm_head is not None:
+                    return self.layer.output(attn, x, head=self.lm_head, rows=logit_rows)
+                out = self.layer.output(attn, x)
+            else:
+                embeds = self.target.embed(token_ids)
+                x = self.embed_proj(self._rms(embeds, self.enorm)) + self.hidden_proj(self._rms(hidden, self.hnorm))
+                qkv = self.qkv(self._rms(x, self.attn_norm))
+                if self.qkv_bias is not None:
+                    qkv = qkv + self.qkv_bias
+                self.cache.prepare(meta)
+                x = x + self.o(self.cache.forward(self.layer_index, qkv, meta))
+                y = self._rms(x, self.mlp_norm)
+                out = x + self.down(p.nn.functional.silu(self.gate(y)) * self.up(y))
+        return out, None if logit_rows is None else self.logits(rows_of(p, out, np.asarray(logit_rows, np.int64)))
 
     def logits(self, out):
         """``[T, V]`` logits of the layer's output (``[T, K]`` over the draft vocabulary when the
@@ -154,7 +157,18 @@ class MtpHead:
                 return self.target.logits(out)
             return p.matmul(self._rms(out, self.final_norm), self.target.lm_head, transpose_y=True)
 
-    def draft_tokens(self, out) -> np.ndarray:
-        """``[T]`` int64: the token each output row drafts (the argmax of :meth:`logits`)."""
-        best = np.asarray(self.logits(out)).argmax(axis=-1).astype(np.int64)  # one copy, no paddle op
+    def draft_tokens(self, logits) -> np.ndarray:
+        """``[T]`` int64: the token each row of :meth:`logits` drafts (its argmax, mapped to the
+        target's vocabulary)."""
+        best = np.asarray(logits).argmax(axis=-1).astype(np.int64)  # one copy, no paddle op
         return best if self.draft_vocab is None else self.draft_vocab[best]
+
+
+def rows_of(p, x, rows: np.ndarray):
+    """``x[rows]`` with as few paddle ops as the rows allow (each op costs tens of us on a CPU):
+    none when they are all of ``x``, a slice when they are consecutive, else a gather."""
+    if len(rows) == x.shape[0] and np.array_equal(rows, np.arange(len(rows))):
+        return x
+    if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
+        return x[int(rows[0]):int(rows[0]) + len(rows)]
+    return p.gather(x, p.to_tensor(rows))

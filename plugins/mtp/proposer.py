@@ -25,7 +25,7 @@ import specdec
 from specdec.sdk import (AttentionMetadata, Drafts, ProposalBatch, ProposalRequest, SpecdecError, one_of,
                          processed_probs, sample_tokens)
 
-from .head import MtpHead
+from .head import MtpHead, rows_of
 from .weights import load_mtp_layers
 
 #: The head's ``quantization``: ``wint8``/``wint4``, its matrices quantized at load and run by
@@ -95,18 +95,20 @@ class MtpProposer(specdec.Proposer):
         drafts: list[list[int]] = [[] for _ in batch.requests]
         if not catching_up:
             return Drafts.from_lists(drafts)
-        out, last_rows = self._catch_up([r for _, r in catching_up])
-        # Requests whose rows reached their last token can draft.
+        # Requests whose rows reach their last token can draft: the catch-up computes the
+        # logits of their last rows only.
         drafting = [(i, b, r) for i, (b, r) in enumerate(catching_up)
                     if r.max_draft_len > 0 and int(r.hidden_positions[-1]) == len(r.token_ids) - 2]
+        out, last_rows, logits = self._catch_up([r for _, r in catching_up], [i for i, _, _ in drafting])
         if not drafting:
             return Drafts.from_lists(drafts)
-        draft_probs = self._draft(drafting, out, last_rows, drafts)
+        draft_probs = self._draft(drafting, out, last_rows, logits, drafts)
         return Drafts.from_lists(drafts, probs=self._probs_array(draft_probs, drafts))
 
-    def _catch_up(self, requests: list[ProposalRequest]):
-        """Run the head over each request's new rows; return its ``[T, H]`` output and the
-        index of each request's last row."""
+    def _catch_up(self, requests: list[ProposalRequest], drafting: list[int]):
+        """Run the head over each request's new rows; return its ``[T, H]`` output, the index
+        of each request's last row, and the logits of the last rows of requests ``drafting``
+        (None when none drafts)."""
         p = self.paddle
         tokens, states, query_lens, context_lens, tables = [], [], [], [], []
         for request in requests:
@@ -125,21 +127,22 @@ class MtpProposer(specdec.Proposer):
             context_lens.append(int(rows[0]))
             tables.append(request.block_table)
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
-        out = self.head.forward(np.concatenate(tokens), states[0] if len(states) == 1 else p.concat(states, axis=0),
-                                meta)
-        return out, np.cumsum(query_lens) - 1
+        last_rows = np.cumsum(query_lens) - 1
+        out, logits = self.head.forward(np.concatenate(tokens),
+                                        states[0] if len(states) == 1 else p.concat(states, axis=0), meta,
+                                        logit_rows=last_rows[drafting] if drafting else None)
+        return out, last_rows, logits
 
-    def _draft(self, drafting, out, last_rows, drafts: list[list[int]]) -> dict[int, list[np.ndarray]]:
-        """Substep 1 reads the catch-up's last rows; substep ``s`` runs one row per request at
-        position ``len(token_ids) + s - 2`` from the previous substep's output and draft.
+    def _draft(self, drafting, out, last_rows, logits, drafts: list[list[int]]) -> dict[int, list[np.ndarray]]:
+        """Substep 1 drafts from the catch-up's logits; substep ``s`` runs one row per request
+        at position ``len(token_ids) + s - 2`` from the previous substep's output and draft.
         Returns the distributions sampled drafts came from, per batch row (none when greedy)."""
-        p = self.paddle
         steps = [min(self.num_model_steps, r.max_draft_len) for _, _, r in drafting]
-        state = _rows(p, out, np.array([last_rows[i] for i, _, _ in drafting], dtype=np.int64))
         active = list(range(len(drafting)))
         draft_probs: dict[int, list[np.ndarray]] = {}
+        state = None
         for substep in range(1, max(steps) + 1):
-            tokens, probs = self._choose(state, [drafting[k][2] for k in active])
+            tokens, probs = self._choose(logits, [drafting[k][2] for k in active])
             for row, k in enumerate(active):
                 drafts[drafting[k][1]].append(int(tokens[row]))
                 if probs is not None:
@@ -147,20 +150,23 @@ class MtpProposer(specdec.Proposer):
             keep = [row for row, k in enumerate(active) if steps[k] > substep]
             if not keep:
                 return draft_probs
+            if state is None:  # the catch-up's last rows of the drafting requests
+                state = rows_of(self.paddle, out, np.array([last_rows[i] for i, _, _ in drafting], dtype=np.int64))
             active = [active[row] for row in keep]
             requests = [drafting[k][2] for k in active]
             meta = AttentionMetadata.build([1] * len(active), [len(r.token_ids) + substep - 1 for r in requests],
                                            [r.block_table for r in requests], self.block_size)
-            state = self.head.forward(tokens[keep], _rows(p, state, np.array(keep, dtype=np.int64)), meta)
+            state, logits = self.head.forward(tokens[keep], rows_of(self.paddle, state, np.array(keep, dtype=np.int64)),
+                                              meta, logit_rows=np.arange(len(keep)))
         return draft_probs
 
-    def _choose(self, state, requests: list[ProposalRequest]) -> tuple[np.ndarray, np.ndarray | None]:
-        """Each row's draft: the argmax for greedy requests; for requests at temperature > 0 a
-        sample from the head's processed distribution, returned too (``[n, K]`` over the head's
-        vocabulary, one-hot on the argmax for the greedy rows)."""
+    def _choose(self, logits, requests: list[ProposalRequest]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each row's draft from its head logits: the argmax for greedy requests; for requests
+        at temperature > 0 a sample from the head's processed distribution, returned too
+        (``[n, K]`` over the head's vocabulary, one-hot on the argmax for the greedy rows)."""
         if all(r.temperature <= 0.0 for r in requests):
-            return self.head.draft_tokens(state), None
-        logits = np.asarray(self.head.logits(state), dtype=np.float32)[:, None, :]
+            return self.head.draft_tokens(logits), None
+        logits = np.asarray(logits, dtype=np.float32)[:, None, :]
         temperature = np.array([r.temperature for r in requests])
         top_k = np.array([0 if r.sampling is None else r.sampling.top_k for r in requests], dtype=np.int64)
         top_p = np.array([1.0 if r.sampling is None else r.sampling.top_p for r in requests])
@@ -184,12 +190,3 @@ class MtpProposer(specdec.Proposer):
                 out[row, position, columns] = probs
         return out
 
-
-def _rows(p, x, rows: np.ndarray):
-    """``x[rows]`` with as few paddle ops as the rows allow (each op costs tens of us on a CPU):
-    none when they are all of ``x``, a slice when they are consecutive, else a gather."""
-    if len(rows) == x.shape[0] and np.array_equal(rows, np.arange(len(rows))):
-        return x
-    if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
-        return x[int(rows[0]):int(rows[0]) + len(rows)]
-    return p.gather(x, p.to_tensor(rows))

@@ -39,7 +39,7 @@ def test_quantized_mtp_head_is_lossless_and_still_drafts_well(model_session, qua
     """``quantization`` runs the head on the quantized kernels (the default, null, is ``wint8``);
     acceptance stays near the float32 head's (``none``: int8 per channel barely moves it; int4
     in groups of 32 more)."""
-    from specdec.sdk import QuantizedDecoderLayer, QuantizedLinear
+    from specdec.sdk import QuantizedDecoderLayer, QuantizedDraftInput, QuantizedLinear
 
     base = {"method": "mtp", "num_model_steps": 1, "adaptive_draft_length": False}
     float_head = model_session.run({**base, "quantization": "none"}, PROMPTS, SAMPLING, max_num_seqs=5)
@@ -47,7 +47,7 @@ def test_quantized_mtp_head_is_lossless_and_still_drafts_well(model_session, qua
     outputs = model_session.run({**base, "quantization": quantization}, PROMPTS, SAMPLING, max_num_seqs=5)
     head = model_session.llm.engine.proposer.head
     assert isinstance(head.layer, QuantizedDecoderLayer) and head.layer.method == quantization
-    assert isinstance(head.embed_proj, QuantizedLinear) and isinstance(head.lm_head, QuantizedLinear)
+    assert isinstance(head.input, QuantizedDraftInput) and isinstance(head.lm_head, QuantizedLinear)
     for prompt, got, want in zip(PROMPTS, outputs, naive):
         message = model_session.describe_divergence(prompt, want.token_ids, got.token_ids, label=quantization)
         assert message is None, message
@@ -90,8 +90,9 @@ def test_the_default_head_is_wint8_and_close_to_the_float_head(model_session):
         cache = engine._create_cache_layers(1)
         head = MtpHead(weights, context, cache, quantization=quantization)
         blocks = np.arange(-(-n // engine.block_size))[None]
-        out = head.forward(ids, states, AttentionMetadata.build([n], [0], blocks, engine.block_size))
-        results[quantization] = (np.asarray(out), np.asarray(head.logits(out)), head.draft_tokens(out))
+        out, logits = head.forward(ids, states, AttentionMetadata.build([n], [0], blocks, engine.block_size),
+                                   logit_rows=np.arange(n))
+        results[quantization] = (np.asarray(out), np.asarray(logits), head.draft_tokens(logits))
     engine.kv.pool.reset_prefix_cache()
     (out, logits, drafts), (q_out, q_logits, q_drafts) = results[None], results["wint8"]
     scale = np.abs(out).max(axis=1, keepdims=True)
@@ -115,10 +116,10 @@ class CheckedMtp(MtpProposer):
         self.worst = 0.0
         self.checked = 0
 
-    def _catch_up(self, requests):
+    def _catch_up(self, requests, drafting):
         import paddle
 
-        out, last_rows = super()._catch_up(requests)
+        out, last_rows, logits = super()._catch_up(requests, drafting)
         for request, last_row in zip(requests, last_rows):
             states = self.states.setdefault(request.request_id, [])
             states.append((np.asarray(request.hidden_positions), np.asarray(request.hidden_states)))
@@ -137,13 +138,13 @@ class CheckedMtp(MtpProposer):
             meta = AttentionMetadata.build([n], [0], [np.arange(blocks)], self.block_size)
             self.head.cache = fresh
             try:
-                full = np.asarray(self.head.forward(request.token_ids[:n], paddle.to_tensor(hidden), meta))
+                full = np.asarray(self.head.forward(request.token_ids[:n], paddle.to_tensor(hidden), meta)[0])
             finally:
                 self.head.cache = live
             got = np.asarray(out)[last_row]
             self.worst = max(self.worst, float(np.max(np.abs(got - full[-1]) / (1 + np.abs(full[-1])))))
             self.checked += 1
-        return out, last_rows
+        return out, last_rows, logits
 
 
 @pytest.mark.parametrize("quantization", ["none", None])

@@ -44,14 +44,14 @@ def test_training_depths_match_the_proposers_substeps(model_session):
     cache = engine._create_cache_layers(1)
     head = MtpHead(weights, types.SimpleNamespace(target=target, model_config=config), cache)
     blocks = np.arange(-(-(m + 3) // engine.block_size))[None]
-    out = head.forward(tokens[: m + 1], paddle.to_tensor(states[: m + 1]),
-                       AttentionMetadata.build([m + 1], [0], blocks, engine.block_size))
+    out, _ = head.forward(tokens[: m + 1], paddle.to_tensor(states[: m + 1]),
+                          AttentionMetadata.build([m + 1], [0], blocks, engine.block_size))
     state = out[m:]
     inferred = []
     for position in (m + 1, m + 2):
-        state = head.forward(tokens[position: position + 1], state,
-                             AttentionMetadata.build([1], [position], blocks, engine.block_size))
-        inferred.append(np.asarray(head.logits(state))[0])
+        state, logits = head.forward(tokens[position: position + 1], state,
+                                     AttentionMetadata.build([1], [position], blocks, engine.block_size), logit_rows=[0])
+        inferred.append(np.asarray(logits)[0])
     engine.kv.pool.reset_prefix_cache()
 
     # Logits reach about 30; measured differences are under 1e-3 (a float16 cache). Attending to

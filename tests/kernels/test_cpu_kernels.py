@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specdec.kernels.cpu import packing, reference
+from specdec.kernels.cpu.packing import pack_attention_metadata
 
 paddle = pytest.importorskip("paddle")
 
@@ -115,8 +116,8 @@ def test_paged_attention_matches_reference(ops, ctx, rows, dim, block_size):
 
     cache_tensor = paddle.to_tensor(cache)
     got = ops.specdec_paged_attention(paddle.to_tensor(qkv), cache_tensor, paddle.to_tensor(cos),
-                                      paddle.to_tensor(sin), paddle.to_tensor(tables), paddle.to_tensor(cu),
-                                      paddle.to_tensor(context), heads, kv_heads).numpy()
+                                      paddle.to_tensor(sin), paddle.to_tensor(pack_attention_metadata(tables, cu, context)),
+                                      heads, kv_heads).numpy()
     np.testing.assert_allclose(got, want_out, rtol=1e-4, atol=1e-5)
     # The new rows' keys (after RoPE) and values land in their slots; nothing else changes.
     np.testing.assert_allclose(cache_tensor.numpy(), want_cache, rtol=1e-5, atol=1e-6)
@@ -127,11 +128,11 @@ def test_paged_attention_rejects_bad_block_ids(ops):
     cos, sin = _rope_tables(32, dim)
     cache = paddle.zeros([2, 2 * kv_heads, 8, dim])
     qkv = paddle.zeros([3, (heads + 2 * kv_heads) * dim])
-    tables = paddle.to_tensor(np.array([[5]], np.int32))  # the pool has blocks 0 and 1 only
+    tables = np.array([[5]], np.int32)  # the pool has blocks 0 and 1 only
+    meta = pack_attention_metadata(tables, np.array([0, 3], np.int32), np.array([0], np.int32))
     with pytest.raises(Exception, match="block id out of range"):
-        ops.specdec_paged_attention(qkv, cache, paddle.to_tensor(cos), paddle.to_tensor(sin), tables,
-                                    paddle.to_tensor(np.array([0, 3], np.int32)),
-                                    paddle.to_tensor(np.array([0], np.int32)), heads, kv_heads)
+        ops.specdec_paged_attention(qkv, cache, paddle.to_tensor(cos), paddle.to_tensor(sin), paddle.to_tensor(meta),
+                                    heads, kv_heads)
 
 
 def test_cpu_attention_backend_equals_paddle_backend(ops):

@@ -14,6 +14,7 @@ import pytest
 
 from specdec.attention import AttentionMetadata
 from specdec.kernels.cpu import reference
+from specdec.kernels.cpu.packing import pack_attention_metadata
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -121,8 +122,7 @@ def test_paged_kernel_matches_its_numpy_twin(cache_dtype):
     want_out, want_cache = reference.paged_attention(qkv, cache, cos, sin, tables, cu, context, HEADS, KV_HEADS)
     cache_tensor = paddle.to_tensor(cache)
     got = ops.specdec_paged_attention(paddle.to_tensor(qkv), cache_tensor, paddle.to_tensor(cos), paddle.to_tensor(sin),
-                                      paddle.to_tensor(tables), paddle.to_tensor(cu), paddle.to_tensor(context),
-                                      HEADS, KV_HEADS)
+                                      paddle.to_tensor(pack_attention_metadata(tables, cu, context)), HEADS, KV_HEADS)
     np.testing.assert_allclose(got.numpy(), want_out, atol=1e-5)
     assert cache_tensor.numpy().dtype == want_cache.dtype == np.dtype(cache_dtype)
     # float16: the kernel rounds its float32 RoPE result, the twin its float64 one (cast to

@@ -458,3 +458,70 @@ def test_rows_that_are_not_whole_groups_are_a_one_line_error():
 
     with pytest.raises(SpecdecError, match=r"^quantization: x\.weight: .*48 elements.*use quantization: none$"):
         as_quantized(np.zeros((4, 48), np.float32), "wint8", "x.weight")
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("from_table", [True, False])
+def test_q_draft_input_is_its_separate_calls_bit_for_bit(ops, isa, rows, from_table):
+    """A draft head's input in one call (embedding rows of a quantized table, or given ones;
+    two normalized projections, their sum, the layer's q/k/v) equals the lookup, the two
+    q_matmul calls, the add and the q/k/v q_matmul made one by one, and its twin."""
+    rng = np.random.default_rng(90 + rows + 10 * from_table)
+    hidden, vocab, qkv_rows = 256, 40, 96
+    table = QuantizedMatrix(hidden, (random_blocks(rng, "Q4_1", vocab, hidden),))
+    we, wh = (QuantizedMatrix(hidden, (random_blocks(rng, name, hidden, hidden),)) for name in ("Q8_0", "Q4_K"))
+    wqkv = QuantizedMatrix(hidden, (random_blocks(rng, "Q4_0", qkv_rows, hidden),))
+    (t, tl, t_t, tl_t), (e, el, e_t, el_t), (h, hl, h_t, hl_t), (q, ql, q_t, ql_t) = map(tensors, (table, we, wh, wqkv))
+    ids = rng.integers(0, vocab, rows)
+    states = rng.standard_normal((rows, hidden)).astype(np.float32)
+    e_gain, h_gain, attn_gain = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(3))
+    epilogue = np.stack([rng.uniform(0.1, 1, qkv_rows), rng.standard_normal(qkv_rows)]).astype(np.float32)
+    embeds = ops.specdec_q_embedding(paddle.to_tensor(ids), t_t, tl_t, hidden)
+    none = paddle.empty([0])
+    if from_table:
+        args = (none, t_t, tl_t)
+    else:
+        args = (embeds, paddle.empty([0], dtype="uint8"), paddle.empty([0, 4], dtype="int64"))
+    got_x, got_qkv = ops.specdec_q_draft_input(
+        *args, paddle.to_tensor(states), paddle.to_tensor(e_gain), e_t, el_t, paddle.to_tensor(h_gain), h_t, hl_t,
+        paddle.to_tensor(attn_gain), q_t, ql_t, paddle.to_tensor(epilogue), ids.tolist(), hidden, 1e-5, True, True)
+    x = (ops.specdec_q_matmul(embeds, paddle.to_tensor(e_gain), e_t, el_t, none, 1e-5, True)
+         + ops.specdec_q_matmul(paddle.to_tensor(states), paddle.to_tensor(h_gain), h_t, hl_t, none, 1e-5, True))
+    qkv = ops.specdec_q_matmul(x, paddle.to_tensor(attn_gain), q_t, ql_t, paddle.to_tensor(epilogue), 1e-5, True)
+    np.testing.assert_array_equal(got_x.numpy(), x.numpy())
+    np.testing.assert_array_equal(got_qkv.numpy(), qkv.numpy())
+    want_x, want_qkv = reference.q_draft_input(embeds.numpy(), t if from_table else [], tl, states, e_gain, e, el,
+                                               h_gain, h, hl, attn_gain, q, ql, epilogue, ids, hidden, 1e-5, True, True)
+    _close(got_x.numpy(), want_x)
+    _close(got_qkv.numpy(), want_qkv)
+
+
+@pytest.mark.parametrize("rows,picked", [(1, [0]), (5, [4]), (5, [1, 3, 4])])
+def test_q_layer_tail_head_is_the_tail_then_the_head_on_picked_rows(ops, isa, rows, picked):
+    """A layer's tail and a normalized projection of some of its rows (a draft head's LM head)
+    in one call: the tail's output as q_layer_tail gives it, and the head's rows as q_matmul
+    gives them for those rows alone, bit for bit; and the twin."""
+    rng = np.random.default_rng(110 + rows + len(picked))
+    hidden, inner, vocab = 128, 192, 72
+    mats = [QuantizedMatrix(hidden, (random_blocks(rng, "Q4_1", hidden, hidden),)),
+            QuantizedMatrix(hidden, (random_blocks(rng, "Q4_0", 2 * inner, hidden),)),
+            QuantizedMatrix(inner, (random_blocks(rng, "Q8_0", hidden, inner),)),
+            QuantizedMatrix(hidden, (random_blocks(rng, "Q8_0", vocab, hidden),))]
+    parts = [tensors(m) for m in mats]
+    attn = rng.standard_normal((rows, hidden)).astype(np.float32)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    gain, head_gain = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
+    tail = (paddle.to_tensor(attn), paddle.to_tensor(x), parts[0][2], parts[0][3], paddle.to_tensor(gain),
+            parts[1][2], parts[1][3], parts[2][2], parts[2][3])
+    got_out, got_logits = ops.specdec_q_layer_tail_head(*tail, paddle.to_tensor(head_gain), parts[3][2], parts[3][3],
+                                                        picked, 1e-5)
+    out = ops.specdec_q_layer_tail(*tail, 1e-5).numpy()
+    np.testing.assert_array_equal(got_out.numpy(), out)
+    logits = ops.specdec_q_matmul(paddle.to_tensor(out[picked]), paddle.to_tensor(head_gain), parts[3][2],
+                                  parts[3][3], paddle.empty([0]), 1e-5, True).numpy()
+    np.testing.assert_array_equal(got_logits.numpy(), logits)
+    want_out, want_logits = reference.q_layer_tail_head(attn, x, parts[0][0], parts[0][1], gain, parts[1][0],
+                                                        parts[1][1], parts[2][0], parts[2][1], head_gain, parts[3][0],
+                                                        parts[3][1], picked, 1e-5)
+    _close(got_out.numpy(), want_out)
+    _close(got_logits.numpy(), want_logits)
