@@ -9,10 +9,18 @@ tests compare this backend with the ``paddle`` reference backend.
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 
 import specdec
 from specdec.sdk import (AttentionMetadata, KernelUnavailable, SpecdecError, load_cpu_ops, pack_attention_metadata,
                          require_paddle)
+
+
+#: Metadata tensors kept, one per shape ``[requests, 2 + blocks]``: a decoding batch's shape
+#: changes slowly (a request joins, a table grows by a block), so a few dozen cover it.
+MAX_METADATA_SHAPES = 32
 
 
 class CpuAttention(specdec.AttentionBackend):
@@ -30,6 +38,8 @@ class CpuAttention(specdec.AttentionBackend):
                       dtype=dtype, rope_cos=rope_cos, rope_sin=rope_sin)
         self._cos_table = self.paddle.to_tensor(rope_cos)
         self._sin_table = self.paddle.to_tensor(rope_sin)
+        #: (tensor, numpy view of its memory) by metadata shape (:meth:`_metadata_tensor`).
+        self._metadata_tensors: dict[tuple, tuple] = {}
 
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         if block_size % 8:
@@ -47,8 +57,27 @@ class CpuAttention(specdec.AttentionBackend):
         self._import_leading_blocks(self._caches, block_ids, data)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self._meta = self.paddle.to_tensor(pack_attention_metadata(meta.block_tables, meta.cu_seqlens_q,
+        self._meta = self._metadata_tensor(pack_attention_metadata(meta.block_tables, meta.cu_seqlens_q,
                                                                    meta.context_lens))
+
+    def _metadata_tensor(self, packed: np.ndarray):
+        """``packed`` in a paddle tensor without a paddle call: one int32 tensor per shape,
+        written through a numpy view of its memory. A ``to_tensor`` per step cost 15-50 us (more
+        once the step's weights have evicted paddle's code from the caches), which an MTP
+        head's step pays twice. The kernel reads the tensor during this step's ``forward``
+        calls only (CPU ops run synchronously), so the next ``prepare`` may overwrite it."""
+        if packed.size == 0:
+            return self.paddle.to_tensor(packed)
+        entry = self._metadata_tensors.get(packed.shape)
+        if entry is None:
+            tensor = self.paddle.empty(list(packed.shape), dtype="int32")
+            memory = (ctypes.c_int32 * packed.size).from_address(tensor.data_ptr())
+            if len(self._metadata_tensors) >= MAX_METADATA_SHAPES:
+                self._metadata_tensors.pop(next(iter(self._metadata_tensors)))
+            entry = self._metadata_tensors[packed.shape] = (tensor, np.ctypeslib.as_array(memory).reshape(packed.shape))
+        tensor, view = entry
+        view[...] = packed
+        return tensor
 
     def forward(self, layer, qkv, meta: AttentionMetadata):
         return self.ops.specdec_paged_attention(qkv, self._caches[layer], self._cos_table, self._sin_table,

@@ -29,12 +29,15 @@ from .head import MtpHead, rows_of
 from .weights import load_mtp_layers
 
 #: The head's ``quantization``: ``wint8``/``wint4``, its matrices quantized at load and run by
-#: the engine's quantized kernels (specdec.sdk.QuantizedDecoderLayer, QuantizedLinear), a few
-#: native calls per forward; ``none``, float32 eager paddle ops (about 3x the head's time per
-#: step on the default model, benchmarks/bench_mtp_head.py, for the same acceptance).
+#: the engine's quantized kernels (specdec.sdk.QuantizedDraftInput, QuantizedDecoderLayer,
+#: QuantizedLinear), three native calls per forward; ``none``, float32 eager paddle ops (about
+#: 5x the head's time per step on the default model, benchmarks/bench_mtp_head.py, for the
+#: same acceptance).
 QUANTIZATIONS = ("wint8", "wint4", "none")
-#: What null means: int8 per channel, whose drafts measured the same acceptance as float32's.
-DEFAULT_QUANTIZATION = "wint8"
+#: What null means: int4 in groups of 32, as the default model's own Q4_1 weights. Its drafts
+#: measured the acceptance of float32's and int8's (44.8%, 43.4%, 43.8% on the benchmark's
+#: prompts) at 0.69x int8's time per step: the head's step reads its weights from memory.
+DEFAULT_QUANTIZATION = "wint4"
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
 #: The heads that ship with specdec, by the model name that selects their target.
 SHIPPED_HEADS = {"smollm2-135m-instruct": str(HEADS_DIR / "smollm2-135m-instruct.safetensors")}

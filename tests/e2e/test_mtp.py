@@ -36,7 +36,7 @@ def test_mtp_is_lossless_at_temperature_zero(model_session, steps, batch):
 
 @pytest.mark.parametrize("quantization", ["wint8", "wint4"])
 def test_quantized_mtp_head_is_lossless_and_still_drafts_well(model_session, quantization):
-    """``quantization`` runs the head on the quantized kernels (the default, null, is ``wint8``);
+    """``quantization`` runs the head on the quantized kernels (the default, null, is ``wint4``);
     acceptance stays near the float32 head's (``none``: int8 per channel barely moves it; int4
     in groups of 32 more)."""
     from specdec.sdk import QuantizedDecoderLayer, QuantizedDraftInput, QuantizedLinear
@@ -55,13 +55,13 @@ def test_quantized_mtp_head_is_lossless_and_still_drafts_well(model_session, qua
     def acceptance(runs):
         return sum(o.metrics.num_accepted_tokens for o in runs) / sum(o.metrics.num_draft_tokens for o in runs)
 
-    floor = 0.9 if quantization == "wint8" else 0.6
+    floor = 0.9
     assert acceptance(outputs) > floor * acceptance(float_head), (acceptance(outputs), acceptance(float_head))
 
 
-def test_the_default_head_is_wint8_and_close_to_the_float_head(model_session):
-    """Null ``quantization`` builds the fast path (``wint8``); its forward and logits stay within
-    int8 error of the float32 head's on the same rows, and its drafts (argmax) mostly agree."""
+def test_the_default_head_is_wint4_and_close_to_the_float_head(model_session):
+    """Null ``quantization`` builds the fast path (``wint4``); its forward and logits stay within
+    int4 error of the float32 head's on the same rows, and its drafts (argmax) mostly agree."""
     import types
 
     import paddle
@@ -73,7 +73,7 @@ def test_the_default_head_is_wint8_and_close_to_the_float_head(model_session):
     from specdec.sdk import AttentionMetadata
 
     model_session.run({"method": "mtp"}, PROMPTS[:1], SamplingParams(max_tokens=2), max_num_seqs=1)
-    assert model_session.llm.engine.proposer.head.quantization == "wint8"
+    assert model_session.llm.engine.proposer.head.quantization == "wint4"
     engine = model_session.llm.engine
     config = engine.model_config
     context = types.SimpleNamespace(target=TargetModel(engine.model), model_config=config)
@@ -86,7 +86,7 @@ def test_the_default_head_is_wint8_and_close_to_the_float_head(model_session):
                                          np.array([n - 1]), return_hidden=True)
     states = paddle.concat([paddle.zeros([1, config.hidden_size]), hidden[:-1]])
     results = {}
-    for quantization in (None, "wint8"):
+    for quantization in (None, "wint4"):
         cache = engine._create_cache_layers(1)
         head = MtpHead(weights, context, cache, quantization=quantization)
         blocks = np.arange(-(-n // engine.block_size))[None]
@@ -94,13 +94,14 @@ def test_the_default_head_is_wint8_and_close_to_the_float_head(model_session):
                                    logit_rows=np.arange(n))
         results[quantization] = (np.asarray(out), np.asarray(logits), head.draft_tokens(logits))
     engine.kv.pool.reset_prefix_cache()
-    (out, logits, drafts), (q_out, q_logits, q_drafts) = results[None], results["wint8"]
+    (out, logits, drafts), (q_out, q_logits, q_drafts) = results[None], results["wint4"]
     scale = np.abs(out).max(axis=1, keepdims=True)
-    assert np.max(np.abs(q_out - out) / scale) < 0.05, np.max(np.abs(q_out - out) / scale)
-    assert np.max(np.abs(q_logits - logits)) < 0.05 * np.abs(logits).max(), np.max(np.abs(q_logits - logits))
-    # Measured: 2.1% and 2.8% of the largest value; 91% of the drafts the same (the others are
-    # rows the head is unsure of: acceptance on the benchmark prompts is the same, 39%).
-    assert np.mean(q_drafts == drafts) > 0.85, np.mean(q_drafts == drafts)
+    assert np.max(np.abs(q_out - out) / scale) < 0.06, np.max(np.abs(q_out - out) / scale)
+    assert np.max(np.abs(q_logits - logits)) < 0.12 * np.abs(logits).max(), np.max(np.abs(q_logits - logits))
+    # Measured (2026-12-05, the shipped head): 3.9% and 8.3% of the largest value; 82% of the
+    # drafts the same (the others are rows the head is unsure of: acceptance on the benchmark
+    # prompts is the same, 44.8% against float32's 43.4%; int8 gave 2.1%, 2.8%, 91%).
+    assert np.mean(q_drafts == drafts) > 0.75, np.mean(q_drafts == drafts)
 
 
 class CheckedMtp(MtpProposer):
@@ -149,7 +150,7 @@ class CheckedMtp(MtpProposer):
 
 @pytest.mark.parametrize("quantization", ["none", None])
 def test_catch_up_over_the_paged_cache_equals_a_full_recomputation(model_session, monkeypatch, quantization):
-    """The float32 head and the default (``wint8``, the quantized kernels) alike: activations are
+    """The float32 head and the default (``wint4``, the quantized kernels) alike: activations are
     quantized per row, so a row's result does not depend on the rows computed with it."""
     plugins = load_plugins()
     plugins.proposers.register(CheckedMtp, "tests/e2e/test_mtp.py")
@@ -160,7 +161,7 @@ def test_catch_up_over_the_paged_cache_equals_a_full_recomputation(model_session
         model_session.run(spec, PROMPTS[:2], SamplingParams(max_tokens=32, ignore_eos=True), max_num_seqs=2,
                           cache=False)
         proposer = model_session.llm.engine.proposer
-        assert proposer.head.quantization == (None if quantization == "none" else "wint8")
+        assert proposer.head.quantization == (None if quantization == "none" else "wint4")
         assert proposer.checked >= 10, proposer.checked
         tolerance = 1e-2 if proposer.head.cache.dtype == "float16" else 1e-4
         assert proposer.worst < tolerance, proposer.worst
