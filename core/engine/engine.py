@@ -725,8 +725,10 @@ class Engine:
         drafts = Drafts.empty(len(batch))
         if len(rows) and (needs_hidden or max_draft_lens[rows].any()):
             proposals = [batch.requests[b] for b in rows]
+            timed = True
             if needs_hidden:
                 proposals = [self._with_hidden_states(p, plan.decodes[b]) for p, b in zip(proposals, rows)]
+                catching_up, caught_up_tokens, timed = self._hidden_catch_up(proposals, rooms[rows])
             started = time.perf_counter()
             proposed = self.proposer.propose(ProposalBatch(proposals))
             state.proposer_seconds = time.perf_counter() - started
@@ -739,7 +741,9 @@ class Engine:
                     raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
                                        f"{len(rows)} non-negative integer labels")
                 proposed.classes = classes
-            if catching_up:
+            if not timed:
+                pass
+            elif catching_up:
                 self.controller.catch_up_time(len(rows), state.proposer_seconds, caught_up_tokens)
             else:
                 self.controller.proposer_time(len(rows), state.proposer_seconds)
@@ -753,6 +757,19 @@ class Engine:
         if (drafts.lengths > max_draft_lens).any() or drafts.width > max_draft_lens.max(initial=0):
             drafts = drafts.clipped(max_draft_lens)
         return drafts
+
+    @staticmethod
+    def _hidden_catch_up(proposals: list[ProposalRequest], rooms: np.ndarray) -> tuple[bool, int, bool]:
+        """For a proposer that reads hidden states: ``(catching_up, tokens, timed)``. Its
+        catch-up shows in the rows handed over, more than one step makes (the fed row and
+        the accepted drafts, at most ``room + 1``): a request's prompt reaches it at the step
+        after its prefill (whose own call hands over nothing yet), the steps it was left out of
+        at its next proposal. ``tokens``: the rows of the requests catching up. A call that hands
+        over no row at all (every request at its prefill's step) is not timed (``timed``
+        False): it is neither a usual call nor a catch-up."""
+        handed = np.fromiter((len(p.hidden_positions) for p in proposals), dtype=np.int64, count=len(proposals))
+        behind = handed > np.asarray(rooms, dtype=np.int64) + 1
+        return bool(behind.any()), int(handed[behind].sum()), bool(handed.any())
 
     @staticmethod
     def _catching_up(requests: list[Request]) -> bool:

@@ -14,10 +14,12 @@ catch-up. Both parts are other registered proposers, built through the public
 :meth:`specdec.ProposerContext.create_proposer`; any model proposer and any proposer that
 drafts from a request's own tokens compose this way.
 
-The lookup proposer sees, each step, a one-step request holding the context plus the model's
-drafts (as prompt), started and finished around its ``propose`` call: drafts that the target
-may reject never enter its per-request state. For ngram that costs an index rebuild per step,
-which the compiled index makes cheap next to a forward pass.
+The lookup proposer sees each request twice. On the context alone (the lookup-first match) it
+sees a request of its own that lives as long as the real one and grows with its accepted
+tokens, as it would running on its own: its index is extended, not rebuilt, each step. After
+the model's drafts it sees a one-step request holding the context plus those drafts (as
+prompt), started and finished around its ``propose`` call: drafts that the target may reject
+never enter its per-request state.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ from specdec.sdk import Drafts, ProposalBatch, ProposalRequest, in_range, one_of
 
 from .leader import MODEL, LeaderStats
 
-#: Appended to a request id for the lookup proposer's one-step request.
+#: Appended to a request id for the lookup proposer's one-step request (context + drafts).
 LOOKUP_SUFFIX = "/hybrid-lookup"
+#: Appended to a request id for the lookup proposer's request on the context alone, which
+#: lives as long as the real request.
+CONTEXT_SUFFIX = "/hybrid-context"
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -86,26 +91,47 @@ class HybridProposer(specdec.Proposer):
         #: Decayed means of the model's seconds per request and of the time between two
         #: proposals (a step): the model's cost in tokens of a step, for the leader choice.
         self._model_seconds = 0.0
+        self._lookup_seconds = 0.0  # the continuation lookup's, per request
         self._step_seconds = 0.0
         self._last_proposal: float | None = None
         #: Per request: the kind of draft it got this step (leader.py), until on_step.
         self._led: dict[str, int] = {}
+        #: Per request whose model drafts the lookup continued this step: how many model drafts.
+        self._continued: dict[str, int] = {}
         #: Per request led by the lookup: the hidden states the model has not seen yet.
         self._waiting: dict[str, list[tuple[object, np.ndarray]]] = {}
+        #: Requests whose context request the lookup has started (:meth:`_matches`).
+        self._context_started: set[str] = set()
+        #: This step's context requests, by real request id, for the lookup's ``on_step``.
+        self._context_requests: dict[str, ProposalRequest] = {}
 
     def on_request_start(self, request: ProposalRequest) -> None:
         self.model.on_request_start(request)
 
     def on_step(self, batch: ProposalBatch, accepted: list[np.ndarray]) -> None:
+        context_rows = []
         for request, tokens in zip(batch.requests, accepted):
             kind = self._led.pop(request.request_id, None)
             if kind is not None:  # all but the last token appended were accepted drafts
                 self.leaders.record(kind, max(len(tokens) - 1, 0))
+            model_drafts = self._continued.pop(request.request_id, None)
+            if model_drafts is not None:
+                self.leaders.record_continuation(max(len(tokens) - 1 - model_drafts, 0))
+            context = self._context_requests.pop(request.request_id, None)
+            if context is not None:
+                context_rows.append((context, tokens))
+        self._context_requests.clear()
+        if context_rows:
+            self.lookup.on_step(ProposalBatch([c for c, _ in context_rows]), [t for _, t in context_rows])
         self.model.on_step(batch, accepted)
 
     def on_request_finish(self, request_id: str) -> None:
         self._led.pop(request_id, None)
+        self._continued.pop(request_id, None)
         self._waiting.pop(request_id, None)
+        if request_id in self._context_started:
+            self._context_started.discard(request_id)
+            self.lookup.on_request_finish(request_id + CONTEXT_SUFFIX)
         self.model.on_request_finish(request_id)
 
     def propose(self, batch: ProposalBatch) -> Drafts:
@@ -116,7 +142,8 @@ class HybridProposer(specdec.Proposer):
         self._time_step()
         rest: dict[int, list[int]] = {}
         classes = np.zeros(len(batch), dtype=np.int64)
-        for b, (draft, matched) in self._matches(batch).items():
+        matches = self._matches(batch)
+        for b, (draft, matched) in matches.items():
             if self._lookup_leads(matched, len(batch), batch.requests[b].reproducible):
                 rest[b], classes[b] = draft, matched
                 self._led[batch.requests[b].request_id] = self.leaders.kind(matched)
@@ -137,12 +164,29 @@ class HybridProposer(specdec.Proposer):
         for b in model_rows:
             if first[b]:
                 self._led[batch.requests[b].request_id] = MODEL
-        lookups = [(b, self._lookup_request(batch.requests[b], first[b])) for b in model_rows
-                   if batch.requests[b].max_draft_len > len(first[b])]
+        lookups = []
+        continue_them = self.leaders.continuation_pays(self._lookup_cost(len(batch)))
+        for b in model_rows:
+            if batch.requests[b].max_draft_len <= len(first[b]):
+                continue
+            context_draft = matches.get(b, ([], 0))[0]
+            agreed = _agreed_continuation(context_draft, first[b])
+            if not first[b] and self.config.draft_lookup_first == 0:  # no match looked up yet
+                lookups.append((b, self._lookup_request(batch.requests[b], [])))
+            elif not first[b]:  # the model drafted nothing: the lookup's draft on the context alone
+                rest[b] = context_draft
+            elif agreed is not None:  # the context's match goes on past the model's drafts: no lookup
+                rest[b] = agreed[: batch.requests[b].max_draft_len - len(first[b])]
+            elif continue_them or batch.requests[b].reproducible:  # a seeded one's drafts: its own tokens only
+                lookups.append((b, self._lookup_request(batch.requests[b], first[b])))
         if lookups:
+            started = time.perf_counter()
             found = self._look_up([request for _, request in lookups])
+            self._lookup_seconds = _decayed(self._lookup_seconds, (time.perf_counter() - started) / len(lookups))
             for row, (b, _) in enumerate(lookups):
                 rest[b] = found.token_ids[row, : found.lengths[row]].tolist()
+                if first[b]:  # a continuation, paid for whether it found anything or not
+                    self._continued[batch.requests[b].request_id] = len(first[b])
         drafts = [first[b] + rest.get(b, []) for b in range(len(batch))]
         return Drafts.from_lists(drafts, probs=self._probs(model_drafts, drafts), classes=classes)
 
@@ -174,13 +218,30 @@ class HybridProposer(specdec.Proposer):
             return 0.0
         return min(batch_size * self._model_seconds / self._step_seconds, 1.0)
 
+    def _lookup_cost(self, batch_size: int) -> float:
+        """A continuation lookup's time for one request in tokens (as :meth:`_model_cost`)."""
+        if not self._step_seconds:
+            return 0.0
+        return min(batch_size * self._lookup_seconds / self._step_seconds, 1.0)
+
     def _matches(self, batch: ProposalBatch) -> dict[int, tuple[list[int], int]]:
         """Per batch row that may draft: the lookup's draft on the context alone and its
         matched length, where it found one (none with ``draft_lookup_first: 0``)."""
         rows = [b for b, r in enumerate(batch.requests) if r.max_draft_len > 0]
         if not rows or self.config.draft_lookup_first == 0:
             return {}
-        found = self._look_up([self._lookup_request(batch.requests[b], []) for b in rows])
+        requests = []
+        for b in rows:
+            request = batch.requests[b]
+            context = ProposalRequest(request.request_id + CONTEXT_SUFFIX, request.token_ids, request.num_prompt_tokens,
+                                      request.max_draft_len, sampling=request.sampling, rng=request.rng)
+            if request.request_id not in self._context_started:
+                self._context_started.add(request.request_id)
+                self.lookup.on_request_start(attrs.evolve(context, max_draft_len=0))
+            self._context_requests[request.request_id] = context
+            requests.append(context)
+        found = self.lookup.propose(ProposalBatch(requests)).clipped(
+            np.array([r.max_draft_len for r in requests], dtype=np.int64))
         if found.classes is None:
             return {}
         return {b: (found.token_ids[row, : found.lengths[row]].tolist(), int(found.classes[row]))
@@ -235,6 +296,16 @@ class HybridProposer(specdec.Proposer):
             for position in range(int(model_drafts.lengths[row]), len(draft)):
                 probs[row, position, draft[position]] = 1.0
         return probs
+
+
+def _agreed_continuation(context_draft: list[int], model_draft: list[int]) -> list[int] | None:
+    """What the lookup's draft on the context alone says follows the model's drafts, where it
+    begins with them (its match, followed by the model's tokens, is a match of the context plus
+    those drafts, which a lookup would find again); None where they differ or either is empty."""
+    n = len(model_draft)
+    if n == 0 or len(context_draft) <= n or context_draft[:n] != model_draft:
+        return None
+    return context_draft[n:]
 
 
 def _decayed(mean: float, sample: float) -> float:

@@ -129,3 +129,46 @@ def test_a_bad_component_is_a_one_line_error_and_keeps_the_method(model_session,
 def test_the_model_s_cost_tips_the_lead_to_a_lookup_nearly_as_good():
     stats = leader_stats({0: 1, 2: 0.9})
     assert not stats.lookup_leads(2) and stats.lookup_leads(2, model_cost=0.2)
+
+
+def test_a_continuation_never_accepted_stops_being_looked_up_and_is_measured_again():
+    """Continuing the model's drafts with the lookup pays only where its tokens are accepted
+    at least as often as the lookup call costs (in tokens of a step)."""
+    from specdec.plugins.hybrid.leader import RETRY_STEPS, LeaderStats
+
+    stats = LeaderStats()
+    assert stats.continuation_pays(0.05)  # nothing measured: the prior continues
+    for _ in range(20):
+        stats.next_step()
+        stats.record_continuation(0)
+    assert not stats.continuation_pays(0.05)
+    assert stats.continuation_pays(0.0)  # free: always worth it
+    for _ in range(RETRY_STEPS + 1):
+        stats.next_step()
+    assert stats.continuation_pays(0.05)  # not continued for long: measured again
+    for _ in range(5):
+        stats.next_step()
+        stats.record_continuation(2)
+    assert stats.continuation_pays(0.05)
+
+
+def test_a_context_match_that_goes_on_past_the_model_s_drafts_continues_them():
+    from specdec.plugins.hybrid.proposer import _agreed_continuation
+
+    assert _agreed_continuation([5, 6, 7, 8], [5]) == [6, 7, 8]
+    assert _agreed_continuation([5, 6, 7, 8], [5, 6]) == [7, 8]
+    assert _agreed_continuation([5, 6, 7], [4]) is None  # the model drafted something else
+    assert _agreed_continuation([5], [5]) is None  # nothing after the model's drafts
+    assert _agreed_continuation([], [5]) is None and _agreed_continuation([5, 6], []) is None
+
+
+def test_the_lookup_s_context_request_lives_and_ends_with_the_request(model_session):
+    """The lookup's request on the context alone is started once per request, extended each
+    step, and finished with it: no index outlives its request."""
+    outputs = assert_equal_to_naive(model_session, {**SEED_SPEC, "draft_lookup_first": None}, 3,
+                                    "hybrid (context requests)")
+    proposer = model_session.llm.engine.proposer
+    lookup = proposer.lookup
+    indexes = lookup._compiled if lookup._compiled is not None else lookup._indexes
+    assert len(indexes) == 0 and not proposer._context_started
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0

@@ -585,3 +585,19 @@ def test_a_batch_where_few_requests_draft_is_verified_without_padded_copies(mode
             # some steps went as two groups: the requests without drafts at width 1
             assert all(kind == "array" for kind, _, _ in kinds), kinds
             assert any(width == 1 and size < 8 for _, size, width in kinds), kinds
+
+
+def test_a_model_proposer_s_catch_up_is_told_by_the_rows_it_is_handed():
+    """The first proposal after a prefill hands a model proposer its whole prompt's states,
+    one step after the prefill's own call (which hands nothing): that call is a catch-up, not
+    the proposer's usual time, which the controller weighs drafts against."""
+    from specdec.engine.engine import Engine
+    from specdec.proposer import ProposalRequest
+
+    def request(rows: int) -> ProposalRequest:
+        return ProposalRequest("r", np.zeros(300, np.int64), 200, 1, hidden_positions=np.arange(rows))
+
+    assert Engine._hidden_catch_up([request(0)], np.array([1])) == (False, 0, False)  # the prefill's step
+    assert Engine._hidden_catch_up([request(200)], np.array([1])) == (True, 200, True)  # the prompt's states
+    assert Engine._hidden_catch_up([request(2), request(1)], np.array([1, 1])) == (False, 0, True)  # a usual step
+    assert Engine._hidden_catch_up([request(2), request(9)], np.array([1, 5])) == (True, 9, True)  # left out 3 steps
