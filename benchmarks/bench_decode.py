@@ -61,7 +61,8 @@ def main() -> None:
     configs = method_configs(args.k)
     if args.extra:
         configs.update(json.loads(args.extra))
-    methods = args.methods.split(",") + (list(json.loads(args.extra)) if args.extra else [])
+    # --extra's methods run too; one named in --methods as well runs once.
+    methods = list(dict.fromkeys(args.methods.split(",") + (list(json.loads(args.extra)) if args.extra else [])))
     llm = specdec.LLM(model=args.model, progress=False)
     prompts = code_edit_prompts(args.prompts) if args.workload == "code-edit" else chat_prompts(args.prompts)
     sampling = specdec.SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
