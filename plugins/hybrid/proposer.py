@@ -233,8 +233,7 @@ class HybridProposer(specdec.Proposer):
         requests = []
         for b in rows:
             request = batch.requests[b]
-            context = ProposalRequest(request.request_id + CONTEXT_SUFFIX, request.token_ids, request.num_prompt_tokens,
-                                      request.max_draft_len, sampling=request.sampling, rng=request.rng)
+            context = _context_request(request)
             if request.request_id not in self._context_started:
                 self._context_started.add(request.request_id)
                 self.lookup.on_request_start(attrs.evolve(context, max_draft_len=0))
@@ -267,10 +266,14 @@ class HybridProposer(specdec.Proposer):
         request.hidden_positions = np.concatenate([p for _, p in waiting] + [positions])
         return request
 
-    def _lookup_request(self, request: ProposalRequest, drafted: list[int]) -> ProposalRequest:
+    @staticmethod
+    def _lookup_request(request: ProposalRequest, drafted: list[int]) -> ProposalRequest:
+        """The lookup's one-step request: ``request``'s context and ``drafted`` as its prompt
+        (its tenant too: a lookup that keeps other requests' text, ``suffix``, keeps tenants apart)."""
         tokens = np.concatenate([request.token_ids, np.asarray(drafted, dtype=np.int64)])
         return ProposalRequest(request.request_id + LOOKUP_SUFFIX, tokens, len(tokens),
-                               request.max_draft_len - len(drafted), sampling=request.sampling, rng=request.rng)
+                               request.max_draft_len - len(drafted), sampling=request.sampling, rng=request.rng,
+                               tenant=request.tenant)
 
     def _look_up(self, requests: list[ProposalRequest]) -> Drafts:
         """The lookup proposer's drafts for one-step requests (started and finished here)."""
@@ -296,6 +299,13 @@ class HybridProposer(specdec.Proposer):
             for position in range(int(model_drafts.lengths[row]), len(draft)):
                 probs[row, position, draft[position]] = 1.0
         return probs
+
+
+def _context_request(request: ProposalRequest) -> ProposalRequest:
+    """The lookup's request on ``request``'s context alone, which lives as long as it does
+    (its prompt, its tenant, its sampling: a lookup treats it as it would the request)."""
+    return ProposalRequest(request.request_id + CONTEXT_SUFFIX, request.token_ids, request.num_prompt_tokens,
+                           request.max_draft_len, sampling=request.sampling, rng=request.rng, tenant=request.tenant)
 
 
 def _agreed_continuation(context_draft: list[int], model_draft: list[int]) -> list[int] | None:

@@ -172,3 +172,17 @@ def test_the_lookup_s_context_request_lives_and_ends_with_the_request(model_sess
     indexes = lookup._compiled if lookup._compiled is not None else lookup._indexes
     assert len(indexes) == 0 and not proposer._context_started
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
+
+
+def test_the_lookup_s_requests_carry_the_request_s_tenant():
+    """A lookup that keeps other requests' text (``suffix``) keeps tenants apart by the
+    request's tenant: both requests hybrid makes for it carry it."""
+    import numpy as np
+
+    from specdec.plugins.hybrid.proposer import HybridProposer, _context_request
+    from specdec.sdk import ProposalRequest
+
+    request = ProposalRequest("r", np.arange(12, dtype=np.int64), 8, 5, tenant="team-a")
+    context, continued = _context_request(request), HybridProposer._lookup_request(request, [3])
+    assert context.tenant == continued.tenant == "team-a"
+    assert context.num_prompt_tokens == 8 and len(continued.token_ids) == 13
