@@ -53,8 +53,9 @@ MIN_LOSS = 0.02
 #: least one a step): the last twenty drafts or so count, however many a step verifies. A mean
 #: over ten steps took a run of one-draft misses for a loss: the shipped MTP head, accepted 45%
 #: on chat and paying, was off for 56% of its steps (2026-12-05), 20% with twenty; a draft
-#: model verifying five drafts a step is judged on four steps (chat: 0.96x naive, against
-#: 0.92-0.94x with twenty steps).
+#: model verifying five drafts a step is judged on about four steps, as with ten (Qwen chat:
+#: 0.92-0.94x naive with a twenty-step mean, 0.96x with ten, 0.92-0.98x per draft over two
+#: runs of the same drafting decisions: docs/benchmarks/decode.md).
 REQUEST_DECAY = 0.95
 #: How much of the method's net is kept per request-step (a new request starts from it).
 SHARED_DECAY = 0.98

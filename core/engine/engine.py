@@ -728,6 +728,7 @@ class Engine:
             timed = True
             if needs_hidden:
                 proposals = [self._with_hidden_states(p, plan.decodes[b]) for p, b in zip(proposals, rows)]
+                # what the proposer catches up on is in the rows handed over, not in the tokens
                 catching_up, caught_up_tokens, timed = self._hidden_catch_up(proposals, rooms[rows])
             started = time.perf_counter()
             proposed = self.proposer.propose(ProposalBatch(proposals))
@@ -741,11 +742,9 @@ class Engine:
                     raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
                                        f"{len(rows)} non-negative integer labels")
                 proposed.classes = classes
-            if not timed:
-                pass
-            elif catching_up:
+            if timed and catching_up:
                 self.controller.catch_up_time(len(rows), state.proposer_seconds, caught_up_tokens)
-            else:
+            elif timed:
                 self.controller.proposer_time(len(rows), state.proposer_seconds)
             drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))
         drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, rooms)

@@ -31,24 +31,22 @@ DECAY = 0.97
 #: Steps after which a kind that has not led leads once more (and after which a model-first
 #: draft not continued is continued once more).
 RETRY_STEPS = 32
-#: Continuation tokens assumed accepted per continued step before any is measured.
-PRIOR_CONTINUATION = 1.0
-
 MODEL = 0  # the kind of a model-first draft
+#: Where the continuations of model-first drafts are counted, as one more kind (the lookup
+#: tokens accepted after the model's, per continued step).
+CONTINUATION = MAX_KIND + 1
 
 
 class LeaderStats:
-    """Decayed accepted-tokens means of model-first drafts (kind 0) and lookup-first drafts
-    (kind = matched length, capped at :data:`MAX_KIND`)."""
+    """Decayed accepted-tokens means of model-first drafts (kind 0), lookup-first drafts
+    (kind = matched length, capped at :data:`MAX_KIND`) and the lookup's continuations of
+    model-first drafts (:data:`CONTINUATION`)."""
 
     def __init__(self):
-        self._accepted = np.full(MAX_KIND + 1, PRIOR_ACCEPTED * PRIOR_WEIGHT)
-        self._weight = np.full(MAX_KIND + 1, PRIOR_WEIGHT)
-        self._last_led = np.zeros(MAX_KIND + 1, dtype=np.int64)
+        self._accepted = np.full(CONTINUATION + 1, PRIOR_ACCEPTED * PRIOR_WEIGHT)
+        self._weight = np.full(CONTINUATION + 1, PRIOR_WEIGHT)
+        self._last_led = np.zeros(CONTINUATION + 1, dtype=np.int64)
         self._step = 0
-        self._continued = PRIOR_CONTINUATION * PRIOR_WEIGHT
-        self._continued_weight = PRIOR_WEIGHT
-        self._last_continued = 0
 
     @staticmethod
     def kind(matched: int) -> int:
@@ -78,11 +76,8 @@ class LeaderStats:
         """Whether to continue a model-first draft with the lookup: its continuations have
         been accepted at least ``lookup_cost`` tokens a step (the lookup call's time, in tokens
         of a step), or none has run for :data:`RETRY_STEPS` steps."""
-        mean = self._continued / self._continued_weight
-        return mean >= lookup_cost or self._step - self._last_continued > RETRY_STEPS
+        return self.mean(CONTINUATION) >= lookup_cost or self._step - self._last_led[CONTINUATION] > RETRY_STEPS
 
     def record_continuation(self, accepted: int) -> None:
         """A continued model-first draft had ``accepted`` of its lookup tokens accepted."""
-        self._continued = DECAY * self._continued + accepted
-        self._continued_weight = DECAY * self._continued_weight + 1.0
-        self._last_continued = self._step
+        self.record(CONTINUATION, accepted)

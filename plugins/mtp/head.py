@@ -24,7 +24,7 @@ from .weights import MtpLayerWeights
 class MtpHead:
     """The layer's weights and its forward, on one of two paths:
 
-    - ``quantization`` ``wint8`` or ``wint4`` (what the ``mtp`` proposer runs, ``wint8`` unless
+    - ``quantization`` ``wint8`` or ``wint4`` (what the ``mtp`` proposer runs, ``wint4`` unless
       its config says otherwise): the engine's fast path, three native calls per forward.
       ``input`` is a :class:`specdec.sdk.QuantizedDraftInput` (the target's embedding rows,
       ``enorm``/``hnorm``, both projections, their sum and the layer's q/k/v in one call), the
