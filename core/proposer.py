@@ -29,8 +29,9 @@ class ProposalRequest:
     :ivar max_draft_len: the most drafts the engine will verify for this request this step
         (0 means: propose nothing).
     :ivar hidden_states: for a proposer with ``NEEDS_HIDDEN_STATES`` (else ``None``): ``[n, H]``
-        float32, the target's last-layer hidden states (before the final norm) at the
-        positions the target computed since this request's previous proposal whose next token
+        float32, the target's last-layer hidden states (before the final norm; ``[n,
+        len(layers) * H]``, those layers' states side by side, for a proposer whose
+        :meth:`Proposer.hidden_state_layers` names layers) at the positions the target computed since this request's previous proposal whose next token
         is now decided; after a prefill, every prompt position the target computed (positions
         served from the prefix cache are not computed). Rows of rejected drafts are never
         passed. A paddle tensor on the model's device; ``numpy.asarray`` of it works.
@@ -252,6 +253,16 @@ class Proposer(Plugin):
         layers of the proposer's own over the paged KV cache. Raise a
         :class:`specdec.SpecdecError` (one line) when the proposer cannot work with this target
         (a wrong hidden size, missing weights): the engine refuses the config with it."""
+
+    def hidden_state_layers(self) -> Optional[Sequence[int]]:
+        """For a proposer with ``NEEDS_HIDDEN_STATES``: the target's layers whose states it reads,
+        side by side in each row of ``hidden_states`` (``[n, len(layers) * H]``, in this order),
+        as EAGLE-3 fuses a low, a middle and a high layer's. Layer ``i`` is the residual stream
+        entering decoder layer ``i`` (0: the embeddings; vLLM's EAGLE-3 reads 2, L // 2 and
+        L - 3), and ``num_layers`` is the last layer's output before the final norm. None (the
+        default) is ``(num_layers,)``: ``[n, H]``. Called once, after :meth:`setup`; the
+        engine refuses layers outside ``0 .. num_layers`` or more than 8 of them."""
+        return None
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         """Return drafts for every request of ``batch``, at most ``max_draft_len`` each."""

@@ -280,7 +280,7 @@ def _handoff_byte_cap(engine):
     positions carries at most (its KV blocks and float32 hidden states); 0 beyond the model's
     length or the pool's size, which refuses it before its body is read."""
     bytes_per_block = engine.attention.bytes_per_block(engine.block_size)
-    hidden_bytes = engine.model_config.hidden_size * 4
+    hidden_bytes = engine.hidden_width * 4
 
     def byte_cap(num_positions: int) -> int:
         blocks = -(-num_positions // engine.block_size)

@@ -40,7 +40,7 @@ from .batch import PickedRows, SequenceRows, pack_step
 from .build import build_model, build_spec_plugins, create_cache_layers, load_draft_model, spec_plugin_classes
 from .controller import DraftController
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
-from .hidden_states import PendingHiddenStates
+from .hidden_states import PendingHiddenStates, hidden_state_layers
 from .kv_cache import BlockPool, KVCacheManager
 from .logits_processing import apply_row_processors
 from .logprobs import emitted_logprobs, log_softmax
@@ -198,9 +198,6 @@ class Engine:
         self.block_size = config.block_size
         self.kv = self._allocate_kv_cache()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.hidden_states = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
-        #: The prompt's hidden states of requests that capture them for a hand-off.
-        self.captured_hidden = PendingHiddenStates(self.model.paddle, self.model_config.hidden_size)
         #: What the drafting controller has learned, per method (see _use_spec_plugins).
         self._controllers: dict[str, DraftController] = {}
         #: Draft models proposers loaded (``ProposerContext.load_model``), by model and quantization.
@@ -244,6 +241,7 @@ class Engine:
     def _use_spec_plugins(self, spec: SpeculativeConfig) -> None:
         """Build the plugins ``spec`` names and make them the step loop's."""
         built = build_spec_plugins(spec, self.plugins, self._proposer_context)
+        hidden_layers = hidden_state_layers(built.proposer, self.model_config.num_layers)
         self.spec: SpeculativeConfig = spec
         self.num_speculative_tokens = spec.num_speculative_tokens or 0
         self.proposer, self.verifier, self.accept_policy = built.proposer, built.verifier, built.accept_policy
@@ -252,6 +250,12 @@ class Engine:
         # 1-row steps would drown; the proposer's time is its own): switching methods and back
         # resumes them.
         self.controller = self._controllers.setdefault(spec.method, DraftController())
+        self.hidden_layers = hidden_layers
+        #: Columns of the hidden states handed to the proposer (and captured for a hand-off).
+        self.hidden_width = self.model_config.hidden_size * len(self.hidden_layers or (None,))
+        self.hidden_states = PendingHiddenStates(self.model.paddle, self.hidden_width)
+        #: The prompt's hidden states of requests that capture them for a hand-off.
+        self.captured_hidden = PendingHiddenStates(self.model.paddle, self.hidden_width)
 
     def _proposer_context(self, create_proposer: Callable) -> ProposerContext:
         """What a proposer's ``setup`` gets: the target, its tokenizer and the cache geometry."""
@@ -804,6 +808,8 @@ class Engine:
         # The fused verify kernels read the logits where the model left them.
         options = {"device_logits": True} if self.kernels == "triton" else {}
         if self.proposer.NEEDS_HIDDEN_STATES or any(r.capture_hidden for r in plan.requests):
+            if self.hidden_layers is not None:
+                options["hidden_layers"] = self.hidden_layers
             logits, state.hidden = self.model.forward(packed.token_ids, packed.meta, packed.logit_rows,
                                                       return_hidden=True, **options)
             starts = packed.meta.cu_seqlens_q

@@ -97,8 +97,10 @@ class HandoffState:
         those positions (first axis: the blocks, in position order), in the exporting
         backend's own layout (:meth:`specdec.AttentionBackend.export_blocks`); opaque
         elsewhere. Rows past ``num_positions`` in the last block mean nothing.
-    :ivar hidden_states: ``[num_positions, hidden]`` float32, the target's last-layer hidden
-        states at those positions (for a decode engine whose proposer reads them), or None.
+    :ivar hidden_states: ``[num_positions, width]`` float32, the target's hidden states at
+        those positions as the proposer reads them (the last layer's, or the layers its
+        ``hidden_state_layers`` names, side by side), for a decode engine whose proposer reads
+        them, or None.
     :ivar layout: the exporting engine's :class:`KVLayout`.
     :ivar first_token_s: seconds from the request's arrival to its first token there.
     :ivar share_prefix: whether the importing engine may offer the imported prompt blocks to
@@ -272,9 +274,9 @@ def _checked_handoff(engine, state: HandoffState, num_prompt_tokens: int) -> np.
         raise SpecdecError(f"import_request: the KV must be {engine.model_config.num_layers} layers of {blocks} "
                            f"blocks for {state.num_positions} positions")
     hidden = state.hidden_states
-    if hidden is not None and tuple(hidden.shape) != (state.num_positions, engine.model_config.hidden_size):
+    if hidden is not None and tuple(hidden.shape) != (state.num_positions, engine.hidden_width):
         raise SpecdecError(f"import_request: hidden states {list(hidden.shape)}; expected "
-                           f"[{state.num_positions}, {engine.model_config.hidden_size}]")
+                           f"[{state.num_positions}, {engine.hidden_width}]")
     return output_ids
 
 

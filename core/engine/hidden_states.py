@@ -8,9 +8,11 @@ verification has decided them. The next proposal hands them over and forgets the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
+
+from ..errors import SpecdecError
 
 
 class PendingHiddenStates:
@@ -45,3 +47,29 @@ class PendingHiddenStates:
 
     def __len__(self) -> int:
         return len(self._parts)
+
+
+#: At most this many layers' states per row (EAGLE-3 reads three).
+MAX_HIDDEN_LAYERS = 8
+
+
+def hidden_state_layers(proposer: Any, num_layers: int) -> Optional[tuple[int, ...]]:
+    """The layers whose input states ``proposer`` reads (``Proposer.hidden_state_layers``),
+    checked against the target's ``num_layers``; None for the last layer's output alone (the
+    default, and what a proposer without ``NEEDS_HIDDEN_STATES`` gets)."""
+    if not proposer.NEEDS_HIDDEN_STATES:
+        return None
+    layers = proposer.hidden_state_layers()
+    if layers is None:
+        return None
+    name = getattr(proposer, "NAME", type(proposer).__name__)
+    try:
+        layers = tuple(int(layer) for layer in layers)
+    except (TypeError, ValueError):
+        raise SpecdecError(f"speculative_config.method: proposer '{name}': hidden_state_layers() must return "
+                           f"layer numbers, got {layers!r}") from None
+    if not 0 < len(layers) <= MAX_HIDDEN_LAYERS or any(not 0 <= layer <= num_layers for layer in layers):
+        raise SpecdecError(f"speculative_config.method: proposer '{name}': hidden_state_layers() must give 1 to "
+                           f"{MAX_HIDDEN_LAYERS} layers in [0, {num_layers}] (the target's {num_layers} layers' "
+                           f"inputs, {num_layers} its output), got {list(layers)}")
+    return None if layers == (num_layers,) else layers

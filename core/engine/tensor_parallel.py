@@ -308,12 +308,13 @@ class TensorParallelModel:
         with self._lock, self.watchdog.step():
             self._send(InitCache(num_blocks, block_size))
 
-    def forward(self, token_ids, meta, logit_rows, return_hidden: bool = False, device_logits: bool = False):
+    def forward(self, token_ids, meta, logit_rows, return_hidden: bool = False, device_logits: bool = False,
+                hidden_layers=None):
         with self._lock, self.watchdog.step():
             try:
                 self._send(Forward.of(token_ids, meta, logit_rows))
                 return self.local.forward(token_ids, meta, logit_rows, return_hidden=return_hidden,
-                                          device_logits=device_logits)
+                                          device_logits=device_logits, hidden_layers=hidden_layers)
             except Exception as exc:  # noqa: BLE001 - a collective failed: the group is broken for good
                 self.watchdog.collective_failed(exc)
                 raise

@@ -10,6 +10,8 @@ RoPE and the KV cache belong to the attention backend.
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import numpy as np
 
 from ..attention import AttentionBackend, AttentionMetadata
@@ -130,7 +132,8 @@ class LlamaModel:
             return self.weights.embed(token_ids if len(token_ids.shape) == 1 else token_ids.reshape([-1]))
 
     def forward(self, token_ids: np.ndarray, meta: AttentionMetadata,
-                logit_rows: np.ndarray, return_hidden: bool = False, device_logits: bool = False):
+                logit_rows: np.ndarray, return_hidden: bool = False, device_logits: bool = False,
+                hidden_layers: Optional[Sequence[int]] = None):
         """Run the decoder over packed rows.
 
         :param token_ids: ``[T]`` int64, every request's new tokens back to back.
@@ -141,6 +144,10 @@ class LlamaModel:
         :param return_hidden: also return the last layer's hidden states of every row
             (``[T, H]`` float32 paddle tensor, before the final norm), for proposers that read
             them.
+        :param hidden_layers: with ``return_hidden``, the layers whose input states to return
+            instead, side by side in this order (``[T, len(hidden_layers) * H]``): layer ``i``'s
+            input is the residual stream entering decoder layer ``i`` (0: the embeddings),
+            ``num_layers`` the last layer's output (see ``Proposer.hidden_state_layers``).
         :param device_logits: return the logits as a paddle tensor where the model ran (for
             the fused verify kernels) instead of copying them to a numpy array.
         :returns: ``[M, V]`` float32 numpy logits, or ``(logits, hidden_states)``.
@@ -151,12 +158,19 @@ class LlamaModel:
             x = weights.embed(p.to_tensor(token_ids))
             self.attention.prepare(meta)
             last = self.config.num_layers - 1
+            wanted = set(hidden_layers or ())
+            layer_inputs = {0: x} if 0 in wanted else {}
             qkv = weights.attention_input(0, x)
             for index in range(last):
                 attn = self.attention.forward(index, qkv, meta)
                 x, qkv = weights.layer_output_and_next_input(index, attn, x)
+                if index + 1 in wanted:
+                    layer_inputs[index + 1] = x
             x = weights.layer_output(last, self.attention.forward(last, qkv, meta), x)
             hidden = x
+            if hidden_layers:
+                layer_inputs[last + 1] = x
+                hidden = p.concat([layer_inputs[i] for i in hidden_layers], axis=1)
             if len(logit_rows) == 0:
                 logits = np.zeros((0, self.config.vocab_size), np.float32)
                 if device_logits:

@@ -86,6 +86,7 @@ class HybridProposer(specdec.Proposer):
         self.model = context.create_proposer(self.config.draft_model_method)
         self.lookup = context.create_proposer(self.config.draft_lookup_method)
         self.NEEDS_HIDDEN_STATES = bool(self.model.NEEDS_HIDDEN_STATES)
+        self._model_layers = self.model.hidden_state_layers() if self.NEEDS_HIDDEN_STATES else None
         self.model_steps = self.spec_config.num_model_steps if self.spec_config is not None else 1
         self.leaders = LeaderStats()
         #: Decayed means of the model's seconds per request and of the time between two
@@ -104,6 +105,10 @@ class HybridProposer(specdec.Proposer):
         self._context_started: set[str] = set()
         #: This step's context requests, by real request id, for the lookup's ``on_step``.
         self._context_requests: dict[str, ProposalRequest] = {}
+
+    def hidden_state_layers(self):
+        """The model proposer's (hybrid hands it the states as they come)."""
+        return self._model_layers
 
     def on_request_start(self, request: ProposalRequest) -> None:
         self.model.on_request_start(request)

@@ -114,12 +114,24 @@ class PagedRows(specdec.Proposer):
         return np.asarray(fresh.forward(0, paddle.to_tensor(qkv), meta))
 
 
+class LayerRecorder(HiddenRecorder):
+    """Records the states of three layers (EAGLE-3's way): the embeddings (layer 0's input), a
+    middle layer's input and the last layer's output; ``LAYERS`` may be set to others."""
+
+    NAME = "test_layer_recorder"
+    LAYERS = None
+
+    def hidden_state_layers(self):
+        num_layers = self.context.model_config.num_layers
+        return self.LAYERS if self.LAYERS is not None else (0, num_layers // 2, num_layers)
+
+
 @pytest.fixture
 def with_test_proposers(model_session, monkeypatch):
     """The session's engine with the two test proposers registered in a plugin set of its own
     (the process-wide one stays as it is); naive again afterwards."""
     plugins = load_plugins()
-    for cls in (HiddenRecorder, PagedRows):
+    for cls in (HiddenRecorder, PagedRows, LayerRecorder):
         plugins.proposers.register(cls, "tests/e2e/test_model_based_contract.py")
     monkeypatch.setattr(model_session.llm.engine, "plugins", plugins)
     yield model_session
@@ -174,6 +186,46 @@ def test_hidden_states_cover_every_position_once_and_are_the_targets(with_test_p
                                   np.asarray(target.logits(states[:2])))  # numpy or paddle in
     assert np.asarray(target.lm_head).shape == (config.vocab_size, config.hidden_size)
     assert np.asarray(target.final_norm).shape == (config.hidden_size,)
+
+
+def test_a_proposer_reads_the_layers_it_names_side_by_side(with_test_proposers):
+    """``hidden_state_layers``: each row holds the named layers' states in order: the
+    embeddings of its token, then a middle layer's, then the last layer's output (the default
+    state, whose logits pick the next token); a layer the target lacks is a one-line error."""
+    session = with_test_proposers
+    llm, engine = session.llm, session.llm.engine
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True)
+    naive = session.run(None, PROMPTS[:2], sampling, max_num_seqs=2)
+    outputs = session.run({"method": "test_layer_recorder", "adaptive_draft_length": False}, PROMPTS[:2], sampling,
+                          max_num_seqs=2, cache=False)
+    recorder = engine.proposer
+    target, H = recorder.context.target, recorder.context.model_config.hidden_size
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in naive]
+    for prompt, output in zip(PROMPTS[:2], outputs):
+        seen = recorder.seen[output.request_id]
+        tokens = np.array(session.prompt_ids(prompt) + output.token_ids)
+        positions = np.concatenate([s[0] for s in seen])
+        states = np.concatenate([s[1] for s in seen])
+        assert states.shape == (len(positions), 3 * H)
+        np.testing.assert_array_equal(states[:, :H], np.asarray(target.embed(tokens[positions])))
+        middle = states[:, H: 2 * H]
+        assert not np.allclose(middle, states[:, :H]) and not np.allclose(middle, states[:, 2 * H:])
+        generated = positions >= output.num_prompt_tokens - 1
+        np.testing.assert_array_equal(np.asarray(target.logits(states[generated, 2 * H:])).argmax(axis=1),
+                                      tokens[positions[generated] + 1])
+
+    num_layers = recorder.context.model_config.num_layers
+    before = llm.speculative_config
+    LayerRecorder.LAYERS = (2, num_layers + 1)
+    try:
+        with pytest.raises(specdec.SpecdecError) as info:
+            llm.set_speculative_config({"method": "test_layer_recorder"})
+    finally:
+        LayerRecorder.LAYERS = None
+    assert str(info.value) == (f"speculative_config.method: proposer 'test_layer_recorder': hidden_state_layers() "
+                               f"must give 1 to 8 layers in [0, {num_layers}] (the target's {num_layers} layers' "
+                               f"inputs, {num_layers} its output), got [2, {num_layers + 1}]")
+    assert llm.speculative_config is before and engine.proposer is recorder  # the engine keeps its plugins
 
 
 def test_cache_layers_keep_rows_across_steps_and_share_prefixes(with_test_proposers):
