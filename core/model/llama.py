@@ -157,20 +157,12 @@ class LlamaModel:
         with p.no_grad():
             x = weights.embed(p.to_tensor(token_ids))
             self.attention.prepare(meta)
-            last = self.config.num_layers - 1
-            wanted = set(hidden_layers or ())
-            layer_inputs = {0: x} if 0 in wanted else {}
             qkv = weights.attention_input(0, x)
-            for index in range(last):
-                attn = self.attention.forward(index, qkv, meta)
-                x, qkv = weights.layer_output_and_next_input(index, attn, x)
-                if index + 1 in wanted:
-                    layer_inputs[index + 1] = x
-            x = weights.layer_output(last, self.attention.forward(last, qkv, meta), x)
-            hidden = x
-            if hidden_layers:
-                layer_inputs[last + 1] = x
-                hidden = p.concat([layer_inputs[i] for i in hidden_layers], axis=1)
+            if not hidden_layers and hasattr(weights, "decoder_layers") and hasattr(self.attention, "kernel_operands"):
+                # A quantized model over the cpu attention backend: every layer in one native call.
+                x = hidden = weights.decoder_layers(x, qkv, self.attention.kernel_operands())
+            else:
+                x, hidden = self._layer_by_layer(x, qkv, meta, hidden_layers)
             if len(logit_rows) == 0:
                 logits = np.zeros((0, self.config.vocab_size), np.float32)
                 if device_logits:
@@ -182,6 +174,24 @@ class LlamaModel:
                 if not device_logits:
                     logits = logits.numpy()
         return (logits, hidden) if return_hidden else logits
+
+    def _layer_by_layer(self, x, qkv, meta: AttentionMetadata, hidden_layers: Optional[Sequence[int]]):
+        """The decoder layers one call at a time from the first layer's input ``x`` and its
+        ``qkv``: ``(last layer's output, hidden)``, ``hidden`` being that output or, with
+        ``hidden_layers``, those layers' inputs side by side (see :meth:`forward`)."""
+        weights, last = self.weights, self.config.num_layers - 1
+        wanted = set(hidden_layers or ())
+        layer_inputs = {0: x} if 0 in wanted else {}
+        for index in range(last):
+            attn = self.attention.forward(index, qkv, meta)
+            x, qkv = weights.layer_output_and_next_input(index, attn, x)
+            if index + 1 in wanted:
+                layer_inputs[index + 1] = x
+        x = weights.layer_output(last, self.attention.forward(last, qkv, meta), x)
+        if not hidden_layers:
+            return x, x
+        layer_inputs[last + 1] = x
+        return x, self.paddle.concat([layer_inputs[i] for i in hidden_layers], axis=1)
 
     def logits_of_hidden(self, hidden_states):
         """``[n, V]`` float32 paddle logits of last-layer hidden states ``[n, H]`` (numpy or

@@ -583,6 +583,44 @@ std::vector<paddle::Tensor> QLayerTailQkv(const paddle::Tensor& attn, const padd
   return {out, q_matmul(out, next_gain, wqkv, lqkv, epilogue, eps, true)};
 }
 
+// specdec_cpu_ops.cc's paged attention, which this file's stack of layers calls between them.
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
+                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                           const paddle::Tensor& meta, int64_t heads, int64_t kv_heads);
+
+// Operands per layer in `layers` of q_decoder_layers: o (data, layout), mlp_gain, gate_up (data,
+// layout), down (data, layout), then the layer's input side: attn_gain, qkv (data, layout) and
+// the qkv epilogue.
+constexpr size_t kLayerOperands = 11;
+
+// Every decoder layer of a quantized model in one call, from the first layer's input x [T, H]
+// and its q/k/v: per layer the paged attention over caches[i] (the cpu backend's call), then
+// q_layer_tail_qkv with the next layer's input side (q_layer_tail for the last). The same
+// calls, in the same order, as the loop over layers made one paddle dispatch at a time (two
+// per layer, some 20-40 us each on a CPU: more than a small model's layer takes at batch 1).
+// Returns the last layer's output, before the final norm.
+std::vector<paddle::Tensor> QDecoderLayers(const paddle::Tensor& x, const paddle::Tensor& qkv,
+                                           const std::vector<paddle::Tensor>& caches, const paddle::Tensor& cos,
+                                           const paddle::Tensor& sin, const paddle::Tensor& meta,
+                                           const std::vector<paddle::Tensor>& layers, int64_t heads,
+                                           int64_t kv_heads, float eps) {
+  const size_t L = caches.size();
+  PD_CHECK(L > 0 && layers.size() == L * kLayerOperands, "q_decoder_layers: ", kLayerOperands,
+           " operands per layer and one cache per layer");
+  paddle::Tensor h = x, q = qkv;
+  for (size_t i = 0; i < L; ++i) {
+    const paddle::Tensor* w = layers.data() + i * kLayerOperands;
+    const paddle::Tensor attn = PagedAttention(q, caches[i], cos, sin, meta, heads, kv_heads)[0];
+    if (i + 1 == L) return QLayerTail(attn, h, w[0], w[1], w[2], w[3], w[4], w[5], w[6], eps);
+    const paddle::Tensor* next = w + kLayerOperands;
+    std::vector<paddle::Tensor> out =
+        QLayerTailQkv(attn, h, w[0], w[1], w[2], w[3], w[4], w[5], w[6], next[7], next[8], next[9], next[10], eps);
+    h = out[0];
+    q = out[1];
+  }
+  return {h};
+}
+
 namespace {
 
 // Rows id[0..T) of a quantized table, dequantized into out [T, cols].
@@ -702,6 +740,12 @@ PD_BUILD_OP(specdec_q_layer_tail_qkv)
     .Outputs({"Out", "Qkv"})
     .Attrs({"eps: float"})
     .SetKernelFn(PD_KERNEL(QLayerTailQkv));
+
+PD_BUILD_OP(specdec_q_decoder_layers)
+    .Inputs({"X", "Qkv", paddle::Vec("Caches"), "Cos", "Sin", "Meta", paddle::Vec("Layers")})
+    .Outputs({"Out"})
+    .Attrs({"heads: int64_t", "kv_heads: int64_t", "eps: float"})
+    .SetKernelFn(PD_KERNEL(QDecoderLayers));
 
 PD_BUILD_OP(specdec_q_draft_input)
     .Inputs({"Embeds", "Table", "TableLayout", "Hidden", "EmbedGain", "We", "Le", "HiddenGain", "Wh", "Lh", "AttnGain",

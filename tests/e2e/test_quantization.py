@@ -123,10 +123,15 @@ def test_speculation_keeps_the_quantized_greedy_output(quantization):
 
 #: VmHWM (this process's peak resident set) rather than ru_maxrss, which Linux carries over
 #: from the pytest process that forked this one.
-def test_a_decode_step_makes_two_native_calls_per_layer():
-    """docs/models.md: 3 + 2 x layers calls for the quantized path (63 for 30 layers)."""
+def test_a_forward_pass_makes_four_native_calls_the_loop_s_floats_bit_for_bit():
+    """docs/models.md: the embedding, the first layer's q/k/v, every layer at once
+    (``specdec_q_decoder_layers``, the cpu attention backend's calls inside) and the LM head.
+    Layer by layer (as with ``hidden_layers``, or another attention backend) it is 3 + 2 x layers
+    calls; both give the same floats, the KV cache the same rows, the prompt's and a decode
+    step's alike."""
     llm = engine("gguf")
-    model = llm.engine.model
+    eng, model = llm.engine, llm.engine.model
+    layers = model.config.num_layers
     calls = []
 
     class Counting:
@@ -141,18 +146,40 @@ def test_a_decode_step_makes_two_native_calls_per_layer():
                 return op(*args)
             return counted
 
+    ids = np.asarray(llm.encode_prompt(QUESTION, use_chat_template=True), dtype=np.int64)
+    prompt, rows = ids[:-3], ids[-3:]
+
+    def run(**options):
+        """Logits and hidden states of the prompt's prefill, then of 3 rows over it."""
+        blocks = [eng.kv.pool.allocate() for _ in range(-(-len(ids) // eng.block_size))]
+        try:
+            results = []
+            for chunk, context in ((prompt, 0), (rows, len(prompt))):
+                meta = AttentionMetadata.build([len(chunk)], [context], [blocks], eng.block_size)
+                logits, hidden = model.forward(chunk, meta, np.arange(len(chunk), dtype=np.int64),
+                                               return_hidden=True, **options)
+                results += [np.asarray(logits), np.asarray(hidden)]
+            return results
+        finally:
+            for block in blocks:
+                eng.kv.pool.release(block)
+
     weights, attention = model.weights, model.attention
     saved = weights.ops, attention.ops
     weights.ops, attention.ops = Counting(weights.ops), Counting(attention.ops)
     try:
-        ids = llm.encode_prompt(QUESTION, use_chat_template=True)
-        all_logits(llm, ids)
+        fused = run()
+        fused_calls, calls[:] = list(calls), []
+        by_layer = run(hidden_layers=(layers,))
     finally:
         weights.ops, attention.ops = saved
-    layers = model.config.num_layers
-    assert len(calls) == 3 + 2 * layers == 63, sorted(set(calls))
-    assert calls.count("specdec_q_layer_tail_qkv") == layers - 1
-    assert calls.count("specdec_paged_attention") == layers
+    assert fused_calls == ["specdec_q_embedding", "specdec_q_matmul", "specdec_q_decoder_layers",
+                           "specdec_q_matmul"] * 2
+    assert len(calls) == 2 * (3 + 2 * layers) == 126, sorted(set(calls))
+    assert calls.count("specdec_q_layer_tail_qkv") == 2 * (layers - 1)
+    assert calls.count("specdec_paged_attention") == 2 * layers
+    for got, want in zip(fused, by_layer):
+        np.testing.assert_array_equal(got, want)
 
 
 _RSS_SCRIPT = """
