@@ -31,8 +31,8 @@ class ProposalRequest:
     :ivar hidden_states: for a proposer with ``NEEDS_HIDDEN_STATES`` (else ``None``): ``[n, H]``
         float32, the target's last-layer hidden states (before the final norm; ``[n,
         len(layers) * H]``, those layers' states side by side, for a proposer whose
-        :meth:`Proposer.hidden_state_layers` names layers) at the positions the target computed since this request's previous proposal whose next token
-        is now decided; after a prefill, every prompt position the target computed (positions
+        :meth:`Proposer.hidden_state_layers` names layers) at the positions the target
+        computed since this request's previous proposal whose next token is now decided; after a prefill, every prompt position the target computed (positions
         served from the prefix cache are not computed). Rows of rejected drafts are never
         passed. A paddle tensor on the model's device; ``numpy.asarray`` of it works.
     :ivar hidden_positions: ``[n]`` int64 with ``hidden_states``: ``hidden_states[i]`` is the

@@ -252,7 +252,7 @@ class Engine:
         self.controller = self._controllers.setdefault(spec.method, DraftController())
         self.hidden_layers = hidden_layers
         #: Columns of the hidden states handed to the proposer (and captured for a hand-off).
-        self.hidden_width = self.model_config.hidden_size * len(self.hidden_layers or (None,))
+        self.hidden_width = self.model_config.hidden_size * (len(hidden_layers) if hidden_layers else 1)
         self.hidden_states = PendingHiddenStates(self.model.paddle, self.hidden_width)
         #: The prompt's hidden states of requests that capture them for a hand-off.
         self.captured_hidden = PendingHiddenStates(self.model.paddle, self.hidden_width)

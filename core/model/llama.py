@@ -158,9 +158,9 @@ class LlamaModel:
             x = weights.embed(p.to_tensor(token_ids))
             self.attention.prepare(meta)
             qkv = weights.attention_input(0, x)
-            if not hidden_layers and hasattr(weights, "decoder_layers") and hasattr(self.attention, "kernel_operands"):
-                # A quantized model over the cpu attention backend: every layer in one native call.
-                x = hidden = weights.decoder_layers(x, qkv, self.attention.kernel_operands())
+            operands = self._native_attention() if not hidden_layers else None
+            if operands is not None:  # every layer in one native call
+                x = hidden = weights.decoder_layers(x, qkv, operands)
             else:
                 x, hidden = self._layer_by_layer(x, qkv, meta, hidden_layers)
             if len(logit_rows) == 0:
@@ -174,6 +174,15 @@ class LlamaModel:
                 if not device_logits:
                     logits = logits.numpy()
         return (logits, hidden) if return_hidden else logits
+
+    def _native_attention(self) -> Optional[tuple]:
+        """The attention's operands for the quantized kernels' call over every layer
+        (``decoder_layers``): a quantized model over the ``cpu`` backend (not a subclass of it
+        with a ``forward`` of its own); else None."""
+        operands = getattr(self.attention, "kernel_operands", None)
+        if operands is None or not hasattr(self.weights, "decoder_layers"):
+            return None
+        return operands()
 
     def _layer_by_layer(self, x, qkv, meta: AttentionMetadata, hidden_layers: Optional[Sequence[int]]):
         """The decoder layers one call at a time from the first layer's input ``x`` and its
