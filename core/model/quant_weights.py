@@ -145,7 +145,7 @@ class QuantizedWeights:
         with the cpu attention backend's ``kernel_operands()``: the last layer's output, the
         same floats as the loop of :meth:`layer_output_and_next_input` and the backend's
         ``forward``. At batch 1 on the default model the loop's 60 paddle dispatches cost
-        about a seventh of the forward pass (0.9 of 6.6 ms, docs/models.md)."""
+        about a seventh of the forward pass (1 of 7.4 ms, docs/models.md)."""
         caches, cos, sin, meta, heads, kv_heads = attention_operands
         if self._layer_operands is None:
             self._layer_operands = [tensor for layer in self.layers
