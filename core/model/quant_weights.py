@@ -118,7 +118,10 @@ class QuantizedWeights:
         self.final_norm = vector("model.norm.weight")
         self._float_embedding = None
         self._float_lm_head = None
-        self._layer_operands: list | None = None  # decoder_layers' operands, in the kernel's order
+        #: decoder_layers' operands, every layer's in the kernel's order.
+        self._layer_operands = [tensor for layer in self.layers
+                                for tensor in (*layer["o"], layer["mlp_gain"], *layer["gate_up"], *layer["down"],
+                                               layer["attn_gain"], *layer["qkv"], layer["qkv_epilogue"])]
 
     @staticmethod
     def _table_names(config: ModelConfig) -> list[str]:
@@ -147,10 +150,6 @@ class QuantizedWeights:
         ``forward``. At batch 1 on the default model the loop's 60 paddle dispatches cost
         about a seventh of the forward pass (1 of 7.4 ms, docs/models.md)."""
         caches, cos, sin, meta, heads, kv_heads = attention_operands
-        if self._layer_operands is None:
-            self._layer_operands = [tensor for layer in self.layers
-                                    for tensor in (*layer["o"], layer["mlp_gain"], *layer["gate_up"], *layer["down"],
-                                                   layer["attn_gain"], *layer["qkv"], layer["qkv_epilogue"])]
         return self.ops.specdec_q_decoder_layers(x, qkv, caches, cos, sin, meta, self._layer_operands, heads,
                                                  kv_heads, self.eps)
 

@@ -86,7 +86,6 @@ class HybridProposer(specdec.Proposer):
         self.model = context.create_proposer(self.config.draft_model_method)
         self.lookup = context.create_proposer(self.config.draft_lookup_method)
         self.NEEDS_HIDDEN_STATES = bool(self.model.NEEDS_HIDDEN_STATES)
-        self._model_layers = self.model.hidden_state_layers() if self.NEEDS_HIDDEN_STATES else None
         self.model_steps = self.spec_config.num_model_steps if self.spec_config is not None else 1
         self.leaders = LeaderStats()
         #: Decayed means of the model's seconds per request and of the time between two
@@ -108,7 +107,7 @@ class HybridProposer(specdec.Proposer):
 
     def hidden_state_layers(self):
         """The model proposer's (hybrid hands it the states as they come)."""
-        return self._model_layers
+        return self.model.hidden_state_layers()
 
     def on_request_start(self, request: ProposalRequest) -> None:
         self.model.on_request_start(request)
