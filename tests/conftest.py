@@ -64,12 +64,15 @@ class ModelSession:
     # -- running --------------------------------------------------------------------------------
 
     def run(self, spec, prompts, sampling, *, chat: bool = True, max_num_seqs: int = 1,
-            cache: bool = True):
+            cache: bool = True, fresh_controller: bool = False):
         """Generate ``prompts`` with speculative config ``spec`` (None = naive) and
         ``max_num_seqs`` requests at once; returns the list of ``RequestOutput``.
 
         ``sampling`` is one ``SamplingParams`` or one per prompt. Results are memoized on all
         arguments (greedy runs are deterministic); treat them as read-only.
+        ``fresh_controller``: the method's drafting controller starts from its priors, not
+        from what earlier tests (in any order, under another load) taught it: for tests
+        whose assertions are about which drafts were verified.
         """
         prompts = tuple(prompts)
         sampling_key = tuple(sampling) if isinstance(sampling, (list, tuple)) else sampling
@@ -81,6 +84,8 @@ class ModelSession:
         assert not engine.has_unfinished(), "a previous run left requests behind"
         saved = engine.scheduler.max_num_seqs
         llm.set_speculative_config(spec)
+        if fresh_controller:
+            engine.reset_controller()
         engine.scheduler.max_num_seqs = max_num_seqs
         try:
             outputs = llm.generate(list(prompts), list(sampling) if isinstance(sampling, (list, tuple))

@@ -119,14 +119,16 @@ class DraftController:
         return state
 
     def proposing(self, request_ids: list[str], always: np.ndarray, max_draft_lens: np.ndarray,
-                  unseen_tokens: np.ndarray | None = None) -> np.ndarray:
+                  unseen_tokens: np.ndarray | None = None, without_proposer: np.ndarray | None = None) -> np.ndarray:
         """``[B]`` bool: the requests the proposer is called for this step: those whose
         drafting pays, those due for a probe that the probe budget covers (the longest idle
         first), and those ``always`` marks (seeded, sampled).
 
         ``max_draft_lens``: the most drafts each may verify; ``unseen_tokens``: the tokens of
         each the proposer has not been shown (what a probe's catch-up runs over). Together,
-        what a probe of it costs."""
+        what a probe of it costs. ``without_proposer`` marks the requests whose drafts this
+        step come from elsewhere (their predicted output): a probe of one costs its rows only,
+        and the engine does not call the proposer for it whatever this returns."""
         states = [self._state(request_id) for request_id in request_ids]
         due = []
         for b, state in enumerate(states):
@@ -137,7 +139,8 @@ class DraftController:
             self._probe_waiting = 0.0
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
             unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
-            states[b].probing = self._afford_probe(int(max_draft_lens[b]), not states[b].proposing, unseen)
+            calls_proposer = not states[b].proposing and (without_proposer is None or not without_proposer[b])
+            states[b].probing = self._afford_probe(int(max_draft_lens[b]), calls_proposer, unseen)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
 
     def _afford_probe(self, drafts: int, calls_proposer: bool, catch_up_tokens: int) -> bool:

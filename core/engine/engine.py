@@ -439,6 +439,15 @@ class Engine:
             raise SpecdecError("cannot reset the prefix cache while requests are running")
         self.kv.pool.reset_prefix_cache()
 
+    def reset_controller(self) -> None:
+        """Forget what the drafting controller learned for the current method (step costs,
+        acceptance, the proposer's time): the next requests start from its priors, as on a
+        fresh engine. For runs whose drafting must not depend on what ran before (timings
+        taken under another load mislead it for a hundred steps). Only when idle."""
+        if self.has_unfinished():
+            raise SpecdecError("cannot reset the drafting controller while requests are running")
+        self.controller = self._controllers[self.spec.method] = DraftController()
+
     def _retire(self, request: Request, reason: Optional[str]) -> None:
         """Take a request out of the engine for good: blocks, proposer state, final text."""
         self.scheduler.remove(request)
@@ -534,12 +543,17 @@ class Engine:
     def _proposal_request(self, request: Request, max_draft_len: int) -> ProposalRequest:
         """What the proposer sees of ``request`` this step (the hidden states kept for it are
         handed over when it is proposed for: :meth:`_with_hidden_states`)."""
-        method_k = self.num_speculative_tokens  # a prediction may have left more room: not the method's
-        if request.sampling.num_speculative_tokens is not None:
-            method_k = min(method_k, request.sampling.num_speculative_tokens)
-        max_draft_len = min(max_draft_len, method_k)
+        max_draft_len = self._method_draft_len(request, max_draft_len)
         return ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, max_draft_len,
                                sampling=request.sampling, rng=request.rng, tenant=request.tenant)
+
+    def _method_draft_len(self, request: Request, room: int) -> int:
+        """The most drafts the method's proposer gives ``request`` in a step with ``room``
+        drafts left it (a prediction may have left more room than the method's ``k``)."""
+        method_k = self.num_speculative_tokens
+        if request.sampling.num_speculative_tokens is not None:
+            method_k = min(method_k, request.sampling.num_speculative_tokens)
+        return min(int(room), method_k)
 
     def _with_hidden_states(self, proposal: ProposalRequest, request: Request) -> ProposalRequest:
         """``proposal`` with every hidden state kept for ``request`` since its last proposal
@@ -710,13 +724,20 @@ class Engine:
         request_ids = [r.request_id for r in batch.requests]
         adaptive = self.spec.adaptive_draft_length
         needs_hidden = self.proposer.NEEDS_HIDDEN_STATES
+        predicted = self.predictions.drafts(plan.decodes, rooms)
+        # A request whose prediction draft wins whatever the method drafts needs no proposer
+        # call this step (a model proposer catches up when it next drafts for it).
+        led = self.predictions.leading(predicted, np.fromiter(
+            (self._method_draft_len(r, room) for r, room in zip(plan.decodes, rooms)), dtype=np.int64,
+            count=len(plan.decodes))) if predicted else np.zeros(len(batch), dtype=bool)
         # A model proposer also gets the requests without room to draft: it catches up on
         # their states. Left out, a request's states wait for its next proposal.
-        wanted = (max_draft_lens > 0) | needs_hidden
+        wanted = ((max_draft_lens > 0) | needs_hidden) & ~led
         unseen = np.fromiter((r.num_tokens - r.proposed_through for r in plan.decodes), dtype=np.int64,
                              count=len(plan.decodes))
         if adaptive:
-            wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes), max_draft_lens, unseen)
+            wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes), max_draft_lens, unseen,
+                                                without_proposer=led)
         rows = np.flatnonzero(wanted)
         catching_up = self._catching_up([plan.decodes[b] for b in rows])
         caught_up_tokens = int(sum(unseen[b] for b in rows if not plan.decodes[b].proposed_last_step))
@@ -725,7 +746,7 @@ class Engine:
             if proposed:
                 request.proposed_through = request.num_tokens
         state.proposed = wanted & (max_draft_lens > 0)
-        state.proposer_off = ~wanted & (max_draft_lens > 0)
+        state.proposer_off = ~wanted & ~led & (max_draft_lens > 0)
         drafts = Drafts.empty(len(batch))
         if len(rows) and (needs_hidden or max_draft_lens[rows].any()):
             proposals = [batch.requests[b] for b in rows]
@@ -751,7 +772,7 @@ class Engine:
             elif timed:
                 self.controller.proposer_time(len(rows), state.proposer_seconds)
             drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))
-        drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, rooms)
+        drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, predicted)
         lengths = np.minimum(drafts.lengths, max_draft_lens)
         # A request proposed for because it is seeded and sampled keeps its drafts (see
         # _keeps_drafts), as does one probed this step.

@@ -57,6 +57,11 @@ def match_class(length: int) -> int:
     return length if length < 3 else (3 if length < 8 else 4)
 
 
+def _weak(length: int) -> bool:
+    """Whether a match of ``length`` tokens is too short to trust over the method's draft."""
+    return 0 < length < CONFIDENT_MATCH
+
+
 def check_prediction(prediction: Sequence[int], vocab_size: int, max_model_len: int) -> None:
     """A :class:`RequestError` naming ``prediction`` for ids outside the vocabulary, or a
     prediction longer than the context (it could never all be output)."""
@@ -131,15 +136,11 @@ class Predictions:
             k = min(k, request.sampling.num_speculative_tokens)
         return k
 
-    def compose(self, requests: list, drafts: Drafts, method_caps: np.ndarray,
-                rooms: np.ndarray) -> tuple[Drafts, np.ndarray]:
-        """The step's drafts with prediction drafts in place of the method's where a request
-        has one (see the module's docstring), and each request's cap on its draft length: the
-        prediction draft's length (at most ``rooms[b]``, what the scheduler left the request),
-        else ``method_caps[b]``."""
-        caps = np.asarray(method_caps, dtype=np.int64).copy()
-        method_lengths = np.minimum(drafts.lengths, caps)
-        rows: dict[int, tuple[np.ndarray, int]] = {}
+    def drafts(self, requests: list, rooms: np.ndarray) -> dict[int, tuple[np.ndarray, int]]:
+        """This step's prediction drafts: ``{b: (tokens, match length)}`` for each request of
+        ``requests`` that has one (at most ``rooms[b]`` tokens: what the scheduler left it).
+        Called once a step (it moves the alignments); :meth:`compose` takes the result."""
+        predicted: dict[int, tuple[np.ndarray, int]] = {}
         for b, request in enumerate(requests):
             self._drafted.discard(request.request_id)
             prediction = request.sampling.prediction
@@ -149,9 +150,32 @@ class Predictions:
             if alignment is None:
                 alignment = self._alignments[request.request_id] = _Alignment(prediction)
             tokens, length = alignment.draft(request.generated_ids, int(rooms[b]))
-            weak = 0 < length < CONFIDENT_MATCH  # a chance match, likely: the method knows better
-            if not len(tokens) or len(tokens) < method_lengths[b] or (weak and method_lengths[b]):
-                continue
+            if len(tokens):
+                predicted[b] = (tokens, length)
+        return predicted
+
+    @staticmethod
+    def leading(predicted: dict[int, tuple[np.ndarray, int]], method_lengths: np.ndarray) -> np.ndarray:
+        """``[B]`` bool: the requests whose prediction draft :meth:`compose` takes whatever the
+        method drafts (a confident match, or the output's start, at least as long as the
+        method's draft can be: ``method_lengths[b]``). The method's proposer need not run for
+        them this step."""
+        led = np.zeros(len(method_lengths), dtype=bool)
+        for b, (tokens, length) in predicted.items():
+            led[b] = not _weak(length) and len(tokens) >= method_lengths[b]
+        return led
+
+    def compose(self, requests: list, drafts: Drafts, method_caps: np.ndarray,
+                predicted: dict[int, tuple[np.ndarray, int]]) -> tuple[Drafts, np.ndarray]:
+        """The step's drafts with the prediction drafts (:meth:`drafts`) in place of the
+        method's where a request has one (see the module's docstring), and each request's cap
+        on its draft length: the prediction draft's length, else ``method_caps[b]``."""
+        caps = np.asarray(method_caps, dtype=np.int64).copy()
+        method_lengths = np.minimum(drafts.lengths, caps)
+        rows: dict[int, tuple[np.ndarray, int]] = {}
+        for b, (tokens, length) in predicted.items():
+            if len(tokens) < method_lengths[b] or (_weak(length) and method_lengths[b]):
+                continue  # a chance match, likely, or a shorter draft: the method's is better
             rows[b] = (tokens, length)
         if not rows:
             return drafts, caps

@@ -61,9 +61,9 @@ def off_now_and_then(monkeypatch, period: int = 5) -> None:
     real = DraftController.proposing
     steps = iter(range(10 ** 9))
 
-    def proposing(self, request_ids, always, max_draft_lens, unseen_tokens=None):
+    def proposing(self, request_ids, always, max_draft_lens, unseen_tokens=None, without_proposer=None):
         self._requests.clear()  # its own judgement does not carry into the next step
-        real(self, request_ids, always, max_draft_lens, unseen_tokens)
+        real(self, request_ids, always, max_draft_lens, unseen_tokens, without_proposer)
         return np.full(len(request_ids), (next(steps) // period) % 2 == 0)
 
     monkeypatch.setattr(DraftController, "proposing", proposing)

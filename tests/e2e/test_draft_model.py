@@ -198,8 +198,8 @@ def test_switching_the_draft_off_and_on_mid_request_changes_no_token(model_sessi
     real = DraftController.proposing
     steps = iter(range(10 ** 9))
 
-    def proposing(self, request_ids, always, max_draft_lens, unseen_tokens=None):
-        real(self, request_ids, always, max_draft_lens, unseen_tokens)
+    def proposing(self, request_ids, always, max_draft_lens, unseen_tokens=None, without_proposer=None):
+        real(self, request_ids, always, max_draft_lens, unseen_tokens, without_proposer)
         return np.full(len(request_ids), (next(steps) // 5) % 2 == 0)
 
     monkeypatch.setattr(DraftController, "proposing", proposing)

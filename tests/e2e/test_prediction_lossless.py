@@ -10,14 +10,21 @@ would prove nothing.
 With the default settings (the adaptive draft length on): where the policy judges the
 prediction's drafts not worth their rows (a prior, against rows that a busy machine makes look
 dear), the controller's probes verify them uncut now and then, learn their acceptance, and
-take them from then on.
+take them from then on. Each run starts from a fresh controller: what earlier tests taught it
+(timings under another load) is not what these assertions are about.
+
+While the prediction's draft wins over anything the method could draft, the method's proposer
+is not called at all.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+import specdec
 from specdec import SamplingParams
+from specdec.plugin_manager import load_plugins
 from specdec.workloads import code_edit_tasks
 
 pytestmark = pytest.mark.slow
@@ -56,7 +63,7 @@ def reference(model_session, tasks):
 def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks, reference, method):
     prompts, predictions = tasks
     outputs = model_session.run(_spec(method), prompts, [_sampling(p) for p in predictions], chat=False, max_num_seqs=3,
-                                cache=False)
+                                cache=False, fresh_controller=True)
     for i, (output, expected) in enumerate(zip(outputs, reference)):
         assert output.token_ids == expected, \
             model_session.describe_divergence(prompts[i], expected, output.token_ids, label=f"{method}, request {i}")
@@ -74,7 +81,38 @@ def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks
 
 def test_a_prediction_alone_is_lossless_and_faster_per_step(model_session, tasks, reference):
     prompts, predictions = tasks
-    [output] = model_session.run(_spec("naive"), prompts[:1], _sampling(predictions[0]), chat=False, cache=False)
+    [output] = model_session.run(_spec("naive"), prompts[:1], _sampling(predictions[0]), chat=False, cache=False,
+                                 fresh_controller=True)
     assert output.token_ids == reference[0]
     # Naive decoding takes a step per token: the prediction saved steps.
     assert output.metrics.num_steps < MAX_TOKENS * 0.75, output.metrics
+
+
+class CountingGarbage(specdec.Proposer):
+    """Counts its calls and drafts token 0 (never the answer)."""
+
+    NAME = "test_counting_garbage"
+    calls = 0
+
+    def propose(self, batch: specdec.ProposalBatch) -> specdec.Drafts:
+        type(self).calls += 1
+        return specdec.Drafts.from_lists([[0] * r.max_draft_len for r in batch.requests])
+
+
+def test_a_leading_prediction_leaves_the_method_s_proposer_uncalled(model_session, tasks, reference, monkeypatch):
+    plugins = load_plugins()
+    plugins.proposers.register(CountingGarbage, "tests/e2e/test_prediction_lossless.py")
+    monkeypatch.setattr(model_session.llm.engine, "plugins", plugins)
+    prompts, _ = tasks
+    # The answer itself as the prediction: it leads at every step until fewer tokens are left
+    # of it than the method's k (3).
+    spec = {"method": CountingGarbage.NAME, "num_speculative_tokens": 3}
+    try:
+        [output] = model_session.run(spec, prompts[:1], _sampling(reference[0]), chat=False, cache=False,
+                                     fresh_controller=True)
+    finally:
+        model_session.llm.set_speculative_config(None)
+    assert output.token_ids == reference[0]
+    assert output.metrics.num_prediction_accepted >= MAX_TOKENS - 2 * output.metrics.num_steps
+    assert output.metrics.num_proposer_off_steps == 0  # not called for a better draft: not "off"
+    assert CountingGarbage.calls <= 2, CountingGarbage.calls

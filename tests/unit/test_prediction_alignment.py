@@ -54,11 +54,16 @@ def test_a_repeated_passage_aligns_at_the_place_after_the_last_one():
     assert alignment.draft(np.asarray([1, 2, 3, 4, 50, 51, 1, 2, 3, 4]), 2)[0].tolist() == [60, 61]
 
 
+def _compose(predictions, requests, method, caps, rooms):
+    """The engine's order: this step's prediction drafts, then composed with the method's."""
+    return predictions.compose(requests, method, caps, predictions.drafts(requests, rooms))
+
+
 def test_compose_replaces_shorter_method_drafts_and_labels_them():
     predictions = Predictions()
     requests = [_Request("a", PREDICTION[:3]), _Request("b", [5, 6], prediction=())]
     method = Drafts.from_lists([[9, 9], [7, 7, 7]], classes=[2, 3])
-    drafts, caps = predictions.compose(requests, method, np.array([3, 3]), np.array([8, 3]))
+    drafts, caps = _compose(predictions, requests, method, np.array([3, 3]), np.array([8, 3]))
     assert drafts.to_lists() == [PREDICTION[3:11], [7, 7, 7]]
     assert caps.tolist() == [8, 3]
     assert drafts.classes.tolist() == [CLASS_BASE + 3, 3]  # a 3-token match
@@ -72,7 +77,7 @@ def test_compose_makes_prediction_drafts_one_hot_among_sampled_drafts():
     predictions = Predictions()
     probs = np.full((1, 2, 200), 1 / 200, dtype=np.float32)
     method = Drafts.from_lists([[9, 9]], probs=probs)
-    drafts, _ = predictions.compose([_Request("a", [])], method, np.array([2]), np.array([4]))
+    drafts, _ = _compose(predictions, [_Request("a", [])], method, np.array([2]), np.array([4]))
     assert drafts.probs.shape == (1, 4, 200)
     assert drafts.probs[0, np.arange(4), PREDICTION[:4]].tolist() == [1.0] * 4
     assert drafts.probs.sum() == pytest.approx(4.0)
@@ -82,11 +87,21 @@ def test_a_short_match_leaves_the_methods_draft():
     predictions = Predictions()
     # 130 occurs in the prediction, but only the last two tokens match.
     method = Drafts.from_lists([[1, 2]])
-    drafts, _ = predictions.compose([_Request("a", [5, 129, 130])], method, np.array([2]), np.array([8]))
+    drafts, _ = _compose(predictions, [_Request("a", [5, 129, 130])], method, np.array([2]), np.array([8]))
     assert drafts.to_lists() == [[1, 2]]
     # Without a draft of the method's, the prediction's is taken.
-    drafts, _ = predictions.compose([_Request("a", [5, 129, 130])], Drafts.empty(1), np.array([2]), np.array([8]))
+    drafts, _ = _compose(predictions, [_Request("a", [5, 129, 130])], Drafts.empty(1), np.array([2]), np.array([8]))
     assert drafts.to_lists() == [PREDICTION[31:39]]
+
+
+def test_a_confident_prediction_draft_leads_and_needs_no_proposer_call():
+    requests = [_Request("start", []), _Request("synced", PREDICTION[:3]), _Request("chance", [5, 129, 130]),
+                _Request("near the end", PREDICTION[:-2]), _Request("none", [5, 6], prediction=())]
+    predicted = Predictions().drafts(requests, np.array([8, 8, 8, 8, 8]))
+    assert sorted(predicted) == [0, 1, 2, 3]
+    # The method could draft 3: a 2-token chance match, or 2 tokens left, may lose to it.
+    assert Predictions.leading(predicted, np.array([3, 3, 3, 3, 3])).tolist() == [True, True, False, False, False]
+    assert Predictions.leading(predicted, np.array([3, 3, 3, 2, 3])).tolist() == [True, True, False, True, False]
 
 
 def test_draft_lengths():
