@@ -34,13 +34,18 @@ DEFAULT_SHAPES = {"qkv": ("Q4_1", 960, 576), "o": ("Q4_1", 576, 576), "gate_up":
                   "down": ("Q4_1", 576, 1536), "lm_head": ("Q8_0", 49152, 576)}
 
 
+#: Byte offsets of each format's half-precision scales (d; and m or dmin) in its block.
+HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
 def random_matrix(rng, type_name: str, rows: int, cols: int) -> QuantizedMatrix:
     """Random blocks with finite, small half-precision scales (d, and Q4_1's m)."""
     _, elems, size = BLOCK_FORMATS[type_name]
     blocks = rng.integers(0, 256, size=(rows, cols // elems, size), dtype=np.uint8)
-    halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
-    scales = rng.uniform(0.002, 0.05, size=(rows, cols // elems, halves)).astype(np.float16)
-    blocks[:, :, :2 * halves] = scales.view(np.uint8).reshape(rows, cols // elems, 2 * halves)
+    for offset in HALF_FIELDS[type_name]:
+        scales = rng.uniform(0.002, 0.05, size=(rows, cols // elems)).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // elems, 2)
     return QuantizedMatrix(cols, (Segment(type_name, blocks.reshape(rows, -1)),))
 
 

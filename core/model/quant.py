@@ -14,9 +14,10 @@ import numpy as np
 
 # The kernels' byte layouts live below the model layer; re-exported here under their old names.
 from specdec.kernels.cpu.layout import (BLOCK_FORMATS, GROUP_ROWS, INTERLEAVED_TYPE_IDS,  # noqa: F401
-                                        Q4K_INTERLEAVED_TYPE_ID, SLACK_BYTES, SPLIT_TYPE_IDS, TYPE_IDS,
-                                        TYPE_NAMES, deinterleave_q4k_rows, deinterleave_rows,
-                                        interleave_q4k_rows, interleave_rows, split_rows, unsplit_rows)
+                                        Q4K_INTERLEAVED_TYPE_ID, Q6K_INTERLEAVED_TYPE_ID, SLACK_BYTES,
+                                        SPLIT_TYPE_IDS, TYPE_IDS, TYPE_NAMES, deinterleave_q4k_rows,
+                                        deinterleave_q6k_rows, deinterleave_rows, interleave_q4k_rows,
+                                        interleave_q6k_rows, interleave_rows, split_rows, unsplit_rows)
 
 #: ``quantization`` values that quantize float weights at load, and the format each uses.
 LOAD_TIME_FORMATS = {"wint8": "Q8_0", "wint4": "Q4_0"}
@@ -117,29 +118,38 @@ def quantize(weight: np.ndarray, method: str) -> QuantizedMatrix:
     raise ValueError(f"unknown quantization method {method!r}")
 
 
-def interleave_k_here() -> bool:
-    """Whether Q4_K rows are interleaved for this CPU: where the kernels run on AVX2
-    (no AVX-512 VNNI), whose interleaved kernel computes several activation rows without the
-    stored-row kernel's horizontal sums; AVX-512 and AMX keep their own stored-row kernels.
-    Both layouts give the same outputs bit for bit. (Q6_K interleaved the same way ran
-    0.7-1.1x its stored rows on AVX2, its values taking twice the unpacking: it stays as
-    stored; docs/benchmarks/llamacpp.md.)"""
-    from specdec.kernels.cpu import has_avx512_vnni
+#: The K-quant formats with an interleaved layout: (kernel type id, interleaving function).
+_K_INTERLEAVERS = {"Q4_K": (Q4K_INTERLEAVED_TYPE_ID, interleave_q4k_rows),
+                   "Q6_K": (Q6K_INTERLEAVED_TYPE_ID, interleave_q6k_rows)}
 
-    return not has_avx512_vnni()
+
+def interleave_k_here(type_name: str = "Q4_K") -> bool:
+    """Whether rows of ``type_name`` (Q4_K or Q6_K) are interleaved in groups of 16 for this
+    CPU: the interleaved kernels compute several activation rows without the stored-row
+    kernels' horizontal sums. Never where AMX tiles run the prompt rows (they read the stored
+    rows). Q4_K on AVX2 and AVX-512 VNNI; Q6_K on AVX-512 VNNI only (on AVX2 its interleaved
+    kernel, 256-bit, was not faster than the stored rows: docs/benchmarks/llamacpp.md). Both
+    layouts give the same outputs bit for bit."""
+    from specdec.kernels.cpu import has_amx, has_avx512_vnni
+
+    if has_amx():
+        return False
+    return type_name == "Q4_K" or has_avx512_vnni()
 
 
 def kernel_parts(segment: Segment, cols: int, interleave_k: bool | None = None) -> list[tuple[int, np.ndarray]]:
     """``segment`` as the kernels store it: ``(kernel type id, rows of data)`` parts in row
     order. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: whole groups of 16 rows interleaved
     (:func:`interleave_rows`), the rows left over split (:func:`split_rows`; Q8_0, and Q4 rows
-    whose length is a multiple of 64) or as stored; Q4_K: whole groups of 16 rows
-    interleaved (:func:`interleave_q4k_rows`) where ``interleave_k`` (default:
-    :func:`interleave_k_here`), the rest as stored; any other format as stored."""
+    whose length is a multiple of 64) or as stored; Q4_K and Q6_K: whole groups of 16 rows
+    interleaved (:func:`interleave_q4k_rows`, :func:`interleave_q6k_rows`) where
+    ``interleave_k`` (default: :func:`interleave_k_here`), the rest as stored; any other
+    format as stored."""
     data, name = np.asarray(segment.data), segment.type_name
-    if name == "Q4_K" and (interleave_k_here() if interleave_k is None else interleave_k):
+    if name in _K_INTERLEAVERS and (interleave_k_here(name) if interleave_k is None else interleave_k):
+        type_id, interleave = _K_INTERLEAVERS[name]
         grouped = segment.rows // GROUP_ROWS * GROUP_ROWS
-        parts = [(Q4K_INTERLEAVED_TYPE_ID, interleave_q4k_rows(data[:grouped]))] if grouped else []
+        parts = [(type_id, interleave(data[:grouped]))] if grouped else []
         return parts + ([(TYPE_IDS[name], data[grouped:])] if grouped < segment.rows else [])
     if name not in INTERLEAVED_TYPE_IDS:
         return [(TYPE_IDS[name], data)]

@@ -132,6 +132,26 @@ def deinterleave_q4k_rows(data: np.ndarray) -> np.ndarray:
     return _deinterleave_fields(data, 144, _Q4K_FIELDS)
 
 
+#: The kernels' id for Q6_K rows interleaved in groups of 16 (:func:`interleave_q6k_rows`).
+Q6K_INTERLEAVED_TYPE_ID = 214
+#: Q6_K block fields in the interleaved order, with the bytes a kernel lane takes at a time: the
+#: low nibbles (ql), the high bits (qh), the 16 int8 scales, d.
+_Q6K_FIELDS = (((0, 128), 4), ((128, 192), 4), ((192, 208), 4), ((208, 210), 2))
+
+
+def interleave_q6k_rows(data: np.ndarray) -> np.ndarray:
+    """Q6_K rows ``[16 * groups, supers * 210]`` regrouped as the interleaved Q6_K kernel reads
+    them (quant_formats.h, ``InterleavedQ6K``): per group of 16 rows and per super-block, the 16
+    rows' ql 4 bytes at a time, their qh the same way, their 16 scales as four 4-byte words,
+    their 16 d. The same bytes, moved; returned as ``[16 * groups, supers * 210]``."""
+    return _interleave_fields(data, 210, _Q6K_FIELDS)
+
+
+def deinterleave_q6k_rows(data: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`interleave_q6k_rows`."""
+    return _deinterleave_fields(data, 210, _Q6K_FIELDS)
+
+
 #: The unsigned integer type of each word size a field moves by.
 _WORD_TYPES = {2: np.uint16, 4: np.uint32}
 

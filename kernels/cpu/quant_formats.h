@@ -29,7 +29,7 @@ namespace specdec_cpu {
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kQ4_0S = 102, kQ4_1S = 103, kQ8_0S = 108,
-  kQ4_0I = 202, kQ4_1I = 203, kQ5_0I = 206, kQ5_1I = 207, kQ8_0I = 208, kQ4_KI = 212,
+  kQ4_0I = 202, kQ4_1I = 203, kQ5_0I = 206, kQ5_1I = 207, kQ8_0I = 208, kQ4_KI = 212, kQ6_KI = 214,
 };
 
 struct SubBlock {
@@ -309,6 +309,25 @@ struct InterleavedQ4K {
     std::memcpy(block + 2, g + kDmin + 2 * lane, 2);
     for (int w = 0; w < 3; ++w) std::memcpy(block + 4 + 4 * w, g + kScaleWords + 64 * w + 4 * lane, 4);
     for (int c = 0; c < 32; ++c) std::memcpy(block + 16 + 4 * c, g + 64 * c + 4 * lane, 4);
+  }
+};
+
+// Q6_K interleaved in groups of 16 rows (kQ6_KI): per super-block of 256 elements, 3360 bytes
+// (16 times Q6_K's 210): the 16 rows' 128 bytes of low nibbles (ql) 4 bytes at a time (chunk c
+// of 64 bytes: bytes 4c..4c+3 of every row, row after row), then their 64 bytes of high bits
+// (qh) the same way, their 16 int8 scales as four 32-bit words (word w of every row, row after
+// row), then the 16 d. As ggml's bytes: ql chunk 16n + 8h + u holds elements 128n + 32h + 4u..
+// (low nibbles) and 128n + 64 + 32h + 4u.. (high nibbles); qh chunk 8n + u holds, in bit pairs
+// 0-1, 2-3, 4-5, 6-7, the high bits of elements 128n + 4u.., +32, +64, +96; element e has scale e / 16.
+struct InterleavedQ6K {
+  static constexpr int kQh = 2048, kScaleWords = 3072, kD = 3328, kBlockBytes = 3360;
+  // Row `lane` (0..15)'s stored Q6_K block of super-block `b` of the group, into block[210].
+  static inline void gather_block(const uint8_t* group, int lane, int64_t b, uint8_t* block) {
+    const uint8_t* g = group + b * kBlockBytes;
+    for (int c = 0; c < 32; ++c) std::memcpy(block + 4 * c, g + 64 * c + 4 * lane, 4);
+    for (int c = 0; c < 16; ++c) std::memcpy(block + 128 + 4 * c, g + kQh + 64 * c + 4 * lane, 4);
+    for (int w = 0; w < 4; ++w) std::memcpy(block + 192 + 4 * w, g + kScaleWords + 64 * w + 4 * lane, 4);
+    std::memcpy(block + 208, g + kD + 2 * lane, 2);
   }
 };
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import (INTERLEAVED_TYPE_IDS, Q4K_INTERLEAVED_TYPE_ID, SPLIT_TYPE_IDS, TYPE_NAMES, deinterleave_q4k_rows,
+from .layout import (INTERLEAVED_TYPE_IDS, Q4K_INTERLEAVED_TYPE_ID, Q6K_INTERLEAVED_TYPE_ID, SPLIT_TYPE_IDS, TYPE_NAMES,
+                     deinterleave_q4k_rows, deinterleave_q6k_rows,
                      deinterleave_rows, unsplit_rows)
 
 
@@ -105,6 +106,9 @@ def dequantize_weight(data: np.ndarray, layout: np.ndarray, cols: int) -> np.nda
         elif type_id == Q4K_INTERLEAVED_TYPE_ID:
             name = "Q4_K"
             blocks = deinterleave_q4k_rows(blocks)
+        elif type_id == Q6K_INTERLEAVED_TYPE_ID:
+            name = "Q6_K"
+            blocks = deinterleave_q6k_rows(blocks)
         elif type_id in interleaved_names:
             name = interleaved_names[type_id]
             blocks = deinterleave_rows(name, blocks)
@@ -135,11 +139,11 @@ def q_matmul(x, gain, data, layout, epilogue, eps, normalize):
     if normalize:
         h = rms_norm(x, eps).astype(np.float64) * (gain if np.size(gain) else 1.0)
     weight = dequantize_weight(data, layout, x.shape[1])
-    # Per segment: Q4_K, Q5_K and Q6_K rows (ggml types 12, 13, 14; interleaved Q4_K) take
+    # Per segment: Q4_K, Q5_K and Q6_K rows (ggml types 12, 13, 14; interleaved Q4_K and Q6_K) take
     # activations quantized per 256; every other format per 32.
     parts, first = [], 0
     for type_id, rows, _, _ in layout.tolist():
-        per256 = type_id in (12, 13, 14, Q4K_INTERLEAVED_TYPE_ID)
+        per256 = type_id in (12, 13, 14, Q4K_INTERLEAVED_TYPE_ID, Q6K_INTERLEAVED_TYPE_ID)
         xq = quantize_activations(h.astype(np.float32), 256 if per256 else 32)
         parts.append(xq @ weight[first:first + rows].T)
         first += rows

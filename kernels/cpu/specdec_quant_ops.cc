@@ -282,12 +282,13 @@ struct Epilogue {
 
 bool is_interleaved(int type) {
   return type == specdec_cpu::kQ4_0I || type == specdec_cpu::kQ4_1I || type == specdec_cpu::kQ8_0I ||
-         type == specdec_cpu::kQ5_0I || type == specdec_cpu::kQ5_1I || type == specdec_cpu::kQ4_KI;
+         type == specdec_cpu::kQ5_0I || type == specdec_cpu::kQ5_1I || type == specdec_cpu::kQ4_KI ||
+         type == specdec_cpu::kQ6_KI;
 }
 
 int64_t block_elems(int type) {
   if (type == specdec_cpu::kQ4_0S || type == specdec_cpu::kQ4_1S || type == specdec_cpu::kQ8_0S) return 32;
-  if (type == specdec_cpu::kQ4_KI) return 256;
+  if (type == specdec_cpu::kQ4_KI || type == specdec_cpu::kQ6_KI) return 256;
   if (is_interleaved(type)) return 32;
   int64_t elems = 0;
   with_format(type, [&](auto format) { elems = decltype(format)::kElems; });
@@ -301,6 +302,7 @@ int64_t block_bytes(int type) {
   if (type == specdec_cpu::kQ5_0I) return 22;
   if (type == specdec_cpu::kQ5_1I) return 24;
   if (type == specdec_cpu::kQ4_KI) return 144;
+  if (type == specdec_cpu::kQ6_KI) return 210;
   int64_t bytes = 0;
   with_format(type, [&](auto format) { bytes = decltype(format)::kBytes; });
   return bytes;
@@ -324,6 +326,14 @@ void dequantize_row(const WeightSegment& seg, int64_t row, int64_t K, float* out
       for (int64_t b = 0; b < K / 256; ++b) {
         specdec_cpu::InterleavedQ4K::gather_block(group, lane, b, block);
         specdec_cpu::dequantize_row<specdec_cpu::Format<specdec_cpu::kQ4_K>>(block, 256, out + 256 * b);
+      }
+      return;
+    }
+    if (seg.type == specdec_cpu::kQ6_KI) {
+      alignas(32) uint8_t block[210];
+      for (int64_t b = 0; b < K / 256; ++b) {
+        specdec_cpu::InterleavedQ6K::gather_block(group, lane, b, block);
+        specdec_cpu::dequantize_row<specdec_cpu::Format<specdec_cpu::kQ6_K>>(block, 256, out + 256 * b);
       }
       return;
     }
@@ -454,7 +464,7 @@ ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
   ActivationNeeds needs;
   for (const WeightSegment& seg : w.segments) {
     const bool per256 = seg.type == specdec_cpu::kQ4_K || seg.type == specdec_cpu::kQ5_K || seg.type == specdec_cpu::kQ6_K ||
-                        seg.type == specdec_cpu::kQ4_KI;
+                        seg.type == specdec_cpu::kQ4_KI || seg.type == specdec_cpu::kQ6_KI;
     needs.per32 = needs.per32 || !per256;
     needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     needs.biased = needs.biased || (vnni && (seg.type == specdec_cpu::kQ8_0S || seg.type == specdec_cpu::kQ8_0I));

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from specdec.kernels.cpu import reference
-from specdec.model.quant import (BLOCK_FORMATS, INTERLEAVED_TYPE_IDS, Q4K_INTERLEAVED_TYPE_ID, SLACK_BYTES,
-                                 SPLIT_TYPE_IDS, QuantizedMatrix, Segment, deinterleave_q4k_rows, deinterleave_rows,
-                                 interleave_q4k_rows, interleave_rows, layout_array, quantize, split_rows,
+from specdec.model.quant import (BLOCK_FORMATS, INTERLEAVED_TYPE_IDS, Q4K_INTERLEAVED_TYPE_ID,
+                                 Q6K_INTERLEAVED_TYPE_ID, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment,
+                                 deinterleave_q4k_rows, deinterleave_q6k_rows, deinterleave_rows, interleave_q4k_rows,
+                                 interleave_q6k_rows, interleave_rows, layout_array, quantize, split_rows,
                                  unsplit_rows)
 
 paddle = pytest.importorskip("paddle")
@@ -386,14 +387,36 @@ def test_interleaved_q4k_rows_move_bytes_only():
     assert stored[:, :2].tolist() == [[BLOCK_FORMATS["Q4_K"][0], 37]]
 
 
+def test_interleaved_q6k_rows_move_bytes_only():
+    """Q6_K groups of 16 rows: ql and qh 4 bytes a row, the 16 scales as four words a row, then
+    the 16 d; the 5 rows left over stay as stored."""
+    rng = np.random.default_rng(6)
+    segment = random_blocks(rng, "Q6_K", 37, 512)
+    grouped = interleave_q6k_rows(segment.data[:32])
+    assert grouped.shape == (32, segment.data.shape[1])
+    np.testing.assert_array_equal(deinterleave_q6k_rows(grouped), segment.data[:32])
+    block = grouped.reshape(-1)[:3360]  # the first group's first super-block
+    np.testing.assert_array_equal(block[64:128].reshape(16, 4), segment.data[:16, 4:8])  # ql bytes 4..7
+    np.testing.assert_array_equal(block[2048 + 64:2048 + 128].reshape(16, 4), segment.data[:16, 132:136])  # qh 4..7
+    np.testing.assert_array_equal(block[3072 + 64:3072 + 128].reshape(16, 4), segment.data[:16, 196:200])  # scales
+    np.testing.assert_array_equal(block[3328:3360].reshape(16, 2), segment.data[:16, 208:210])  # d
+    data, layout = layout_array(QuantizedMatrix(512, (segment,)), interleave_k=True)
+    assert layout[:, :2].tolist() == [[Q6K_INTERLEAVED_TYPE_ID, 32], [BLOCK_FORMATS["Q6_K"][0], 5]]
+    np.testing.assert_array_equal(data[:grouped.nbytes], grouped.reshape(-1))
+    _, stored = layout_array(QuantizedMatrix(512, (segment,)), interleave_k=False)
+    assert stored[:, :2].tolist() == [[BLOCK_FORMATS["Q6_K"][0], 37]]
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 40])
-def test_interleaved_q4k_is_the_stored_q4k_bit_for_bit(ops, isa, rows):
-    """The interleaved Q4_K kernel does the stored-row kernels' integer sums and float steps:
-    the same outputs bit for bit, with RMSNorm, gain, column scale and bias, on every ISA; and
-    both match the twin (which reads the interleaved bytes back through deinterleave_q4k_rows)."""
+def test_interleaved_k_quants_are_the_stored_rows_bit_for_bit(ops, isa, rows, type_name):
+    """The interleaved Q4_K and Q6_K kernels do the stored-row kernels' integer sums and float
+    steps: the same outputs bit for bit, with RMSNorm, gain, column scale and bias, on every
+    ISA; and both match the twin (which reads the interleaved bytes back through
+    deinterleave_q4k_rows / deinterleave_q6k_rows)."""
     rng = np.random.default_rng(60 + rows)
     cols = 1536
-    matrix = QuantizedMatrix(cols, (random_blocks(rng, "Q4_K", 53, cols),))
+    matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 53, cols),))
     x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
     x[0, :300] = 0  # an all-zero super-block (activation scale 0)
     gain = rng.uniform(0.5, 1.5, cols).astype(np.float32)
@@ -401,7 +424,7 @@ def test_interleaved_q4k_is_the_stored_q4k_bit_for_bit(ops, isa, rows):
     outputs = []
     for interleave in (True, False):
         data, layout = layout_array(matrix, interleave_k=interleave)
-        assert (layout[0, 0] == Q4K_INTERLEAVED_TYPE_ID) == interleave
+        assert (layout[0, 0] in (Q4K_INTERLEAVED_TYPE_ID, Q6K_INTERLEAVED_TYPE_ID)) == interleave
         got = ops.specdec_q_matmul(paddle.to_tensor(x), paddle.to_tensor(gain), paddle.to_tensor(data),
                                    paddle.to_tensor(layout), paddle.to_tensor(epilogue), 1e-5, True).numpy()
         _close(got, reference.q_matmul(x, gain, data, layout, epilogue, 1e-5, True))
