@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -57,6 +58,9 @@ const bool kHeapReuse = [] {
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
   return true;
 }();
+
+// The most bytes of a decoder layer's gate/up output at once: below the mmap threshold.
+constexpr int64_t kMlpChunkBytes = 30 << 20;
 
 using specdec_cpu::Format;
 using specdec_cpu::half_at;
@@ -528,17 +532,24 @@ void layer_tail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddl
   residual.residual = x.data<float>();
   matmul(attn.data<float>(), M, A, o, residual, x1.data());
   const std::vector<float> h = normalized(x1.data(), M, H, gain.data<float>(), eps);
-  std::vector<float> both(M * 2 * I);
-  matmul(h.data(), M, H, gate_up, Epilogue{}, both.data());
-  std::vector<float> act(M * I);
-  for_each_row(M, [&](int64_t m) {
-    const float* g = both.data() + m * 2 * I;
-    float* a = act.data() + m * I;
-    for (int64_t i = 0; i < I; i += 8)
-      _mm256_storeu_ps(a + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(g + I + i)));
-  });
-  residual.residual = x1.data();
-  matmul(act.data(), M, I, down, residual, out);
+  // The MLP in chunks of rows whose [rows, 2I] gate/up output stays below the heap's mmap
+  // threshold (kHeapReuse): a long prompt's would otherwise be fresh pages, faulted in and
+  // zeroed at every layer. Rows are independent: the chunks give the same floats.
+  const int64_t chunk = std::max<int64_t>(8, kMlpChunkBytes / (2 * I * static_cast<int64_t>(sizeof(float))) / 8 * 8);
+  const int64_t rows = std::min(M, chunk);
+  std::unique_ptr<float[]> both(new float[rows * 2 * I]), act(new float[rows * I]);  // no zero fill
+  for (int64_t m0 = 0; m0 < M; m0 += rows) {
+    const int64_t n = std::min(rows, M - m0);
+    matmul(h.data() + m0 * H, n, H, gate_up, Epilogue{}, both.get());
+    for_each_row(n, [&](int64_t m) {
+      const float* g = both.get() + m * 2 * I;
+      float* a = act.get() + m * I;
+      for (int64_t i = 0; i < I; i += 8)
+        _mm256_storeu_ps(a + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(g + I + i)));
+    });
+    residual.residual = x1.data() + m0 * H;
+    matmul(act.get(), n, I, down, residual, out + m0 * H);
+  }
 }
 
 // q_matmul on paddle tensors: x [M, K] (normalized first, with gain, when `normalize`).

@@ -234,6 +234,28 @@ def test_q_layer_tail_matches_reference(ops, isa, rows):
     _close(got, want)
 
 
+def test_q_layer_tail_in_row_chunks_gives_each_row_its_own_floats(ops, isa):
+    """A long prompt's MLP runs in chunks of rows (its [rows, 2 * inner] gate/up output under
+    30 MiB: 240 rows at inner 16384): 500 rows in one call are the same floats, bit for bit,
+    as the same rows in three calls of at most one chunk each."""
+    rng = np.random.default_rng(57)
+    hidden, inner, rows = 64, 16384, 500
+    wo = QuantizedMatrix(hidden, (random_blocks(rng, "Q4_1", hidden, hidden),))
+    gate_up = QuantizedMatrix(hidden, (random_blocks(rng, "Q4_0", 2 * inner, hidden),))
+    down = QuantizedMatrix(inner, (random_blocks(rng, "Q4_1", hidden, inner),))
+    attn = rng.standard_normal((rows, hidden)).astype(np.float32)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    gain = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    parts = [tensors(m) for m in (wo, gate_up, down)]
+
+    def tail(a, b):
+        return ops.specdec_q_layer_tail(paddle.to_tensor(attn[a:b]), paddle.to_tensor(x[a:b]), parts[0][2],
+                                        parts[0][3], paddle.to_tensor(gain), parts[1][2], parts[1][3], parts[2][2],
+                                        parts[2][3], 1e-5).numpy()
+
+    np.testing.assert_array_equal(tail(0, rows), np.concatenate([tail(0, 200), tail(200, 400), tail(400, rows)]))
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_q_layer_tail_qkv_matches_reference(ops, isa, rows):
     """The tail of one layer and the next layer's attention input, in one call."""
