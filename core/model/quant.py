@@ -9,6 +9,8 @@ kernels (``specdec_q_*`` in specdec.kernels.cpu) read the blocks as they are.
 
 from __future__ import annotations
 
+import os
+
 import attrs
 import numpy as np
 
@@ -124,17 +126,20 @@ _K_INTERLEAVERS = {"Q4_K": (Q4K_INTERLEAVED_TYPE_ID, interleave_q4k_rows),
 
 
 def interleave_k_here(type_name: str = "Q4_K") -> bool:
-    """Whether rows of ``type_name`` (Q4_K or Q6_K) are interleaved in groups of 16 for this
-    CPU: the interleaved kernels compute several activation rows without the stored-row
-    kernels' horizontal sums. Never where AMX tiles run the prompt rows (they read the stored
-    rows). Q4_K on AVX2 and AVX-512 VNNI; Q6_K on AVX-512 VNNI only (on AVX2 its interleaved
-    kernel, 256-bit, was not faster than the stored rows: docs/benchmarks/llamacpp.md). Both
-    layouts give the same outputs bit for bit."""
+    """Whether rows of ``type_name`` (Q4_K or Q6_K) are interleaved in groups of 16 for the
+    kernel path this process runs (the CPU's best, or the one ``SPECDEC_CPU_ISA`` forces): the
+    interleaved kernels compute several activation rows without the stored-row kernels'
+    horizontal sums. Never where AMX tiles run the prompt rows (they read the stored rows).
+    Q4_K on AVX2 and AVX-512 VNNI; Q6_K on AVX-512 VNNI only (on AVX2 its interleaved kernel,
+    256-bit, was not faster than the stored rows: docs/benchmarks/llamacpp.md). Both layouts
+    give the same outputs bit for bit on every path."""
     from specdec.kernels.cpu import has_amx, has_avx512_vnni
 
-    if has_amx():
+    forced = os.environ.get("SPECDEC_CPU_ISA")
+    vnni = has_avx512_vnni() and forced != "avx2"
+    if vnni and has_amx() and forced != "avx512":
         return False
-    return type_name == "Q4_K" or has_avx512_vnni()
+    return type_name == "Q4_K" or vnni
 
 
 def kernel_parts(segment: Segment, cols: int, interleave_k: bool | None = None) -> list[tuple[int, np.ndarray]]:

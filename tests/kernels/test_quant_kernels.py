@@ -409,6 +409,18 @@ def test_interleaved_q4k_rows_move_bytes_only():
     assert stored[:, :2].tolist() == [[BLOCK_FORMATS["Q4_K"][0], 37]]
 
 
+def test_k_quant_layouts_follow_the_kernel_path_the_process_runs(monkeypatch):
+    """Q4_K is interleaved on every path but AMX's; Q6_K only where the AVX-512 VNNI kernels
+    run (its 256-bit interleaved kernel is slower than the stored rows)."""
+    from specdec.kernels.cpu import has_avx512_vnni
+    from specdec.model.quant import interleave_k_here
+
+    monkeypatch.setenv("SPECDEC_CPU_ISA", "avx2")
+    assert interleave_k_here("Q4_K") and not interleave_k_here("Q6_K")
+    monkeypatch.setenv("SPECDEC_CPU_ISA", "avx512")
+    assert interleave_k_here("Q4_K") and interleave_k_here("Q6_K") == has_avx512_vnni()
+
+
 def test_interleaved_q6k_rows_move_bytes_only():
     """Q6_K groups of 16 rows: ql and qh 4 bytes a row, the 16 scales as four words a row, then
     the 16 d; the 5 rows left over stay as stored."""
