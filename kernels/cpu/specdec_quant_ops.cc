@@ -316,6 +316,18 @@ bool is_split(int type) {
   return type == specdec_cpu::kQ4_0S || type == specdec_cpu::kQ4_1S || type == specdec_cpu::kQ8_0S;
 }
 
+// Row `lane` of an interleaved K-quant group (Layout: InterleavedQ4K or InterleavedQ6K, of
+// format Type), dequantized into out[0:K] through its stored blocks.
+template <class Layout, int Type>
+void dequantize_interleaved_k(const uint8_t* group, int lane, int64_t K, float* out) {
+  using F = specdec_cpu::Format<Type>;
+  alignas(32) uint8_t block[F::kBytes];
+  for (int64_t b = 0; b < K / F::kElems; ++b) {
+    Layout::gather_block(group, lane, b, block);
+    specdec_cpu::dequantize_row<F>(block, F::kElems, out + F::kElems * b);
+  }
+}
+
 // Row `row` of a segment, dequantized into out[0:K].
 void dequantize_row(const WeightSegment& seg, int64_t row, int64_t K, float* out) {
   const uint8_t* data = seg.data + row * seg.row_bytes;
@@ -325,22 +337,10 @@ void dequantize_row(const WeightSegment& seg, int64_t row, int64_t K, float* out
   if (is_interleaved(seg.type)) {
     const uint8_t* group = seg.data + row / 16 * 16 * seg.row_bytes;
     const int lane = static_cast<int>(row % 16);
-    if (seg.type == specdec_cpu::kQ4_KI) {
-      alignas(32) uint8_t block[144];
-      for (int64_t b = 0; b < K / 256; ++b) {
-        specdec_cpu::InterleavedQ4K::gather_block(group, lane, b, block);
-        specdec_cpu::dequantize_row<specdec_cpu::Format<specdec_cpu::kQ4_K>>(block, 256, out + 256 * b);
-      }
-      return;
-    }
-    if (seg.type == specdec_cpu::kQ6_KI) {
-      alignas(32) uint8_t block[210];
-      for (int64_t b = 0; b < K / 256; ++b) {
-        specdec_cpu::InterleavedQ6K::gather_block(group, lane, b, block);
-        specdec_cpu::dequantize_row<specdec_cpu::Format<specdec_cpu::kQ6_K>>(block, 256, out + 256 * b);
-      }
-      return;
-    }
+    if (seg.type == specdec_cpu::kQ4_KI)
+      return dequantize_interleaved_k<specdec_cpu::InterleavedQ4K, specdec_cpu::kQ4_K>(group, lane, K, out);
+    if (seg.type == specdec_cpu::kQ6_KI)
+      return dequantize_interleaved_k<specdec_cpu::InterleavedQ6K, specdec_cpu::kQ6_K>(group, lane, K, out);
     if (seg.type == specdec_cpu::kQ4_0I) return specdec_cpu::Interleaved<specdec_cpu::kQ4_0I>::dequantize_row(group, lane, K, out);
     if (seg.type == specdec_cpu::kQ4_1I) return specdec_cpu::Interleaved<specdec_cpu::kQ4_1I>::dequantize_row(group, lane, K, out);
     if (seg.type == specdec_cpu::kQ5_0I) return specdec_cpu::Interleaved<specdec_cpu::kQ5_0I>::dequantize_row(group, lane, K, out);

@@ -285,10 +285,12 @@ def test_q_layer_tail_qkv_matches_reference(ops, isa, rows):
 @pytest.mark.parametrize("type_name,cols", [("Q8_0", 64), ("Q4_0", 64), ("Q4_1", 96), ("Q4_K", 256),
                                             ("Q6_K", 256), ("Q5_0", 96), ("Q5_1", 64), ("Q5_K", 512)])
 def test_q_embedding_matches_gguf_dequantize(ops, type_name, cols):
-    """Rows from whole groups of 16 (interleaved, for Q4_0 / Q4_1 / Q8_0) and from the rest."""
+    """Rows from whole groups of 16 (interleaved, for Q4_0 / Q4_1 / Q8_0, and for Q4_K and Q6_K
+    whatever this CPU's own layout) and from the rest."""
     rng = np.random.default_rng(cols)
     matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 37, cols),))
-    data, layout, data_t, layout_t = tensors(matrix)
+    data, layout = layout_array(matrix, interleave_k=True)
+    data_t, layout_t = paddle.to_tensor(data), paddle.to_tensor(layout)
     ids = np.array([3, 0, 36, 17, 31, 3], dtype=np.int64)
     got = ops.specdec_q_embedding(paddle.to_tensor(ids), data_t, layout_t, cols).numpy()
     np.testing.assert_allclose(got, reference.q_embedding(ids, data, layout, cols), rtol=1e-6, atol=1e-7)
@@ -389,24 +391,39 @@ def test_interleaved_rows_move_bytes_only(type_name, cols):
         interleave_rows(type_name, segment.data[:20])
 
 
-def test_interleaved_q4k_rows_move_bytes_only():
-    """Q4_K groups of 16 rows: nibbles 4 bytes a row, the 12 scale bytes as three words a row,
-    then the 16 d and the 16 dmin; the 5 rows left over stay as stored."""
+#: Per K-quant: how it interleaves and back, its kernel type id, its interleaved super-block's
+#: bytes, and (interleaved bytes, the first 16 rows' bytes they hold) pairs to check.
+K_INTERLEAVINGS = {
+    # nibble bytes 4..7, scale word 1, d, dmin
+    "Q4_K": (interleave_q4k_rows, deinterleave_q4k_rows, Q4K_INTERLEAVED_TYPE_ID, 2304,
+             [((64, 128, 4), (20, 24)), ((2112, 2176, 4), (8, 12)), ((2240, 2272, 2), (0, 2)),
+              ((2272, 2304, 2), (2, 4))]),
+    # ql bytes 4..7, qh bytes 4..7, scales 4..7, d
+    "Q6_K": (interleave_q6k_rows, deinterleave_q6k_rows, Q6K_INTERLEAVED_TYPE_ID, 3360,
+             [((64, 128, 4), (4, 8)), ((2112, 2176, 4), (132, 136)), ((3136, 3200, 4), (196, 200)),
+              ((3328, 3360, 2), (208, 210))]),
+}
+
+
+@pytest.mark.parametrize("type_name", sorted(K_INTERLEAVINGS))
+def test_interleaved_k_quant_rows_move_bytes_only(type_name):
+    """Q4_K / Q6_K groups of 16 rows: each field of a super-block 4 (or, d and dmin, 2) bytes a
+    row, row after row (Q4_K: nibbles, the 12 scale bytes as three words, d, dmin; Q6_K: ql,
+    qh, the 16 scales as four words, d); the 5 rows left over stay as stored."""
+    interleave, deinterleave, type_id, block_bytes, fields = K_INTERLEAVINGS[type_name]
     rng = np.random.default_rng(5)
-    segment = random_blocks(rng, "Q4_K", 37, 512)
-    grouped = interleave_q4k_rows(segment.data[:32])
+    segment = random_blocks(rng, type_name, 37, 512)
+    grouped = interleave(segment.data[:32])
     assert grouped.shape == (32, segment.data.shape[1])
-    np.testing.assert_array_equal(deinterleave_q4k_rows(grouped), segment.data[:32])
-    block = grouped.reshape(-1)[:2304]  # the first group's first super-block
-    np.testing.assert_array_equal(block[64:128].reshape(16, 4), segment.data[:16, 20:24])  # nibble bytes 4..7
-    np.testing.assert_array_equal(block[2048 + 64:2048 + 128].reshape(16, 4), segment.data[:16, 8:12])  # word 1
-    np.testing.assert_array_equal(block[2240:2272].reshape(16, 2), segment.data[:16, 0:2])  # d
-    np.testing.assert_array_equal(block[2272:2304].reshape(16, 2), segment.data[:16, 2:4])  # dmin
+    np.testing.assert_array_equal(deinterleave(grouped), segment.data[:32])
+    block = grouped.reshape(-1)[:block_bytes]  # the first group's first super-block
+    for (start, end, word), (a, b) in fields:
+        np.testing.assert_array_equal(block[start:end].reshape(16, word), segment.data[:16, a:b])
     data, layout = layout_array(QuantizedMatrix(512, (segment,)), interleave_k=True)
-    assert layout[:, :2].tolist() == [[Q4K_INTERLEAVED_TYPE_ID, 32], [BLOCK_FORMATS["Q4_K"][0], 5]]
+    assert layout[:, :2].tolist() == [[type_id, 32], [BLOCK_FORMATS[type_name][0], 5]]
     np.testing.assert_array_equal(data[:grouped.nbytes], grouped.reshape(-1))
     _, stored = layout_array(QuantizedMatrix(512, (segment,)), interleave_k=False)
-    assert stored[:, :2].tolist() == [[BLOCK_FORMATS["Q4_K"][0], 37]]
+    assert stored[:, :2].tolist() == [[BLOCK_FORMATS[type_name][0], 37]]
 
 
 def test_k_quant_layouts_follow_the_kernel_path_the_process_runs(monkeypatch):
@@ -419,26 +436,6 @@ def test_k_quant_layouts_follow_the_kernel_path_the_process_runs(monkeypatch):
     assert interleave_k_here("Q4_K") and not interleave_k_here("Q6_K")
     monkeypatch.setenv("SPECDEC_CPU_ISA", "avx512")
     assert interleave_k_here("Q4_K") and interleave_k_here("Q6_K") == has_avx512_vnni()
-
-
-def test_interleaved_q6k_rows_move_bytes_only():
-    """Q6_K groups of 16 rows: ql and qh 4 bytes a row, the 16 scales as four words a row, then
-    the 16 d; the 5 rows left over stay as stored."""
-    rng = np.random.default_rng(6)
-    segment = random_blocks(rng, "Q6_K", 37, 512)
-    grouped = interleave_q6k_rows(segment.data[:32])
-    assert grouped.shape == (32, segment.data.shape[1])
-    np.testing.assert_array_equal(deinterleave_q6k_rows(grouped), segment.data[:32])
-    block = grouped.reshape(-1)[:3360]  # the first group's first super-block
-    np.testing.assert_array_equal(block[64:128].reshape(16, 4), segment.data[:16, 4:8])  # ql bytes 4..7
-    np.testing.assert_array_equal(block[2048 + 64:2048 + 128].reshape(16, 4), segment.data[:16, 132:136])  # qh 4..7
-    np.testing.assert_array_equal(block[3072 + 64:3072 + 128].reshape(16, 4), segment.data[:16, 196:200])  # scales
-    np.testing.assert_array_equal(block[3328:3360].reshape(16, 2), segment.data[:16, 208:210])  # d
-    data, layout = layout_array(QuantizedMatrix(512, (segment,)), interleave_k=True)
-    assert layout[:, :2].tolist() == [[Q6K_INTERLEAVED_TYPE_ID, 32], [BLOCK_FORMATS["Q6_K"][0], 5]]
-    np.testing.assert_array_equal(data[:grouped.nbytes], grouped.reshape(-1))
-    _, stored = layout_array(QuantizedMatrix(512, (segment,)), interleave_k=False)
-    assert stored[:, :2].tolist() == [[BLOCK_FORMATS["Q6_K"][0], 37]]
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])

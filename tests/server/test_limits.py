@@ -302,8 +302,9 @@ print(json.dumps(samples), flush=True)
 
 
 def test_health_stays_fast_while_a_maximal_prompt_is_tokenized(limited):
-    """The largest prompt the character limit admits takes about half a second to tokenize;
-    meanwhile /health, asked by another process every 10 ms, answers within 100 ms every time."""
+    """The largest prompt the character limit admits takes 0.2-0.5 s to tokenize (0.19 s on a
+    2-core AMD Zen 5); meanwhile /health, asked by another process every 10 ms, answers within
+    100 ms every time."""
     prompt = _maximal_prompt(limited.app.state.max_prompt_chars)
     poller = subprocess.Popen([sys.executable, "-c", POLLER, limited.host, str(limited.port)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -320,7 +321,7 @@ def test_health_stays_fast_while_a_maximal_prompt_is_tokenized(limited):
             poller.kill()
     error = _assert_error(response, 400, "context_length_exceeded", "prompt")
     assert "tokens do not fit the context" in error["message"]  # it was tokenized, whole
-    assert done - start > 0.2, "the maximal prompt took no time: was it tokenized?"
+    assert done - start > 0.1, "the maximal prompt took no time: was it tokenized?"
     samples = json.loads(output)
     assert {status for _, _, status in samples} == {200}
     during = [seconds for at, seconds, _ in samples if start <= at + seconds and at <= done]
