@@ -64,15 +64,16 @@ class ModelSession:
     # -- running --------------------------------------------------------------------------------
 
     def run(self, spec, prompts, sampling, *, chat: bool = True, max_num_seqs: int = 1,
-            cache: bool = True, fresh_controller: bool = False):
+            cache: bool = True, fresh_controller: bool = True):
         """Generate ``prompts`` with speculative config ``spec`` (None = naive) and
         ``max_num_seqs`` requests at once; returns the list of ``RequestOutput``.
 
         ``sampling`` is one ``SamplingParams`` or one per prompt. Results are memoized on all
         arguments (greedy runs are deterministic); treat them as read-only.
-        ``fresh_controller``: the method's drafting controller starts from its priors, not
-        from what earlier tests (in any order, under another load) taught it: for tests
-        whose assertions are about which drafts were verified.
+        ``fresh_controller``: the method's drafting controller starts from its priors, as on
+        a fresh engine, not from what earlier tests (in any order, under another load) taught
+        it: which drafts get verified must not depend on which tests ran before. False for a
+        test about what the controller carries from one run to the next.
         """
         prompts = tuple(prompts)
         sampling_key = tuple(sampling) if isinstance(sampling, (list, tuple)) else sampling

@@ -44,7 +44,8 @@ def test_a_proposer_that_only_wastes_time_is_left_out_once_seen(model_session, m
     try:
         first = model_session.run({"method": SlowGarbage.NAME}, PROMPTS[:1], SAMPLING, cache=False)
         calls_before = SlowGarbage.calls
-        seen = model_session.run({"method": SlowGarbage.NAME}, PROMPTS[1:], SAMPLING, cache=False)
+        seen = model_session.run({"method": SlowGarbage.NAME}, PROMPTS[1:], SAMPLING, cache=False,
+                                 fresh_controller=False)
     finally:
         model_session.llm.set_speculative_config(None)
     assert [o.token_ids for o in first + seen] == [o.token_ids for o in naive]

@@ -10,8 +10,8 @@ would prove nothing.
 With the default settings (the adaptive draft length on): where the policy judges the
 prediction's drafts not worth their rows (a prior, against rows that a busy machine makes look
 dear), the controller's probes verify them uncut now and then, learn their acceptance, and
-take them from then on. Each run starts from a fresh controller: what earlier tests taught it
-(timings under another load) is not what these assertions are about.
+take them from then on. Each run starts from a fresh controller (``ModelSession.run``'s
+default): what earlier tests taught it, timings under another load, once cut every draft here.
 
 While the prediction's draft wins over anything the method could draft, the method's proposer
 is not called at all.
@@ -63,7 +63,7 @@ def reference(model_session, tasks):
 def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks, reference, method):
     prompts, predictions = tasks
     outputs = model_session.run(_spec(method), prompts, [_sampling(p) for p in predictions], chat=False, max_num_seqs=3,
-                                cache=False, fresh_controller=True)
+                                cache=False)
     for i, (output, expected) in enumerate(zip(outputs, reference)):
         assert output.token_ids == expected, \
             model_session.describe_divergence(prompts[i], expected, output.token_ids, label=f"{method}, request {i}")
@@ -81,8 +81,7 @@ def test_a_prediction_is_lossless_with_every_method_batched(model_session, tasks
 
 def test_a_prediction_alone_is_lossless_and_faster_per_step(model_session, tasks, reference):
     prompts, predictions = tasks
-    [output] = model_session.run(_spec("naive"), prompts[:1], _sampling(predictions[0]), chat=False, cache=False,
-                                 fresh_controller=True)
+    [output] = model_session.run(_spec("naive"), prompts[:1], _sampling(predictions[0]), chat=False, cache=False)
     assert output.token_ids == reference[0]
     # Naive decoding takes a step per token: the prediction saved steps.
     assert output.metrics.num_steps < MAX_TOKENS * 0.75, output.metrics
@@ -108,8 +107,7 @@ def test_a_leading_prediction_leaves_the_method_s_proposer_uncalled(model_sessio
     # of it than the method's k (3).
     spec = {"method": CountingGarbage.NAME, "num_speculative_tokens": 3}
     try:
-        [output] = model_session.run(spec, prompts[:1], _sampling(reference[0]), chat=False, cache=False,
-                                     fresh_controller=True)
+        [output] = model_session.run(spec, prompts[:1], _sampling(reference[0]), chat=False, cache=False)
     finally:
         model_session.llm.set_speculative_config(None)
     assert output.token_ids == reference[0]
