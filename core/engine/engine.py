@@ -724,20 +724,22 @@ class Engine:
         request_ids = [r.request_id for r in batch.requests]
         adaptive = self.spec.adaptive_draft_length
         needs_hidden = self.proposer.NEEDS_HIDDEN_STATES
+        keeps = self._keeps_drafts(plan.decodes)
         predicted = self.predictions.drafts(plan.decodes, rooms)
         # A request whose prediction draft wins whatever the method drafts needs no proposer
-        # call this step (a model proposer catches up when it next drafts for it).
+        # call this step (a model proposer catches up when it next drafts for it); but a
+        # seeded sampled request's proposer always runs, drawing from its random stream as
+        # it would alone.
         led = self.predictions.leading(predicted, np.fromiter(
             (self._method_draft_len(r, room) for r, room in zip(plan.decodes, rooms)), dtype=np.int64,
-            count=len(plan.decodes))) if predicted else np.zeros(len(batch), dtype=bool)
+            count=len(plan.decodes))) & ~keeps if predicted else np.zeros(len(batch), dtype=bool)
         # A model proposer also gets the requests without room to draft: it catches up on
         # their states. Left out, a request's states wait for its next proposal.
         wanted = ((max_draft_lens > 0) | needs_hidden) & ~led
         unseen = np.fromiter((r.num_tokens - r.proposed_through for r in plan.decodes), dtype=np.int64,
                              count=len(plan.decodes))
         if adaptive:
-            wanted &= self.controller.proposing(request_ids, self._keeps_drafts(plan.decodes), max_draft_lens, unseen,
-                                                without_proposer=led)
+            wanted &= self.controller.proposing(request_ids, keeps, max_draft_lens, unseen, without_proposer=led)
         rows = np.flatnonzero(wanted)
         catching_up = self._catching_up([plan.decodes[b] for b in rows])
         caught_up_tokens = int(sum(unseen[b] for b in rows if not plan.decodes[b].proposed_last_step))

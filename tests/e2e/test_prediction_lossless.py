@@ -87,6 +87,18 @@ def test_a_prediction_alone_is_lossless_and_faster_per_step(model_session, tasks
     assert output.metrics.num_steps < MAX_TOKENS * 0.75, output.metrics
 
 
+def test_a_seeded_sampled_request_with_a_prediction_gives_its_tokens_batched_or_alone(model_session, tasks):
+    """A seeded request at temperature > 0 keeps its proposer's calls (its random stream)
+    whatever its prediction leads: batched or alone, the same tokens."""
+    prompts, predictions = tasks
+    sampling = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7 + i, ignore_eos=True, prediction=p)
+                for i, p in enumerate(predictions)]
+    batched = model_session.run(_spec("mtp"), prompts, sampling, chat=False, max_num_seqs=3, cache=False)
+    alone = [model_session.run(_spec("mtp"), [p], s, chat=False, cache=False)[0] for p, s in zip(prompts, sampling)]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    assert sum(o.metrics.num_prediction_accepted for o in batched) > 0
+
+
 class CountingGarbage(specdec.Proposer):
     """Counts its calls and drafts token 0 (never the answer)."""
 
