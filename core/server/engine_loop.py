@@ -589,6 +589,7 @@ class EngineLoop:
                 text = request.text[tracked.emitted_chars:]
                 error = ENGINE_ERROR_MESSAGE if request.finish_reason == "error" else None
                 handoff = request.handoff_state if request.finish_reason == "handoff" else None
+                self._release()  # before the client hears of the end: its next request may come at once
                 tracked.send(Finished(text, request.num_generated, request.num_prompt_tokens,
                                       request.finish_reason, _copy(request.metrics), error, handoff,
                                       _new_logprobs(tracked, request), tracked.token_sources(text, final=True)))
@@ -603,7 +604,6 @@ class EngineLoop:
                 tracked.send(Delta(text, request.num_generated, _new_logprobs(tracked, request), sources))
         for request_id in done:
             del self._tracked[request_id]
-            self._release()
         self._snapshot = self._take_snapshot()
 
     def _record_progress(self, tracked: _Tracked, request, now: float) -> None:
@@ -658,13 +658,13 @@ class EngineLoop:
             request = tracked.request
             if error:
                 request.finish_reason = "error"
+            self._release()
             if not tracked.told_end:
                 tracked.send(Finished(request.text[tracked.emitted_chars:], request.num_generated,
                                       request.num_prompt_tokens, request.finish_reason or "abort",
                                       _copy(request.metrics), error_message))
             self._record_finish(tracked, request, time.perf_counter())
             del self._tracked[request_id]
-            self._release()
         self._snapshot = self._take_snapshot()
 
     def _take_snapshot(self, running: bool = True) -> LoopSnapshot:

@@ -150,6 +150,34 @@ def test_rejected_request_and_the_bound():
     assert engine_loop.snapshot().num_free_kv_blocks == 2
 
 
+def test_a_client_told_of_the_end_may_send_its_next_request_at_once(monkeypatch):
+    """At the bound of one request in flight, a client that sends its next request the moment
+    it hears the end of the last one is served, not told the server is full: the engine thread
+    frees the request's slot before it sends the end (a fast machine's next request once
+    arrived in between: a 503)."""
+    from specdec.server import engine_loop as module
+
+    pending_when_ended = []
+    send = module._Tracked.send
+
+    def recording_send(tracked, event):
+        if isinstance(event, Finished):
+            pending_when_ended.append(tracked.stream._engine_loop.num_pending)
+        send(tracked, event)
+
+    monkeypatch.setattr(module._Tracked, "send", recording_send)
+
+    async def main(engine_loop):
+        finals = []
+        for _ in range(3):  # each sent as soon as the previous one ended
+            finals.append((await collect(engine_loop.submit([1], SamplingParams(max_tokens=2))))[1])
+        return finals
+
+    finals, _ = run(main, ScriptedEngine(["a"] * 100), max_pending=1)
+    assert [f.finish_reason for f in finals] == ["length"] * 3
+    assert pending_when_ended == [0, 0, 0]
+
+
 def test_an_engine_failure_fails_the_running_requests_and_the_loop_goes_on():
     async def main(engine_loop):
         _, failed = await collect(engine_loop.submit([1], SamplingParams(max_tokens=5)))
