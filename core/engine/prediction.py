@@ -29,7 +29,7 @@ accepted and rejected are counted into :class:`~specdec.metrics.SpecMetrics` (th
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 

@@ -19,7 +19,6 @@ is not called at all.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import specdec
