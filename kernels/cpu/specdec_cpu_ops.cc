@@ -243,6 +243,13 @@ inline void store_row(uint16_t* out, const float* in, int64_t n) {
   for (; i < n; ++i) store_elem(out + i, in[i]);
 }
 
+// Asks for bytes [p, p + n) in cache ahead of use: the cache's pages are scattered blocks, whose
+// starts the hardware prefetcher cannot guess.
+inline void prefetch_bytes(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < n; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
 constexpr int kQueryBlock = 6;  // queries per attention work item: 12 accumulators over 2 key tiles
 
 // scores[m * ld + 8 * i + j] = q_m . key_j for the N queries and TT key tiles from tile i (8
@@ -276,13 +283,26 @@ inline void score_tiles(const float* const* queries, const T* const* tiles, int6
 // scores[m * tiles * 8 + j] = q_m . key_j for the n queries and every position of `num_tiles`
 // key tiles. Tiles go TT at a time, TT chosen so that the N * TT accumulators, the TT tiles and
 // a broadcast query fit the 16 AVX2 registers (at least 8 accumulators: FMA latency x 2 ports).
+// Two groups ahead it prefetches the keys and the values (value_rows[i]: the 8 value rows of
+// tile i's positions, read by the values pass next): a cache block's pages are scattered, so
+// the hardware prefetcher cannot guess where the next one starts.
 template <int N, typename T>
-void block_scores(const float* const* queries, const T* const* tiles, int64_t num_tiles, int64_t D,
-                  float* scores) {
+void block_scores(const float* const* queries, const T* const* tiles, const T* const* value_rows,
+                  int64_t num_tiles, int64_t D, float* scores) {
   constexpr int TT = N == 1 ? 8 : (N == 2 ? 4 : (N == 3 ? 3 : 2));
-  const int64_t ld = num_tiles * 8;
+  const int64_t ld = num_tiles * 8, tile_bytes = 8 * D * sizeof(T);
+  for (int64_t t = 0; t < std::min<int64_t>(num_tiles, 2 * TT); ++t) {
+    prefetch_bytes(tiles[t], tile_bytes);
+    prefetch_bytes(value_rows[t], tile_bytes);
+  }
   int64_t i = 0;
-  for (; i + TT <= num_tiles; i += TT) score_tiles<N, TT>(queries, tiles, i, D, scores, ld);
+  for (; i + TT <= num_tiles; i += TT) {
+    for (int64_t t = i + 2 * TT; t < std::min(num_tiles, i + 3 * TT); ++t) {
+      prefetch_bytes(tiles[t], tile_bytes);
+      prefetch_bytes(value_rows[t], tile_bytes);
+    }
+    score_tiles<N, TT>(queries, tiles, i, D, scores, ld);
+  }
   for (; i < num_tiles; ++i) score_tiles<N, 1>(queries, tiles, i, D, scores, ld);
 }
 
@@ -293,9 +313,11 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// Turns sc[0:visible] into softmax probabilities in place and zeroes sc[visible:padded_end], so
-// that a query can share a value pass with queries that see more positions.
-void softmax_row(float* sc, int64_t visible, int64_t padded_end) {
+// Turns sc[0:visible] into exp(sc[j] - max) in place, zeroes sc[visible:padded_end] (so that a
+// query can share a value pass with queries that see more positions), and returns the max and
+// the sum of the exponentials: a chunk's part of a softmax (-inf and 0 when visible <= 0).
+void exp_row(float* sc, int64_t visible, int64_t padded_end, float* max_out, float* sum_out) {
+  visible = std::max<int64_t>(visible, 0);
   __m256 max8 = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 8 <= visible; j += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(sc + j));
@@ -314,38 +336,50 @@ void softmax_row(float* sc, int64_t visible, int64_t padded_end) {
     sc[j] = std::exp(sc[j] - best);
     total += sc[j];
   }
-  const __m256 inv = _mm256_set1_ps(1.f / total);
-  for (j = 0; j + 8 <= visible; j += 8) _mm256_storeu_ps(sc + j, _mm256_mul_ps(_mm256_loadu_ps(sc + j), inv));
-  for (; j < visible; ++j) sc[j] /= total;
   std::fill(sc + visible, sc + padded_end, 0.f);
+  *max_out = best;
+  *sum_out = total;
 }
 
-// outs[m][c:c+8W] = sum_j probs[m * ld + j] * value_j[c:c+8W] for the N queries of a block, over
-// positions 0 .. visible-1 and the 8W columns from c. Each value row is read once for all N
-// queries (a query's own pass would read the head's whole value page again); N * W accumulators
-// stay in registers.
+// outs[m][c:c+8W] = sum_j probs[m * ld + j - first] * value_j[c:c+8W] for the N queries of a
+// block, over positions first .. last-1 and the 8W columns from c. Each value row is read once
+// for all N queries (a query's own pass would read the head's whole value page again); N * W
+// accumulators stay in registers, with the W value vectors or the N broadcast probabilities,
+// whichever are fewer (16 AVX2 registers: 3 x 4 accumulators + 4 values + a broadcast spill).
 template <int N, int W, typename T>
-void block_values_pass(const float* probs, int64_t ld, int64_t visible, const PagedCache<T>& kv, const int32_t* table,
-                       int64_t kvh, int64_t c, float* const* outs) {
+void block_values_pass(const float* probs, int64_t ld, int64_t first, int64_t last, const PagedCache<T>& kv,
+                       const int32_t* table, int64_t kvh, int64_t c, float* const* outs) {
   const int64_t bs = kv.block_size, D = kv.D;
   __m256 acc[N][W];
 #pragma GCC unroll 6
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) acc[m][w] = _mm256_setzero_ps();
-  for (int64_t start = 0; start < visible; start += bs) {
-    const T* page = kv.value_page(table[start / bs], kvh) + c;
-    const int64_t stop = std::min(visible, start + bs);
-    for (int64_t j = start; j < stop; ++j) {
-      const T* v = page + (j - start) * D;
-      __m256 vw[W];
-#pragma GCC unroll 8
-      for (int w = 0; w < W; ++w) vw[w] = load8(v + 8 * w);
+  for (int64_t start = first; start < last; start = (start / bs + 1) * bs) {
+    const int64_t stop = std::min(last, (start / bs + 1) * bs);
+    const T* v = kv.value_page(table[start / bs], kvh) + (start % bs) * D + c;
+    const float* p = probs + start - first;
+    for (int64_t j = start; j < stop; ++j, v += D, ++p) {
+      if constexpr (N < W) {
+        __m256 pm[N];
 #pragma GCC unroll 6
-      for (int m = 0; m < N; ++m) {
-        const __m256 p = _mm256_broadcast_ss(probs + m * ld + j);
+        for (int m = 0; m < N; ++m) pm[m] = _mm256_broadcast_ss(p + m * ld);
 #pragma GCC unroll 8
-        for (int w = 0; w < W; ++w) acc[m][w] = _mm256_fmadd_ps(p, vw[w], acc[m][w]);
+        for (int w = 0; w < W; ++w) {
+          const __m256 vw = load8(v + 8 * w);
+#pragma GCC unroll 6
+          for (int m = 0; m < N; ++m) acc[m][w] = _mm256_fmadd_ps(pm[m], vw, acc[m][w]);
+        }
+      } else {
+        __m256 vw[W];
+#pragma GCC unroll 8
+        for (int w = 0; w < W; ++w) vw[w] = load8(v + 8 * w);
+#pragma GCC unroll 6
+        for (int m = 0; m < N; ++m) {
+          const __m256 pm = _mm256_broadcast_ss(p + m * ld);
+#pragma GCC unroll 8
+          for (int w = 0; w < W; ++w) acc[m][w] = _mm256_fmadd_ps(pm, vw[w], acc[m][w]);
+        }
       }
     }
   }
@@ -358,12 +392,89 @@ void block_values_pass(const float* probs, int64_t ld, int64_t visible, const Pa
 // All D columns of block_values_pass: passes of 8W columns (W chosen so that N * W <= 12
 // accumulators), then 8-column passes for what is left of D.
 template <int N, typename T>
-void block_values(const float* probs, int64_t ld, int64_t visible, const PagedCache<T>& kv, const int32_t* table,
-                  int64_t kvh, float* const* outs) {
+void block_values(const float* probs, int64_t ld, int64_t first, int64_t last, const PagedCache<T>& kv,
+                  const int32_t* table, int64_t kvh, float* const* outs) {
   constexpr int W = N == 1 ? 8 : (N <= 3 ? 4 : 2);
   int64_t c = 0;
-  for (; c + 8 * W <= kv.D; c += 8 * W) block_values_pass<N, W>(probs, ld, visible, kv, table, kvh, c, outs);
-  for (; c < kv.D; c += 8) block_values_pass<N, 1>(probs, ld, visible, kv, table, kvh, c, outs);
+  for (; c + 8 * W <= kv.D; c += 8 * W) block_values_pass<N, W>(probs, ld, first, last, kv, table, kvh, c, outs);
+  for (; c < kv.D; c += 8) block_values_pass<N, 1>(probs, ld, first, last, kv, table, kvh, c, outs);
+}
+
+// Positions per attention chunk. A query's softmax is computed chunk by chunk (positions
+// [0, kChunk), [kChunk, 2 kChunk), ...) and the chunks combined in order, whatever else is in
+// the batch: a query's output is the same floats alone, in a verify step or in a batch. Chunks
+// of one query block can run on different threads when blocks are too few to share out (one
+// request decoding: as many blocks as KV heads).
+constexpr int64_t kChunk = 128;
+
+// One chunk's part of a query's attention: the max score, the sum of exp(score - max) and
+// out[0:D] = sum_j exp(score_j - max) value_j over the positions it sees in the chunk.
+struct ChunkPart {
+  float max, sum;
+  float* out;
+};
+
+// The chunk [first, last) of a block of n queries of one KV head (queries[i]; query i sees
+// positions below visible[i]; last is the chunk's end or the block's last visible position).
+template <typename T>
+void attend_chunk(const float* const* queries, const int64_t* visible, int64_t n, int64_t first, int64_t last,
+                  const PagedCache<T>& kv, const int32_t* table, int64_t kvh, ChunkPart* parts) {
+  const int64_t D = kv.D, bs = kv.block_size;
+  const int64_t num_tiles = (last - first + 7) / 8;
+  const T* tiles[kChunk / 8];
+  const T* value_rows[kChunk / 8];
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    const int64_t pos = first + i * 8;
+    tiles[i] = kv.key_tile(table[pos / bs], kvh, pos);
+    value_rows[i] = kv.value_page(table[pos / bs], kvh) + (pos % bs) * D;
+  }
+  float scores[kQueryBlock * kChunk];
+  switch (n) {
+    case 1: block_scores<1>(queries, tiles, value_rows, num_tiles, D, scores); break;
+    case 2: block_scores<2>(queries, tiles, value_rows, num_tiles, D, scores); break;
+    case 3: block_scores<3>(queries, tiles, value_rows, num_tiles, D, scores); break;
+    case 4: block_scores<4>(queries, tiles, value_rows, num_tiles, D, scores); break;
+    case 5: block_scores<5>(queries, tiles, value_rows, num_tiles, D, scores); break;
+    default: block_scores<6>(queries, tiles, value_rows, num_tiles, D, scores); break;
+  }
+  const int64_t ld = num_tiles * 8;
+  float* outs[kQueryBlock];
+  for (int64_t i = 0; i < n; ++i) {
+    exp_row(scores + i * ld, std::min(visible[i], last) - first, last - first, &parts[i].max, &parts[i].sum);
+    outs[i] = parts[i].out;
+  }
+  switch (n) {
+    case 1: block_values<1>(scores, ld, first, last, kv, table, kvh, outs); break;
+    case 2: block_values<2>(scores, ld, first, last, kv, table, kvh, outs); break;
+    case 3: block_values<3>(scores, ld, first, last, kv, table, kvh, outs); break;
+    case 4: block_values<4>(scores, ld, first, last, kv, table, kvh, outs); break;
+    case 5: block_values<5>(scores, ld, first, last, kv, table, kvh, outs); break;
+    default: block_values<6>(scores, ld, first, last, kv, table, kvh, outs); break;
+  }
+}
+
+// out[0:D] = the softmax-weighted values of one query from its chunks' parts, in chunk order.
+void combine_chunks(const ChunkPart* parts, int64_t stride, int64_t chunks, int64_t D, float* out) {
+  float best = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) best = std::max(best, parts[c * stride].max);
+  float total = 0.f;
+  float weight[64];  // chunks of one query: at most 64 (8192 positions); more go in a vector
+  std::vector<float> more(chunks > 64 ? chunks : 0);
+  float* w = chunks > 64 ? more.data() : weight;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const ChunkPart& part = parts[c * stride];
+    w[c] = part.sum > 0.f ? std::exp(part.max - best) : 0.f;
+    total += w[c] * part.sum;
+  }
+  for (int64_t c = 0; c < chunks; ++c) w[c] /= total;
+  std::fill(out, out + D, 0.f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (w[c] == 0.f) continue;
+    const __m256 wc = _mm256_set1_ps(w[c]);
+    const float* o = parts[c * stride].out;
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wc, _mm256_loadu_ps(o + d), _mm256_loadu_ps(out + d)));
+  }
 }
 
 // The attention of PagedAttention over a cache of T (float or half).
@@ -402,56 +513,78 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   });
 
   // The queries of one request and one KV head (its rows x the `group` heads that share the
-  // head, row-major) go in blocks of up to kQueryBlock: a work item is one block. Its scores
-  // come out of one pass over the key tiles, so keys are read once per block (not once per
-  // query head) and every loaded tile feeds several FMAs.
-  std::vector<int64_t> first_item(B + 1, 0);  // items of request b: [first_item[b], first_item[b+1])
+  // head, row-major) go in blocks of up to kQueryBlock. A block's scores come out of one pass
+  // over the key tiles of a chunk, so keys are read once per block (not once per query head)
+  // and every loaded tile feeds several FMAs.
+  std::vector<int64_t> first_block(B + 1, 0);  // blocks of request b: [first_block[b], first_block[b+1])
   for (int64_t b = 0; b < B; ++b)
-    first_item[b + 1] = first_item[b] + kv_heads * (((cu[b + 1] - cu[b]) * group + kQueryBlock - 1) / kQueryBlock);
-  WorkPool::get().parallel_for(first_item[B], [&](int64_t item) {
-    const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    first_block[b + 1] = first_block[b] + kv_heads * (((cu[b + 1] - cu[b]) * group + kQueryBlock - 1) / kQueryBlock);
+  struct Block {
+    int64_t kvh, n, chunks, first_row;
+    const int32_t* table;
+    const float* queries[kQueryBlock];
+    int64_t visible[kQueryBlock];
+    float* outs[kQueryBlock];
+  };
+  const auto describe = [&](int64_t index) {
+    Block blk;
+    const int64_t b = std::upper_bound(first_block.begin(), first_block.end(), index) - first_block.begin() - 1;
     const int64_t rows = cu[b + 1] - cu[b];
     const int64_t blocks_per_head = (rows * group + kQueryBlock - 1) / kQueryBlock;
-    const int64_t kvh = (item - first_item[b]) / blocks_per_head;
-    const int64_t q0 = (item - first_item[b]) % blocks_per_head * kQueryBlock;  // first query of the block
-    const int64_t n = std::min<int64_t>(kQueryBlock, rows * group - q0);
-    const int32_t* table = tables + b * max_blocks;
-    const int64_t last_row = (q0 + n - 1) / group;
-    const int64_t tiles_seen = (ctx[b] + last_row + 1 + 7) / 8;  // every position the block can see
-    std::vector<const T*> tiles(tiles_seen);
-    for (int64_t i = 0; i < tiles_seen; ++i) tiles[i] = kv.key_tile(table[i * 8 / bs], kvh, i * 8);
-    const float* queries[kQueryBlock];
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = cu[b] + (q0 + i) / group, h = kvh * group + (q0 + i) % group;
-      queries[i] = q.data() + (t * heads + h) * D;
+    blk.kvh = (index - first_block[b]) / blocks_per_head;
+    const int64_t q0 = (index - first_block[b]) % blocks_per_head * kQueryBlock;  // first query of the block
+    blk.n = std::min<int64_t>(kQueryBlock, rows * group - q0);
+    blk.table = tables + b * max_blocks;
+    for (int64_t i = 0; i < blk.n; ++i) {
+      const int64_t r = (q0 + i) / group, h = blk.kvh * group + (q0 + i) % group;
+      blk.queries[i] = q.data() + ((cu[b] + r) * heads + h) * D;
+      blk.visible[i] = ctx[b] + r + 1;  // query i sees positions 0 .. ctx + its row
+      blk.outs[i] = op + (cu[b] + r) * heads * D + h * D;
     }
-    std::vector<float> scores(kQueryBlock * tiles_seen * 8);
-    switch (n) {
-      case 1: block_scores<1>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
-      case 2: block_scores<2>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
-      case 3: block_scores<3>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
-      case 4: block_scores<4>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
-      case 5: block_scores<5>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
-      default: block_scores<6>(queries, tiles.data(), tiles_seen, D, scores.data()); break;
-    }
-    // Query i sees positions 0 .. ctx + its row; the block's pass runs to the last row's end.
-    const int64_t ld = tiles_seen * 8, block_visible = ctx[b] + last_row + 1;
-    float* outs[kQueryBlock];
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = (q0 + i) / group, h = kvh * group + (q0 + i) % group;
-      outs[i] = op + (cu[b] + r) * heads * D + h * D;
-      softmax_row(scores.data() + i * ld, ctx[b] + r + 1, block_visible);
-    }
-    const float* probs = scores.data();
-    switch (n) {
-      case 1: block_values<1>(probs, ld, block_visible, kv, table, kvh, outs); break;
-      case 2: block_values<2>(probs, ld, block_visible, kv, table, kvh, outs); break;
-      case 3: block_values<3>(probs, ld, block_visible, kv, table, kvh, outs); break;
-      case 4: block_values<4>(probs, ld, block_visible, kv, table, kvh, outs); break;
-      case 5: block_values<5>(probs, ld, block_visible, kv, table, kvh, outs); break;
-      default: block_values<6>(probs, ld, block_visible, kv, table, kvh, outs); break;
-    }
+    blk.chunks = (blk.visible[blk.n - 1] + kChunk - 1) / kChunk;
+    return blk;
+  };
+  const auto attend = [&](const Block& blk, int64_t chunk, ChunkPart* parts) {
+    const int64_t first = chunk * kChunk, last = std::min(first + kChunk, blk.visible[blk.n - 1]);
+    attend_chunk(blk.queries, blk.visible, blk.n, first, last, kv, blk.table, blk.kvh, parts);
+  };
+  const int64_t num_blocks = first_block[B];
+  if (num_blocks >= 2 * WorkPool::get().threads()) {  // enough blocks: a work item is a block
+    WorkPool::get().parallel_for(num_blocks, [&](int64_t index) {
+      const Block blk = describe(index);
+      std::vector<float> outs(blk.chunks * blk.n * D);
+      std::vector<ChunkPart> parts(blk.chunks * blk.n);
+      for (int64_t c = 0; c < blk.chunks; ++c) {
+        for (int64_t i = 0; i < blk.n; ++i) parts[c * blk.n + i].out = outs.data() + (c * blk.n + i) * D;
+        attend(blk, c, parts.data() + c * blk.n);
+      }
+      for (int64_t i = 0; i < blk.n; ++i) combine_chunks(parts.data() + i, blk.n, blk.chunks, D, blk.outs[i]);
+    });
+    return;
+  }
+  // Few blocks (a request or two decoding): a work item is one chunk of a block, then each
+  // query's chunks are combined.
+  std::vector<Block> blocks(num_blocks);
+  std::vector<int64_t> first_part(num_blocks + 1, 0), first_item(num_blocks + 1, 0);
+  for (int64_t index = 0; index < num_blocks; ++index) {
+    blocks[index] = describe(index);
+    first_item[index + 1] = first_item[index] + blocks[index].chunks;
+    first_part[index + 1] = first_part[index] + blocks[index].chunks * blocks[index].n;
+  }
+  std::vector<float> outs(first_part[num_blocks] * D);
+  std::vector<ChunkPart> parts(first_part[num_blocks]);
+  for (int64_t i = 0; i < first_part[num_blocks]; ++i) parts[i].out = outs.data() + i * D;
+  WorkPool::get().parallel_for(first_item[num_blocks], [&](int64_t item) {
+    const int64_t index = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    const Block& blk = blocks[index];
+    const int64_t chunk = item - first_item[index];
+    attend(blk, chunk, parts.data() + first_part[index] + chunk * blk.n);
   });
+  for (int64_t index = 0; index < num_blocks; ++index) {
+    const Block& blk = blocks[index];
+    for (int64_t i = 0; i < blk.n; ++i)
+      combine_chunks(parts.data() + first_part[index] + i, blk.n, blk.chunks, D, blk.outs[i]);
+  }
 }
 
 // `meta` int32 [B, 2 + max_blocks]: per request its first packed row (cu_seqlens_q[b]), its

@@ -85,7 +85,9 @@ def test_a_shared_prefix_is_not_run_again_where_the_draft_filled_it(model_sessio
 def test_preempted_requests_keep_naive_tokens():
     """A pool too small for the batch: requests are preempted and recomputed, the draft's rows
     with them; the tokens equal a roomy pool's plain decoding."""
-    llm = specdec.LLM(num_kv_blocks=40, block_size=16, progress=False)
+    # Each request needs about 11 blocks alone; at 40 blocks for six, whether one is preempted
+    # came down to the drafts' acceptance (none was, after a change of attention's rounding).
+    llm = specdec.LLM(num_kv_blocks=24, block_size=16, progress=False)
     prompts = [code[:400] for code in PROMPTS[:6]]
     sampling = SamplingParams(max_tokens=32, ignore_eos=True)
     llm.set_speculative_config(DRAFT)

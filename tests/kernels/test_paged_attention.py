@@ -131,6 +131,65 @@ def test_paged_kernel_matches_its_numpy_twin(cache_dtype):
                                atol=1e-6, rtol=1e-3 if cache_dtype == "float16" else 0)
 
 
+def _run_kernel(ops, qkv, cache, cos, sin, tables, cu, context):
+    import paddle
+
+    cache_tensor = paddle.to_tensor(cache)
+    out = ops.specdec_paged_attention(paddle.to_tensor(qkv), cache_tensor, paddle.to_tensor(cos),
+                                      paddle.to_tensor(sin), paddle.to_tensor(pack_attention_metadata(tables, cu, context)),
+                                      HEADS, KV_HEADS)
+    return out.numpy(), cache_tensor.numpy()
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_long_contexts_match_the_numpy_twin(cache_dtype):
+    """Contexts of several 128-position chunks (the kernel's unit of a query's softmax), alone
+    (chunks of one query block on different threads) and in a batch of many requests (a block's
+    chunks one after another), with rows of a verify step crossing a chunk's end."""
+    from specdec.kernels.cpu import load_cpu_ops
+
+    ops = load_cpu_ops()
+    rng = np.random.default_rng(11)
+    block_size = 16
+    cos, sin = _rope_tables(700)
+    for context, lens in (([600], [1]), ([250], [9]), ([600, 130, 255, 0, 383, 127], [1, 6, 2, 20, 1, 3])):
+        context, lens = np.array(context, np.int32), np.array(lens, np.int32)
+        per_request = -(-(context + lens) // block_size)
+        ids = rng.permutation(int(per_request.sum())).astype(np.int32)
+        tables = np.zeros((len(lens), per_request.max()), np.int32)
+        for b, start in enumerate(np.concatenate([[0], np.cumsum(per_request)[:-1]])):
+            tables[b, :per_request[b]] = ids[start:start + per_request[b]]
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        cache = rng.normal(size=(len(ids), 2 * KV_HEADS, block_size, DIM)).astype(cache_dtype)
+        qkv = rng.normal(size=(int(cu[-1]), (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32) * 2
+        want, _ = reference.paged_attention(qkv, cache, cos, sin, tables, cu, context, HEADS, KV_HEADS)
+        got, _ = _run_kernel(ops, qkv, cache, cos, sin, tables, cu, context)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_a_query_s_output_is_the_same_alone_in_a_verify_step_or_in_a_batch():
+    """The promise that speculation changes only the speed rests on this: a row's attention
+    gives the same floats whether it is decoded alone, verified with drafts after it, or
+    batched with other requests (the kernel splits work differently in each case)."""
+    from specdec.kernels.cpu import load_cpu_ops
+
+    ops = load_cpu_ops()
+    rng = np.random.default_rng(5)
+    block_size, context = 16, 450
+    cos, sin = _rope_tables(context + 64)
+    blocks = -(-(context + 8) // block_size)
+    cache = rng.normal(size=(8 * blocks, 2 * KV_HEADS, block_size, DIM)).astype(np.float16)
+    tables = rng.permutation(8 * blocks).astype(np.int32).reshape(8, blocks)
+    rows = rng.normal(size=(8 * 8, (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32)
+    one = np.array([context], np.int32)
+    alone, _ = _run_kernel(ops, rows[:1], cache, cos, sin, tables[:1], np.array([0, 1], np.int32), one)
+    verify, _ = _run_kernel(ops, rows[:6], cache, cos, sin, tables[:1], np.array([0, 6], np.int32), one)
+    contexts = np.array([context, 40, 300, 0, 129, 200, 10, 330], np.int32)
+    batch, _ = _run_kernel(ops, rows[:8 * 3], cache, cos, sin, tables, np.arange(0, 25, 3, dtype=np.int32), contexts)
+    np.testing.assert_array_equal(verify[:1], alone)
+    np.testing.assert_array_equal(batch[:1], alone)
+
+
 def test_metadata_rows_come_from_the_block_tables():
     meta = AttentionMetadata.build([2, 1], [15, 3], [[4, 9, 5], [2, 0, 0]], 8)
     assert meta.cu_seqlens_q.tolist() == [0, 2, 3]
