@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 
 import numpy as np
 
@@ -82,6 +83,11 @@ class WeightArena:
         return self.paddle.utils.dlpack.from_dlpack(data), self.paddle.to_tensor(layout)
 
 
+def _release_stack(ops, handle) -> None:
+    """Forget a stack of ``specdec_q_register_layers`` (before its tensors are freed)."""
+    ops.specdec_q_release_layers(handle)
+
+
 class QuantizedWeights:
     """Same interface as :class:`specdec.model.float_weights.FloatWeights`, over quantized matrices.
 
@@ -118,10 +124,17 @@ class QuantizedWeights:
         self.final_norm = vector("model.norm.weight")
         self._float_embedding = None
         self._float_lm_head = None
-        #: decoder_layers' operands, every layer's in the kernel's order.
+        #: Every layer's operands, in the kernel's order, read once by the kernels
+        #: (``specdec_q_register_layers``): :meth:`decoder_layers` passes their handle, not 11
+        #: tensors a layer, each of which paddle checks at every call (100 us of the default
+        #: model's 1-row forward pass, 2026-12-05). The list keeps the tensors alive as long as
+        #: the kernels may read them: the handle is released with this object.
         self._layer_operands = [tensor for layer in self.layers
                                 for tensor in (*layer["o"], layer["mlp_gain"], *layer["gate_up"], *layer["down"],
                                                layer["attn_gain"], *layer["qkv"], layer["qkv_epilogue"])]
+        self._layer_stack = ops.specdec_q_register_layers(self._layer_operands, c.num_heads * c.head_dim)
+        release = weakref.finalize(self, _release_stack, ops, self._layer_stack)
+        release.atexit = False  # at exit the process frees it; paddle may already be gone
 
     @staticmethod
     def _table_names(config: ModelConfig) -> list[str]:
@@ -150,7 +163,7 @@ class QuantizedWeights:
         ``forward``. At batch 1 on the default model the loop's 60 paddle dispatches cost
         about a seventh of the forward pass (1 of 7.4 ms, docs/models.md)."""
         caches, cos, sin, meta, heads, kv_heads = attention_operands
-        return self.ops.specdec_q_decoder_layers(x, qkv, caches, cos, sin, meta, self._layer_operands, heads,
+        return self.ops.specdec_q_decoder_layers(x, qkv, caches, cos, sin, meta, self._layer_stack, heads,
                                                  kv_heads, self.eps)
 
     def layer_output_and_next_input(self, index: int, attn, x):

@@ -25,6 +25,9 @@
 //       q_matmul(that, next_gain, wqkv, lqkv, epilogue, eps, normalize)): two layers' work
 //       between two attention calls, in one call
 //   q_embedding(ids, w, layout, cols) -> [T, cols]: rows of a quantized table, dequantized
+//   q_register_layers(layers, width) -> handle; q_decoder_layers(x, qkv, caches, cos, sin, meta,
+//       handle, heads, kv_heads, eps) -> [T, H]: every decoder layer of a model in one call
+//       (attention and q_layer_tail_qkv per layer); q_release_layers(handle)
 #include "paddle/extension.h"
 #include "quant_formats.h"
 #include "simd_math.h"
@@ -41,7 +44,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <vector>
 
@@ -510,28 +515,40 @@ void check_rows(const paddle::Tensor& x, const char* what) {
 
 namespace {
 
-// The rest of a decoder layer after attention, into out [M, H] (see q_layer_tail).
-void layer_tail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddle::Tensor& wo, const paddle::Tensor& lo,
-                const paddle::Tensor& gain, const paddle::Tensor& wgu, const paddle::Tensor& lgu,
-                const paddle::Tensor& wd, const paddle::Tensor& ld, float eps, float* out) {
-  check_rows(attn, "q_layer_tail: attn");
-  check_rows(x, "q_layer_tail: x");
-  const int64_t M = x.shape()[0], H = x.shape()[1], A = attn.shape()[1];
-  PD_CHECK(attn.shape()[0] == M, "q_layer_tail: attn and x rows differ");
-  PD_CHECK(gain.numel() == H, "q_layer_tail: gain must be [H]");
-  const QuantWeight o = parse_weight(wo, lo, A, "q_layer_tail: o");
-  const QuantWeight gate_up = parse_weight(wgu, lgu, H, "q_layer_tail: gate_up");
-  PD_CHECK(o.rows == H && gate_up.rows % 2 == 0, "q_layer_tail: weight shapes");
-  const int64_t I = gate_up.rows / 2;
-  PD_CHECK(I % 32 == 0, "q_layer_tail: the inner size must be a multiple of 32");
-  const QuantWeight down = parse_weight(wd, ld, I, "q_layer_tail: down");
-  PD_CHECK(down.rows == H, "q_layer_tail: down must have H rows");
+// A decoder layer's weights after attention (o, the MLP norm's gain, gate/up, down), read and
+// checked against the attention's width A and the hidden size H.
+struct LayerTailWeights {
+  QuantWeight o, gate_up, down;
+  const float* gain;
+  int64_t I;  // the MLP's inner size
+};
 
+LayerTailWeights parse_layer_tail(const paddle::Tensor& wo, const paddle::Tensor& lo, const paddle::Tensor& gain,
+                                  const paddle::Tensor& wgu, const paddle::Tensor& lgu, const paddle::Tensor& wd,
+                                  const paddle::Tensor& ld, int64_t A, int64_t H) {
+  PD_CHECK(gain.numel() == H, "q_layer_tail: gain must be [H]");
+  LayerTailWeights w;
+  w.o = parse_weight(wo, lo, A, "q_layer_tail: o");
+  w.gate_up = parse_weight(wgu, lgu, H, "q_layer_tail: gate_up");
+  PD_CHECK(w.o.rows == H && w.gate_up.rows % 2 == 0, "q_layer_tail: weight shapes");
+  w.I = w.gate_up.rows / 2;
+  PD_CHECK(w.I % 32 == 0, "q_layer_tail: the inner size must be a multiple of 32");
+  w.down = parse_weight(wd, ld, w.I, "q_layer_tail: down");
+  PD_CHECK(w.down.rows == H, "q_layer_tail: down must have H rows");
+  w.gain = gain.data<float>();
+  return w;
+}
+
+// The rest of a decoder layer after attention, into out [M, H] (see q_layer_tail), from attn
+// [M, A] and the layer's input x [M, H].
+void layer_tail(const float* attn, const float* x, int64_t M, int64_t A, int64_t H, const LayerTailWeights& w,
+                float eps, float* out) {
+  const int64_t I = w.I;
   std::vector<float> x1(M * H);
   Epilogue residual;
-  residual.residual = x.data<float>();
-  matmul(attn.data<float>(), M, A, o, residual, x1.data());
-  const std::vector<float> h = normalized(x1.data(), M, H, gain.data<float>(), eps);
+  residual.residual = x;
+  matmul(attn, M, A, w.o, residual, x1.data());
+  const std::vector<float> h = normalized(x1.data(), M, H, w.gain, eps);
   // The MLP in chunks of rows whose [rows, 2I] gate/up output stays below the heap's mmap
   // threshold (kHeapReuse): a long prompt's would otherwise be fresh pages, faulted in and
   // zeroed at every layer. Rows are independent: the chunks give the same floats.
@@ -540,7 +557,7 @@ void layer_tail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddl
   std::unique_ptr<float[]> both(new float[rows * 2 * I]), act(new float[rows * I]);  // no zero fill
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
     const int64_t n = std::min(rows, M - m0);
-    matmul(h.data() + m0 * H, n, H, gate_up, Epilogue{}, both.get());
+    matmul(h.data() + m0 * H, n, H, w.gate_up, Epilogue{}, both.get());
     for_each_row(n, [&](int64_t m) {
       const float* g = both.get() + m * 2 * I;
       float* a = act.get() + m * I;
@@ -548,7 +565,50 @@ void layer_tail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddl
         _mm256_storeu_ps(a + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(g + I + i)));
     });
     residual.residual = x1.data() + m0 * H;
-    matmul(act.get(), n, I, down, residual, out + m0 * H);
+    matmul(act.get(), n, I, w.down, residual, out + m0 * H);
+  }
+}
+
+// layer_tail on paddle tensors.
+void layer_tail(const paddle::Tensor& attn, const paddle::Tensor& x, const paddle::Tensor& wo, const paddle::Tensor& lo,
+                const paddle::Tensor& gain, const paddle::Tensor& wgu, const paddle::Tensor& lgu,
+                const paddle::Tensor& wd, const paddle::Tensor& ld, float eps, float* out) {
+  check_rows(attn, "q_layer_tail: attn");
+  check_rows(x, "q_layer_tail: x");
+  const int64_t M = x.shape()[0], H = x.shape()[1], A = attn.shape()[1];
+  PD_CHECK(attn.shape()[0] == M, "q_layer_tail: attn and x rows differ");
+  const LayerTailWeights w = parse_layer_tail(wo, lo, gain, wgu, lgu, wd, ld, A, H);
+  layer_tail(attn.data<float>(), x.data<float>(), M, A, H, w, eps, out);
+}
+
+// A projection with its epilogue (a scale and a bias per output column, or none), read and
+// checked against its input's row length K.
+struct Projection {
+  QuantWeight weight;
+  Epilogue epi;
+};
+
+Projection parse_projection(const paddle::Tensor& w, const paddle::Tensor& layout, const paddle::Tensor& epilogue,
+                            int64_t K) {
+  Projection p;
+  p.weight = parse_weight(w, layout, K, "q_matmul");
+  if (epilogue.numel() > 0) {
+    PD_CHECK(epilogue.numel() == 2 * p.weight.rows, "q_matmul: epilogue must be [2, N]");
+    p.epi.scale = epilogue.data<float>();
+    p.epi.bias = p.epi.scale + p.weight.rows;
+  }
+  return p;
+}
+
+// out [M, N] = h @ w^T with its epilogue, h = x [M, K], or rms_norm(x) * gain (gain may be
+// null: no gain) when `normalize`.
+void project(const float* x, int64_t M, int64_t K, const Projection& p, const float* gain, bool normalize, float eps,
+             float* out) {
+  if (normalize) {
+    const std::vector<float> h = normalized(x, M, K, gain, eps);
+    matmul(h.data(), M, K, p.weight, p.epi, out);
+  } else {
+    matmul(x, M, K, p.weight, p.epi, out);
   }
 }
 
@@ -557,21 +617,11 @@ paddle::Tensor q_matmul(const paddle::Tensor& x, const paddle::Tensor& gain, con
                         const paddle::Tensor& layout, const paddle::Tensor& epilogue, float eps, bool normalize) {
   check_rows(x, "q_matmul: x");
   const int64_t M = x.shape()[0], K = x.shape()[1];
-  const QuantWeight weight = parse_weight(w, layout, K, "q_matmul");
-  Epilogue epi;
-  if (epilogue.numel() > 0) {
-    PD_CHECK(epilogue.numel() == 2 * weight.rows, "q_matmul: epilogue must be [2, N]");
-    epi.scale = epilogue.data<float>();
-    epi.bias = epi.scale + weight.rows;
-  }
+  const Projection p = parse_projection(w, layout, epilogue, K);
   if (normalize && gain.numel() > 0) PD_CHECK(gain.numel() == K, "q_matmul: gain must be [K]");
-  auto out = paddle::empty({M, weight.rows}, paddle::DataType::FLOAT32, x.place());
-  if (normalize) {
-    const std::vector<float> h = normalized(x.data<float>(), M, K, gain.numel() > 0 ? gain.data<float>() : nullptr, eps);
-    matmul(h.data(), M, K, weight, epi, out.data<float>());
-  } else {
-    matmul(x.data<float>(), M, K, weight, epi, out.data<float>());
-  }
+  auto out = paddle::empty({M, p.weight.rows}, paddle::DataType::FLOAT32, x.place());
+  project(x.data<float>(), M, K, p, gain.numel() > 0 ? gain.data<float>() : nullptr, normalize, eps,
+          out.data<float>());
   return out;
 }
 
@@ -609,35 +659,105 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
                                            const paddle::Tensor& cos, const paddle::Tensor& sin,
                                            const paddle::Tensor& meta, int64_t heads, int64_t kv_heads);
 
-// Operands per layer in `layers` of q_decoder_layers: o (data, layout), mlp_gain, gate_up (data,
-// layout), down (data, layout), then the layer's input side: attn_gain, qkv (data, layout) and
-// the qkv epilogue.
+// Operands per layer in `layers` of q_register_layers: o (data, layout), mlp_gain, gate_up
+// (data, layout), down (data, layout), then the layer's input side: attn_gain, qkv (data,
+// layout) and the qkv epilogue.
 constexpr size_t kLayerOperands = 11;
 
-// Every decoder layer of a quantized model in one call, from the first layer's input x [T, H]
-// and its q/k/v: per layer the paged attention over caches[i] (the cpu backend's call), then
-// q_layer_tail_qkv with the next layer's input side (q_layer_tail for the last). The same
-// calls, in the same order, as the loop over layers made one paddle dispatch at a time (two
-// per layer, some 15 us each on a CPU: a seventh of the default model's 1-row forward pass).
-// Returns the last layer's output, before the final norm.
+namespace {
+
+// One decoder layer of a stack (q_register_layers), its weights read once.
+struct StackLayer {
+  LayerTailWeights tail;  // after attention
+  Projection qkv;         // the layer's q/k/v from its input
+  const float* attn_gain;
+};
+
+// The stacks q_register_layers has read, by handle. Each holds pointers into its tensors, which
+// the caller keeps alive until q_release_layers (specdec.model.quant_weights.QuantizedWeights).
+std::mutex stacks_mutex;
+std::map<int64_t, std::shared_ptr<const std::vector<StackLayer>>> stacks;
+int64_t next_stack = 1;
+
+std::shared_ptr<const std::vector<StackLayer>> find_stack(const paddle::Tensor& handle) {
+  PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, "q_decoder_layers: bad stack handle");
+  std::lock_guard<std::mutex> lock(stacks_mutex);
+  const auto found = stacks.find(handle.data<int64_t>()[0]);
+  PD_CHECK(found != stacks.end(), "q_decoder_layers: no such stack (released?)");
+  return found->second;
+}
+
+}  // namespace
+
+// Reads a model's decoder layers (kLayerOperands tensors each, in `layers`) once, for
+// q_decoder_layers, and returns its handle (int64 [1]). One handle instead of 11 tensors a layer
+// at every step: paddle checks every tensor of a call, about 0.3 us each, which cost the
+// default model's 30 layers 100 us of each forward pass (2026-12-05, AMD Zen 5). `width`: the
+// attention's output width, heads * head_dim.
+std::vector<paddle::Tensor> QRegisterLayers(const std::vector<paddle::Tensor>& layers, int64_t width) {
+  PD_CHECK(!layers.empty() && layers.size() % kLayerOperands == 0, "q_register_layers: ", kLayerOperands,
+           " operands per layer");
+  auto stack = std::make_shared<std::vector<StackLayer>>();
+  for (size_t i = 0; i < layers.size(); i += kLayerOperands) {
+    const paddle::Tensor* w = layers.data() + i;
+    const int64_t H = w[2].numel();
+    StackLayer layer;
+    layer.tail = parse_layer_tail(w[0], w[1], w[2], w[3], w[4], w[5], w[6], width, H);
+    PD_CHECK(w[7].numel() == H, "q_register_layers: attn_gain must be [H]");
+    layer.attn_gain = w[7].data<float>();
+    layer.qkv = parse_projection(w[8], w[9], w[10], H);
+    stack->push_back(std::move(layer));
+  }
+  auto handle = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  std::lock_guard<std::mutex> lock(stacks_mutex);
+  handle.data<int64_t>()[0] = next_stack;
+  stacks[next_stack++] = std::move(stack);
+  return {handle};
+}
+
+// Forgets a stack of q_register_layers (its tensors may then be freed).
+std::vector<paddle::Tensor> QReleaseLayers(const paddle::Tensor& handle) {
+  const std::shared_ptr<const std::vector<StackLayer>> stack = find_stack(handle);
+  std::lock_guard<std::mutex> lock(stacks_mutex);
+  stacks.erase(handle.data<int64_t>()[0]);
+  return {handle};
+}
+
+// specdec_cpu_ops.cc's paged attention, which this file's stack of layers calls between them.
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
+                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                           const paddle::Tensor& meta, int64_t heads, int64_t kv_heads);
+
+// Every decoder layer of a quantized model in one call (the stack `handle` of
+// q_register_layers), from the first layer's input x [T, H] and its q/k/v: per layer the paged
+// attention over caches[i] (the cpu backend's call), then q_layer_tail_qkv with the next
+// layer's input side (q_layer_tail for the last). The same computations, in the same order,
+// as the loop over layers made one paddle dispatch at a time (two per layer, some 15 us each
+// on a CPU: a seventh of the default model's 1-row forward pass). Returns the last layer's
+// output, before the final norm.
 std::vector<paddle::Tensor> QDecoderLayers(const paddle::Tensor& x, const paddle::Tensor& qkv,
                                            const std::vector<paddle::Tensor>& caches, const paddle::Tensor& cos,
                                            const paddle::Tensor& sin, const paddle::Tensor& meta,
-                                           const std::vector<paddle::Tensor>& layers, int64_t heads,
-                                           int64_t kv_heads, float eps) {
+                                           const paddle::Tensor& handle, int64_t heads, int64_t kv_heads, float eps) {
+  const std::shared_ptr<const std::vector<StackLayer>> stack = find_stack(handle);
   const size_t L = caches.size();
-  PD_CHECK(L > 0 && layers.size() == L * kLayerOperands, "q_decoder_layers: ", kLayerOperands,
-           " operands per layer and one cache per layer");
+  PD_CHECK(L == stack->size(), "q_decoder_layers: one cache per layer");
+  check_rows(x, "q_decoder_layers: x");
+  const int64_t M = x.shape()[0], H = x.shape()[1];
   paddle::Tensor h = x, q = qkv;
   for (size_t i = 0; i < L; ++i) {
-    const paddle::Tensor* w = layers.data() + i * kLayerOperands;
+    const StackLayer& layer = (*stack)[i];
     const paddle::Tensor attn = PagedAttention(q, caches[i], cos, sin, meta, heads, kv_heads)[0];
-    if (i + 1 == L) return QLayerTail(attn, h, w[0], w[1], w[2], w[3], w[4], w[5], w[6], eps);
-    const paddle::Tensor* next = w + kLayerOperands;
-    std::vector<paddle::Tensor> out =
-        QLayerTailQkv(attn, h, w[0], w[1], w[2], w[3], w[4], w[5], w[6], next[7], next[8], next[9], next[10], eps);
-    h = out[0];
-    q = out[1];
+    check_rows(attn, "q_decoder_layers: attn");
+    PD_CHECK(attn.shape()[0] == M && layer.tail.o.rows == H, "q_decoder_layers: shapes");
+    auto out = paddle::empty({M, H}, paddle::DataType::FLOAT32, x.place());
+    layer_tail(attn.data<float>(), h.data<float>(), M, attn.shape()[1], H, layer.tail, eps, out.data<float>());
+    if (i + 1 == L) return {out};
+    const StackLayer& next = (*stack)[i + 1];
+    auto next_qkv = paddle::empty({M, next.qkv.weight.rows}, paddle::DataType::FLOAT32, x.place());
+    project(out.data<float>(), M, H, next.qkv, next.attn_gain, true, eps, next_qkv.data<float>());
+    h = out;
+    q = next_qkv;
   }
   return {h};
 }
@@ -762,8 +882,19 @@ PD_BUILD_OP(specdec_q_layer_tail_qkv)
     .Attrs({"eps: float"})
     .SetKernelFn(PD_KERNEL(QLayerTailQkv));
 
+PD_BUILD_OP(specdec_q_register_layers)
+    .Inputs({paddle::Vec("Layers")})
+    .Outputs({"Handle"})
+    .Attrs({"width: int64_t"})
+    .SetKernelFn(PD_KERNEL(QRegisterLayers));
+
+PD_BUILD_OP(specdec_q_release_layers)
+    .Inputs({"Handle"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(QReleaseLayers));
+
 PD_BUILD_OP(specdec_q_decoder_layers)
-    .Inputs({"X", "Qkv", paddle::Vec("Caches"), "Cos", "Sin", "Meta", paddle::Vec("Layers")})
+    .Inputs({"X", "Qkv", paddle::Vec("Caches"), "Cos", "Sin", "Meta", "Handle"})
     .Outputs({"Out"})
     .Attrs({"heads: int64_t", "kv_heads: int64_t", "eps: float"})
     .SetKernelFn(PD_KERNEL(QDecoderLayers));
