@@ -12,8 +12,8 @@ machine falls on all of them alike. Prints per configuration the median engine s
 the acceptance rate, and checks every output equals naive's (greedy, lossless). ``--phases`` adds,
 per quantized head, the median time of each part of a ``propose`` call: the input call
 (embedding rows, both projections, the layer's q/k/v), the cache layer's ``prepare`` and
-attention, the layer's output with the LM head, and the rest (the proposer's Python, metadata,
-the argmax).
+attention, the layer's output with the LM head (or, on the fast path, the one native call that
+does all three), and the rest (the proposer's Python, metadata, the argmax).
 """
 
 from __future__ import annotations
@@ -102,11 +102,14 @@ def main() -> None:
         print_phases(configs, proposes, phases)
 
 
-#: The head's parts timed by --phases: (label, object path from the head, method).
+#: The head's parts timed by --phases: (label, object path from the head, method). The fast
+#: path (``head.fused``, a QuantizedDraftHead) runs the first, third and fourth in one native
+#: call, timed as the last.
 PHASES = (("input: embedding, projections, q/k/v", "input", "__call__"),
           ("cache layer prepare", "cache", "prepare"),
           ("attention", "cache", "forward"),
-          ("layer output + LM head", "layer", "output"))
+          ("layer output + LM head", "layer", "output"),
+          ("one native call: all but prepare", "fused._ops", "specdec_q_draft_head"))
 
 
 def time_phases(head, in_call: dict) -> None:
@@ -115,7 +118,11 @@ def time_phases(head, in_call: dict) -> None:
         return  # the float path has no such calls
     head._phases_timed = True
     for label, owner, method in PHASES:
-        target = getattr(head, owner)
+        parent, _, name = owner.rpartition(".")
+        holder = getattr(head, parent) if parent else head
+        if holder is None:  # no fused call
+            continue
+        target = getattr(holder, name)
         original = getattr(target, method)
 
         def timed(*a, original=original, label=label, **k):
@@ -127,21 +134,24 @@ def time_phases(head, in_call: dict) -> None:
 
         if method == "__call__":  # a call of the instance itself: wrap it through the head
             head.input = _Called(target, timed)
+        elif name == "_ops":  # a kernels module: wrap the one operator
+            setattr(holder, name, _Called(target, None, {method: timed}))
         else:
             setattr(target, method, timed)
 
 
 class _Called:
-    """An object whose call goes through ``timed`` (attributes from the wrapped one)."""
+    """An object whose call goes through ``timed``, and whose attributes named in ``replaced``
+    are those (the others the wrapped one's)."""
 
-    def __init__(self, wrapped, timed):
-        self._wrapped, self._timed = wrapped, timed
+    def __init__(self, wrapped, timed, replaced=None):
+        self._wrapped, self._timed, self._replaced = wrapped, timed, replaced or {}
 
     def __call__(self, *a, **k):
         return self._timed(*a, **k)
 
     def __getattr__(self, name):
-        return getattr(self._wrapped, name)
+        return self._replaced[name] if name in self._replaced else getattr(self._wrapped, name)
 
 
 def print_phases(configs, proposes, phases) -> None:

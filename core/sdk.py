@@ -7,7 +7,8 @@ and their data, the ``hookimpl`` marker, the contract of model-based proposers
 that strategies share (with a strategy's fused device kernel, :class:`DeviceVerifyKernel`,
 which :func:`verify_on_device` dispatches), the validators of a plugin's ``Config``, the
 errors, and the native code a plugin may use (the CPU and Triton kernel loaders,
-:class:`QuantizedLinear`, :class:`QuantizedDecoderLayer`, :class:`QuantizedDraftInput`).
+:class:`QuantizedLinear`, :class:`QuantizedDecoderLayer`, :class:`QuantizedDraftInput`,
+:class:`QuantizedDraftHead`).
 docs/plugins.md ("The SDK") lists every name with what it is for.
 
 The SDK stands on the ground floor: importing it (or any plugin written against it) loads no
@@ -25,7 +26,7 @@ from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
 from .kernels.cpu.packing import pack_attention_metadata
 from .kernels.triton import load_triton_kernels
 from .model.quant import QuantizedLinear
-from .model.quant_layer import QuantizedDecoderLayer, QuantizedDraftInput
+from .model.quant_layer import QuantizedDecoderLayer, QuantizedDraftHead, QuantizedDraftInput
 from .model_paths import resolve_model_path
 from .plugin import Plugin
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
@@ -49,7 +50,7 @@ __all__ = [
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
     "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "pack_attention_metadata", "load_triton_kernels", "QuantizedLinear",
-    "QuantizedDecoderLayer", "QuantizedDraftInput", "resolve_model_path",
+    "QuantizedDecoderLayer", "QuantizedDraftHead", "QuantizedDraftInput", "resolve_model_path",
     "DeviceVerifyKernel",
 ]
 

@@ -2,7 +2,8 @@
 quantized path (:class:`specdec.model.quant_weights.QuantizedWeights`) runs per layer, and
 :class:`QuantizedDecoderLayer`, the same for a plugin's own layer (an MTP head, an EAGLE or
 draft layer), exported as ``specdec.sdk.QuantizedDecoderLayer``, with
-:class:`QuantizedDraftInput`, a one-layer draft head's input in one call.
+:class:`QuantizedDraftInput`, a one-layer draft head's input in one call, and
+:class:`QuantizedDraftHead`, such a head's whole forward in one call.
 
 A layer is a dict of kernel operands (:func:`build_layer`):
 
@@ -18,6 +19,7 @@ each matrix a ``(data, layout)`` pair of paddle tensors (see :func:`specdec.mode
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -60,6 +62,21 @@ def build_layer(paddle, get: Callable[[str], Any], matrix: Callable[..., Any], n
         "gate_up": matrix("mlp.gate_proj.weight", "mlp.up_proj.weight"),
         "down": matrix("mlp.down_proj.weight"),
     }
+
+
+def release_with(owner, ops, handle) -> None:
+    """Release ``handle`` (weights the kernels read once and kept pointers to:
+    ``specdec_q_release``) when ``owner``, which keeps their tensors alive, is collected. Not
+    at exit: the process frees it then, and paddle may be gone."""
+    finalizer = weakref.finalize(owner, ops.specdec_q_release, handle)
+    finalizer.atexit = False
+
+
+def layer_operands(layer: dict) -> list:
+    """A layer's operands in the order of the kernels' registered stacks (``o``, ``mlp_gain``,
+    ``gate_up``, ``down``, then its input side: ``attn_gain``, ``qkv``, ``qkv_epilogue``)."""
+    return [*layer["o"], layer["mlp_gain"], *layer["gate_up"], *layer["down"], layer["attn_gain"], *layer["qkv"],
+            layer["qkv_epilogue"]]
 
 
 def attention_input(ops, layer: dict, x, eps: float):
@@ -205,3 +222,58 @@ class QuantizedDraftInput:
             embeds, data, layout, hidden, *self._embed.operands, *self._hidden.operands, operands["attn_gain"],
             *operands["qkv"], operands["qkv_epilogue"], listed, self._embed.in_features, self.eps,
             self._embed.normalizes, self._hidden.normalizes)
+
+
+class QuantizedDraftHead:
+    """A one-layer draft head's forward in one native call: :class:`QuantizedDraftInput`, the
+    attention over the head's cache layer, then :class:`QuantizedDecoderLayer`'s ``output``
+    with an LM head over the rows that draft. The three calls cost an MTP head's step on the
+    default model about 50 us of paddle dispatch and Python between them (of some 0.4 ms); the
+    kernels read the three parts' weights once, here, and each call passes a handle. The
+    result is the same, bit for bit. Exported as ``specdec.sdk.QuantizedDraftHead``.
+
+    :param draft_input: the head's input (over a quantized target's embedding table).
+    :param layer: its decoder layer.
+    :param lm_head: its LM head, a :class:`~specdec.model.quant.QuantizedLinear` built with a
+        ``norm_gain`` (the final norm).
+
+    Over cache layers of another attention backend than ``cpu`` (whose ``kernel_operands()``
+    is None) :meth:`forward` makes the three calls. Raises :class:`specdec.SpecdecError` (one
+    line) for a float target or an LM head without a norm.
+    """
+
+    def __init__(self, draft_input: QuantizedDraftInput, layer: QuantizedDecoderLayer, lm_head):
+        from specdec.errors import SpecdecError
+
+        if draft_input._table is None:
+            raise SpecdecError("QuantizedDraftHead: needs a quantized target (its embedding table)")
+        if not lm_head.normalizes:
+            raise SpecdecError("QuantizedDraftHead: lm_head must be a QuantizedLinear with a norm_gain")
+        self._ops = layer._ops
+        self.eps = layer.eps
+        self._parts = draft_input, layer, lm_head
+        embed, hidden = draft_input._embed, draft_input._hidden
+        #: The tensors the kernels read: kept alive as long as the handle.
+        self._operands = [*draft_input._table, *embed.operands, *hidden.operands, *layer_operands(layer._layer),
+                          *lm_head.operands]
+        self._handle = self._ops.specdec_q_register_draft_head(
+            self._operands, embed.in_features, hidden.in_features, layer.num_heads * layer.head_dim)
+        release_with(self, self._ops, self._handle)
+
+    def forward(self, token_ids: np.ndarray, hidden, cache_layers, layer_index: int, meta, logit_rows=()):
+        """``(output [T, H], logits [len(logit_rows), V])`` for ``token_ids`` ``[T]`` and the
+        previous positions' hidden states ``hidden`` ``[T, Hh]``, attending over layer
+        ``layer_index`` of ``cache_layers`` at the positions ``meta`` gives (their keys and
+        values are written there): what ``draft_input``, ``cache_layers.forward`` and
+        ``layer.output(attn, x, head=lm_head, rows=logit_rows)`` return."""
+        cache_layers.prepare(meta)
+        operands = getattr(cache_layers, "kernel_operands", lambda: None)()
+        if operands is None:
+            draft_input, layer, lm_head = self._parts
+            x, qkv = draft_input(token_ids, hidden, layer)
+            attn = cache_layers.forward(layer_index, qkv, meta)
+            return layer.output(attn, x, head=lm_head, rows=logit_rows)
+        caches, cos, sin, packed, heads, kv_heads = operands
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1).tolist()
+        return self._ops.specdec_q_draft_head(hidden, caches[layer_index], cos, sin, packed, self._handle, ids,
+                                              [int(r) for r in logit_rows], heads, kv_heads, self.eps)

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 import mmap
-import weakref
 
 import numpy as np
 
 from ..errors import SpecdecError
 from .config import ModelConfig
 from .quant import LOAD_TIME_FORMATS, QuantizedMatrix, layout_array, packed_size, quantize
-from .quant_layer import LAYER_MATRICES, attention_input, build_layer, layer_output
+from .quant_layer import LAYER_MATRICES, attention_input, build_layer, layer_operands, layer_output, release_with
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +82,6 @@ class WeightArena:
         return self.paddle.utils.dlpack.from_dlpack(data), self.paddle.to_tensor(layout)
 
 
-def _release_stack(ops, handle) -> None:
-    """Forget a stack of ``specdec_q_register_layers`` (before its tensors are freed)."""
-    ops.specdec_q_release_layers(handle)
-
-
 class QuantizedWeights:
     """Same interface as :class:`specdec.model.float_weights.FloatWeights`, over quantized matrices.
 
@@ -129,12 +123,9 @@ class QuantizedWeights:
         #: tensors a layer, each of which paddle checks at every call (100 us of the default
         #: model's 1-row forward pass, 2026-12-05). The list keeps the tensors alive as long as
         #: the kernels may read them: the handle is released with this object.
-        self._layer_operands = [tensor for layer in self.layers
-                                for tensor in (*layer["o"], layer["mlp_gain"], *layer["gate_up"], *layer["down"],
-                                               layer["attn_gain"], *layer["qkv"], layer["qkv_epilogue"])]
+        self._layer_operands = [tensor for layer in self.layers for tensor in layer_operands(layer)]
         self._layer_stack = ops.specdec_q_register_layers(self._layer_operands, c.num_heads * c.head_dim)
-        release = weakref.finalize(self, _release_stack, ops, self._layer_stack)
-        release.atexit = False  # at exit the process frees it; paddle may already be gone
+        release_with(self, ops, self._layer_stack)
 
     @staticmethod
     def _table_names(config: ModelConfig) -> list[str]:

@@ -27,7 +27,10 @@
 //   q_embedding(ids, w, layout, cols) -> [T, cols]: rows of a quantized table, dequantized
 //   q_register_layers(layers, width) -> handle; q_decoder_layers(x, qkv, caches, cos, sin, meta,
 //       handle, heads, kv_heads, eps) -> [T, H]: every decoder layer of a model in one call
-//       (attention and q_layer_tail_qkv per layer); q_release_layers(handle)
+//       (attention and q_layer_tail_qkv per layer)
+//   q_register_draft_head(operands, ...) -> handle; q_draft_head(hidden, cache, cos, sin, meta,
+//       handle, ids, rows, ...) -> (out, logits): q_draft_input, attention, q_layer_tail_head
+//   q_release(handle): forgets a handle's weights
 #include "paddle/extension.h"
 #include "quant_formats.h"
 #include "simd_math.h"
@@ -40,6 +43,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -600,15 +604,15 @@ Projection parse_projection(const paddle::Tensor& w, const paddle::Tensor& layou
   return p;
 }
 
-// out [M, N] = h @ w^T with its epilogue, h = x [M, K], or rms_norm(x) * gain (gain may be
+// out [M, N] = h @ w^T with the epilogue, h = x [M, K], or rms_norm(x) * gain (gain may be
 // null: no gain) when `normalize`.
-void project(const float* x, int64_t M, int64_t K, const Projection& p, const float* gain, bool normalize, float eps,
-             float* out) {
+void project(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, const float* gain,
+             bool normalize, float eps, float* out) {
   if (normalize) {
     const std::vector<float> h = normalized(x, M, K, gain, eps);
-    matmul(h.data(), M, K, p.weight, p.epi, out);
+    matmul(h.data(), M, K, w, epi, out);
   } else {
-    matmul(x, M, K, p.weight, p.epi, out);
+    matmul(x, M, K, w, epi, out);
   }
 }
 
@@ -620,7 +624,7 @@ paddle::Tensor q_matmul(const paddle::Tensor& x, const paddle::Tensor& gain, con
   const Projection p = parse_projection(w, layout, epilogue, K);
   if (normalize && gain.numel() > 0) PD_CHECK(gain.numel() == K, "q_matmul: gain must be [K]");
   auto out = paddle::empty({M, p.weight.rows}, paddle::DataType::FLOAT32, x.place());
-  project(x.data<float>(), M, K, p, gain.numel() > 0 ? gain.data<float>() : nullptr, normalize, eps,
+  project(x.data<float>(), M, K, p.weight, p.epi, gain.numel() > 0 ? gain.data<float>() : nullptr, normalize, eps,
           out.data<float>());
   return out;
 }
@@ -673,18 +677,54 @@ struct StackLayer {
   const float* attn_gain;
 };
 
-// The stacks q_register_layers has read, by handle. Each holds pointers into its tensors, which
-// the caller keeps alive until q_release_layers (specdec.model.quant_weights.QuantizedWeights).
-std::mutex stacks_mutex;
-std::map<int64_t, std::shared_ptr<const std::vector<StackLayer>>> stacks;
-int64_t next_stack = 1;
+// Weights read once, by handle (q_register_layers, q_register_draft_head). Each item holds
+// pointers into tensors its caller keeps alive until q_release. Handles are unique across
+// registries: one of another kind is an error, not a misread.
+std::atomic<int64_t> next_handle{1};
 
-std::shared_ptr<const std::vector<StackLayer>> find_stack(const paddle::Tensor& handle) {
-  PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, "q_decoder_layers: bad stack handle");
-  std::lock_guard<std::mutex> lock(stacks_mutex);
-  const auto found = stacks.find(handle.data<int64_t>()[0]);
-  PD_CHECK(found != stacks.end(), "q_decoder_layers: no such stack (released?)");
-  return found->second;
+template <typename T>
+class Registry {
+ public:
+  int64_t add(std::shared_ptr<const T> item) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t handle = next_handle++;
+    items_[handle] = std::move(item);
+    return handle;
+  }
+  std::shared_ptr<const T> find(const paddle::Tensor& handle, const char* what) {
+    PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, what, ": bad handle");
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = items_.find(handle.data<int64_t>()[0]);
+    PD_CHECK(found != items_.end(), what, ": no such handle (released?)");
+    return found->second;
+  }
+  bool erase(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return items_.erase(handle) > 0;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int64_t, std::shared_ptr<const T>> items_;
+};
+
+Registry<std::vector<StackLayer>> stacks;
+
+paddle::Tensor handle_tensor(int64_t handle) {
+  auto out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  out.data<int64_t>()[0] = handle;
+  return out;
+}
+
+// The layer after attention and the next input side, from kLayerOperands tensors at w.
+StackLayer parse_stack_layer(const paddle::Tensor* w, int64_t width, const char* what) {
+  const int64_t H = w[2].numel();
+  StackLayer layer;
+  layer.tail = parse_layer_tail(w[0], w[1], w[2], w[3], w[4], w[5], w[6], width, H);
+  PD_CHECK(w[7].numel() == H, what, ": attn_gain must be [H]");
+  layer.attn_gain = w[7].data<float>();
+  layer.qkv = parse_projection(w[8], w[9], w[10], H);
+  return layer;
 }
 
 }  // namespace
@@ -698,35 +738,10 @@ std::vector<paddle::Tensor> QRegisterLayers(const std::vector<paddle::Tensor>& l
   PD_CHECK(!layers.empty() && layers.size() % kLayerOperands == 0, "q_register_layers: ", kLayerOperands,
            " operands per layer");
   auto stack = std::make_shared<std::vector<StackLayer>>();
-  for (size_t i = 0; i < layers.size(); i += kLayerOperands) {
-    const paddle::Tensor* w = layers.data() + i;
-    const int64_t H = w[2].numel();
-    StackLayer layer;
-    layer.tail = parse_layer_tail(w[0], w[1], w[2], w[3], w[4], w[5], w[6], width, H);
-    PD_CHECK(w[7].numel() == H, "q_register_layers: attn_gain must be [H]");
-    layer.attn_gain = w[7].data<float>();
-    layer.qkv = parse_projection(w[8], w[9], w[10], H);
-    stack->push_back(std::move(layer));
-  }
-  auto handle = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  std::lock_guard<std::mutex> lock(stacks_mutex);
-  handle.data<int64_t>()[0] = next_stack;
-  stacks[next_stack++] = std::move(stack);
-  return {handle};
+  for (size_t i = 0; i < layers.size(); i += kLayerOperands)
+    stack->push_back(parse_stack_layer(layers.data() + i, width, "q_register_layers"));
+  return {handle_tensor(stacks.add(std::move(stack)))};
 }
-
-// Forgets a stack of q_register_layers (its tensors may then be freed).
-std::vector<paddle::Tensor> QReleaseLayers(const paddle::Tensor& handle) {
-  const std::shared_ptr<const std::vector<StackLayer>> stack = find_stack(handle);
-  std::lock_guard<std::mutex> lock(stacks_mutex);
-  stacks.erase(handle.data<int64_t>()[0]);
-  return {handle};
-}
-
-// specdec_cpu_ops.cc's paged attention, which this file's stack of layers calls between them.
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
-                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
-                                           const paddle::Tensor& meta, int64_t heads, int64_t kv_heads);
 
 // Every decoder layer of a quantized model in one call (the stack `handle` of
 // q_register_layers), from the first layer's input x [T, H] and its q/k/v: per layer the paged
@@ -739,7 +754,7 @@ std::vector<paddle::Tensor> QDecoderLayers(const paddle::Tensor& x, const paddle
                                            const std::vector<paddle::Tensor>& caches, const paddle::Tensor& cos,
                                            const paddle::Tensor& sin, const paddle::Tensor& meta,
                                            const paddle::Tensor& handle, int64_t heads, int64_t kv_heads, float eps) {
-  const std::shared_ptr<const std::vector<StackLayer>> stack = find_stack(handle);
+  const std::shared_ptr<const std::vector<StackLayer>> stack = stacks.find(handle, "q_decoder_layers");
   const size_t L = caches.size();
   PD_CHECK(L == stack->size(), "q_decoder_layers: one cache per layer");
   check_rows(x, "q_decoder_layers: x");
@@ -755,7 +770,8 @@ std::vector<paddle::Tensor> QDecoderLayers(const paddle::Tensor& x, const paddle
     if (i + 1 == L) return {out};
     const StackLayer& next = (*stack)[i + 1];
     auto next_qkv = paddle::empty({M, next.qkv.weight.rows}, paddle::DataType::FLOAT32, x.place());
-    project(out.data<float>(), M, H, next.qkv, next.attn_gain, true, eps, next_qkv.data<float>());
+    project(out.data<float>(), M, H, next.qkv.weight, next.qkv.epi, next.attn_gain, true, eps,
+            next_qkv.data<float>());
     h = out;
     q = next_qkv;
   }
@@ -864,6 +880,105 @@ std::vector<paddle::Tensor> QLayerTailHead(const paddle::Tensor& attn, const pad
   return {out, logits};
 }
 
+namespace {
+
+// A one-layer draft head read once (q_register_draft_head): q_draft_input's operands (the
+// target's quantized embedding table, the two projections and their norms), a decoder layer,
+// and an LM head with its norm.
+struct DraftHead {
+  QuantWeight table;
+  int64_t embed_cols, hidden_cols;
+  QuantWeight embed_proj, hidden_proj;
+  const float* embed_gain;   // null: no norm of the embedding
+  const float* hidden_gain;  // null: no norm of the hidden state
+  StackLayer layer;
+  QuantWeight lm_head;
+  const float* head_gain;  // null: no gain in the LM head's norm
+};
+
+Registry<DraftHead> draft_heads;
+
+// Operands of q_register_draft_head: table (data, layout), embed_gain, embed_proj (data,
+// layout), hidden_gain, hidden_proj (data, layout), a layer's kLayerOperands, head_gain, the
+// LM head (data, layout). An empty gain: no norm (no gain, for the LM head).
+constexpr size_t kDraftHeadOperands = 8 + kLayerOperands + 3;
+
+}  // namespace
+
+// Reads a draft head once for q_draft_head and returns its handle.
+std::vector<paddle::Tensor> QRegisterDraftHead(const std::vector<paddle::Tensor>& w, int64_t embed_cols,
+                                               int64_t hidden_cols, int64_t width) {
+  const char* what = "q_register_draft_head";
+  PD_CHECK(w.size() == kDraftHeadOperands, what, ": ", kDraftHeadOperands, " operands");
+  auto head = std::make_shared<DraftHead>();
+  head->embed_cols = embed_cols;
+  head->hidden_cols = hidden_cols;
+  head->table = parse_weight(w[0], w[1], embed_cols, what);
+  head->embed_proj = parse_weight(w[3], w[4], embed_cols, what);
+  head->hidden_proj = parse_weight(w[6], w[7], hidden_cols, what);
+  PD_CHECK(head->embed_proj.rows == head->hidden_proj.rows, what, ": the projections' outputs differ");
+  const auto gain = [&](const paddle::Tensor& g, int64_t size) -> const float* {
+    if (g.numel() == 0) return nullptr;
+    PD_CHECK(g.numel() == size, what, ": a gain's size");
+    return g.data<float>();
+  };
+  head->embed_gain = gain(w[2], embed_cols);
+  head->hidden_gain = gain(w[5], hidden_cols);
+  head->layer = parse_stack_layer(w.data() + 8, width, what);
+  const int64_t H = head->embed_proj.rows;
+  PD_CHECK(head->layer.tail.o.rows == H, what, ": the layer's size differs from the projections'");
+  head->head_gain = gain(w[8 + kLayerOperands], H);
+  head->lm_head = parse_weight(w[9 + kLayerOperands], w[10 + kLayerOperands], H, what);
+  return {handle_tensor(draft_heads.add(std::move(head)))};
+}
+
+// A draft head's forward in one call: q_draft_input (ids: the tokens, one per hidden row), the
+// paged attention over its cache layer, q_layer_tail_head over `rows`. The same computations,
+// in the same order, as those three calls: (out [T, H], logits [rows, V]).
+std::vector<paddle::Tensor> QDraftHead(const paddle::Tensor& hidden, const paddle::Tensor& cache,
+                                       const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                       const paddle::Tensor& meta, const paddle::Tensor& handle,
+                                       const std::vector<int64_t>& ids, const std::vector<int64_t>& rows,
+                                       int64_t heads, int64_t kv_heads, float eps) {
+  const std::shared_ptr<const DraftHead> head = draft_heads.find(handle, "q_draft_head");
+  check_rows(hidden, "q_draft_head: hidden");
+  const int64_t T = hidden.shape()[0], E = head->embed_cols, H = head->embed_proj.rows;
+  PD_CHECK(hidden.shape()[1] == head->hidden_cols, "q_draft_head: hidden must be [T, ", head->hidden_cols, "]");
+  PD_CHECK(static_cast<int64_t>(ids.size()) == T, "q_draft_head: one id per hidden row");
+  std::vector<float> embeds(T * E), from_embeds(T * H);
+  embed_rows(head->table, ids.data(), T, E, embeds.data(), "q_draft_head");
+  project(embeds.data(), T, E, head->embed_proj, Epilogue{}, head->embed_gain, head->embed_gain != nullptr, eps,
+          from_embeds.data());
+  auto x = paddle::empty({T, H}, paddle::DataType::FLOAT32, hidden.place());
+  Epilogue sum;  // the hidden projection plus the embeddings' one
+  sum.residual = from_embeds.data();
+  project(hidden.data<float>(), T, head->hidden_cols, head->hidden_proj, sum, head->hidden_gain,
+          head->hidden_gain != nullptr, eps, x.data<float>());
+  const StackLayer& layer = head->layer;
+  auto qkv = paddle::empty({T, layer.qkv.weight.rows}, paddle::DataType::FLOAT32, hidden.place());
+  project(x.data<float>(), T, H, layer.qkv.weight, layer.qkv.epi, layer.attn_gain, true, eps, qkv.data<float>());
+  const paddle::Tensor attn = PagedAttention(qkv, cache, cos, sin, meta, heads, kv_heads)[0];
+  auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, hidden.place());
+  layer_tail(attn.data<float>(), x.data<float>(), T, attn.shape()[1], H, layer.tail, eps, out.data<float>());
+  const int64_t R = static_cast<int64_t>(rows.size());
+  std::vector<float> picked(R * H);
+  for (int64_t r = 0; r < R; ++r) {
+    PD_CHECK(rows[r] >= 0 && rows[r] < T, "q_draft_head: row out of range");
+    std::copy_n(out.data<float>() + rows[r] * H, H, picked.data() + r * H);
+  }
+  auto logits = paddle::empty({R, head->lm_head.rows}, paddle::DataType::FLOAT32, hidden.place());
+  if (R > 0) project(picked.data(), R, H, head->lm_head, Epilogue{}, head->head_gain, true, eps, logits.data<float>());
+  return {out, logits};
+}
+
+// Forgets what q_register_layers or q_register_draft_head read (its tensors may then be freed).
+std::vector<paddle::Tensor> QRelease(const paddle::Tensor& handle) {
+  PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, "q_release: bad handle");
+  const int64_t id = handle.data<int64_t>()[0];
+  PD_CHECK(stacks.erase(id) || draft_heads.erase(id), "q_release: no such handle");
+  return {handle};
+}
+
 PD_BUILD_OP(specdec_q_matmul)
     .Inputs({"X", "Gain", "W", "Layout", "Epilogue"})
     .Outputs({"Out"})
@@ -888,10 +1003,23 @@ PD_BUILD_OP(specdec_q_register_layers)
     .Attrs({"width: int64_t"})
     .SetKernelFn(PD_KERNEL(QRegisterLayers));
 
-PD_BUILD_OP(specdec_q_release_layers)
+PD_BUILD_OP(specdec_q_release)
     .Inputs({"Handle"})
     .Outputs({"Out"})
-    .SetKernelFn(PD_KERNEL(QReleaseLayers));
+    .SetKernelFn(PD_KERNEL(QRelease));
+
+PD_BUILD_OP(specdec_q_register_draft_head)
+    .Inputs({paddle::Vec("Operands")})
+    .Outputs({"Handle"})
+    .Attrs({"embed_cols: int64_t", "hidden_cols: int64_t", "width: int64_t"})
+    .SetKernelFn(PD_KERNEL(QRegisterDraftHead));
+
+PD_BUILD_OP(specdec_q_draft_head)
+    .Inputs({"Hidden", "Cache", "Cos", "Sin", "Meta", "Handle"})
+    .Outputs({"Out", "Logits"})
+    .Attrs({"ids: std::vector<int64_t>", "rows: std::vector<int64_t>", "heads: int64_t", "kv_heads: int64_t",
+            "eps: float"})
+    .SetKernelFn(PD_KERNEL(QDraftHead));
 
 PD_BUILD_OP(specdec_q_decoder_layers)
     .Inputs({"X", "Qkv", paddle::Vec("Caches"), "Cos", "Sin", "Meta", "Handle"})

@@ -1,9 +1,9 @@
 """One MTP layer: ``h' = proj([enorm(embed(t)); hnorm(h)])``, a decoder layer whose attention
 runs over the proposer's cache layer, then the LM head; on the quantized CPU kernels through the
-public SDK (``QuantizedDraftInput``, ``QuantizedDecoderLayer``, ``QuantizedLinear``: three
-native calls for a forward and its logits, the input with the layer's q/k/v, the cache layer's
-attention, the layer's output with the LM head over the rows that draft), or in float32 eager
-paddle ops.
+public SDK (``QuantizedDraftInput``, ``QuantizedDecoderLayer``, ``QuantizedLinear``: the input
+with the layer's q/k/v, the cache layer's attention, the layer's output with the LM head over
+the rows that draft; ``QuantizedDraftHead`` runs the three in one native call), or in float32
+eager paddle ops.
 
 The row at position ``p`` is built from the hidden state at ``p - 1`` and the token at ``p``
 (so it depends on tokens ``0 .. p`` only, as the shared prefix blocks require); its output
@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from specdec.sdk import AttentionMetadata, QuantizedDecoderLayer, QuantizedDraftInput, QuantizedLinear, require_paddle
+from specdec.sdk import (AttentionMetadata, QuantizedDecoderLayer, QuantizedDraftHead, QuantizedDraftInput,
+                         QuantizedLinear, SpecdecError, require_paddle)
 
 from .weights import MtpLayerWeights
 
@@ -25,7 +26,9 @@ class MtpHead:
     """The layer's weights and its forward, on one of two paths:
 
     - ``quantization`` ``wint8`` or ``wint4`` (what the ``mtp`` proposer runs, ``wint4`` unless
-      its config says otherwise): the engine's fast path, three native calls per forward.
+      its config says otherwise): the engine's fast path, one native call per forward
+      (:class:`specdec.sdk.QuantizedDraftHead`) over a quantized target and the ``cpu``
+      attention backend, else three:
       ``input`` is a :class:`specdec.sdk.QuantizedDraftInput` (the target's embedding rows,
       ``enorm``/``hnorm``, both projections, their sum and the layer's q/k/v in one call), the
       decoder layer a :class:`specdec.sdk.QuantizedDecoderLayer` whose ``output`` also runs the
@@ -61,6 +64,7 @@ class MtpHead:
                                    f"beyond the target's {c.vocab_size}")
             self.draft_vocab = vocab
         d = weights.decoder
+        self.fused = None  # the quantized path's one call (_init_quantized)
         if quantization is not None:
             self._init_quantized(weights, quantization)
             return
@@ -111,6 +115,13 @@ class MtpHead:
             if self.draft_vocab is not None:
                 rows = rows[self.draft_vocab]
             self.lm_head = QuantizedLinear(rows, method, norm_gain=np.asarray(gain, np.float32), eps=eps)
+        #: The three calls in one (QuantizedDraftHead), where the target is quantized and the
+        #: head has its LM head here.
+        if self.lm_head is not None:
+            try:
+                self.fused = QuantizedDraftHead(self.input, self.layer, self.lm_head)
+            except SpecdecError:  # a float target: the three calls
+                self.fused = None
 
     def _rms(self, x, gain=None):
         p = self.paddle
@@ -124,6 +135,10 @@ class MtpHead:
         ``logit_rows`` (indices into the ``T`` rows; None: no logits): ``(output, logits)``."""
         p = self.paddle
         with p.no_grad():
+            if self.fused is not None:
+                out, logits = self.fused.forward(token_ids, hidden, self.cache, self.layer_index, meta,
+                                                 () if logit_rows is None else logit_rows)
+                return out, None if logit_rows is None else logits
             if self.layer is not None:
                 x, qkv = self.input(token_ids, hidden, self.layer)
                 self.cache.prepare(meta)

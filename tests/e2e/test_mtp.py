@@ -59,25 +59,34 @@ def test_quantized_mtp_head_is_lossless_and_still_drafts_well(model_session, qua
     assert acceptance(outputs) > floor * acceptance(float_head), (acceptance(outputs), acceptance(float_head))
 
 
-def test_the_default_head_is_wint4_and_close_to_the_float_head(model_session):
-    """Null ``quantization`` builds the fast path (``wint4``); its forward and logits stay within
-    int4 error of the float32 head's on the same rows, and its drafts (argmax) mostly agree."""
+def _shipped_head_parts(model_session):
+    """``(engine, context, weights)``: a ProposerContext stand-in over the session's engine (after
+    an ``mtp`` run) and the shipped head's weights, to build ``MtpHead``s directly."""
     import types
 
-    import paddle
-
-    from specdec.plugins.mtp.head import MtpHead
     from specdec.plugins.mtp.proposer import SHIPPED_HEADS
     from specdec.plugins.mtp.weights import load_mtp_layers
     from specdec.proposer_context import TargetModel
-    from specdec.sdk import AttentionMetadata
 
     model_session.run({"method": "mtp"}, PROMPTS[:1], SamplingParams(max_tokens=2), max_num_seqs=1)
-    assert model_session.llm.engine.proposer.head.quantization == "wint4"
     engine = model_session.llm.engine
     config = engine.model_config
     context = types.SimpleNamespace(target=TargetModel(engine.model), model_config=config)
     [weights] = load_mtp_layers(SHIPPED_HEADS["smollm2-135m-instruct"], config.hidden_size)
+    return engine, context, weights
+
+
+def test_the_default_head_is_wint4_and_close_to_the_float_head(model_session):
+    """Null ``quantization`` builds the fast path (``wint4``); its forward and logits stay within
+    int4 error of the float32 head's on the same rows, and its drafts (argmax) mostly agree."""
+    import paddle
+
+    from specdec.plugins.mtp.head import MtpHead
+    from specdec.sdk import AttentionMetadata
+
+    engine, context, weights = _shipped_head_parts(model_session)
+    assert engine.proposer.head.quantization == "wint4"
+    config = engine.model_config
     ids = np.asarray(model_session.prompt_ids(PROMPTS[0]), np.int64)
     n = len(ids)
     with paddle.no_grad():
@@ -102,6 +111,56 @@ def test_the_default_head_is_wint4_and_close_to_the_float_head(model_session):
     # drafts the same (the others are rows the head is unsure of: acceptance on the benchmark
     # prompts is the same, 44.8% against float32's 43.4%; int8 gave 2.1%, 2.8%, 91%).
     assert np.mean(q_drafts == drafts) > 0.75, np.mean(q_drafts == drafts)
+
+
+class _CountingOps:
+    """The kernels module, recording the name of every operator called."""
+
+    def __init__(self, ops, calls: list):
+        self._ops, self._calls = ops, calls
+
+    def __getattr__(self, name):
+        op = getattr(self._ops, name)
+
+        def counted(*args):
+            self._calls.append(name)
+            return op(*args)
+        return counted
+
+
+def test_the_head_in_one_native_call_equals_its_three_calls(model_session):
+    """``QuantizedDraftHead`` (the fast path over a quantized target): the same output and
+    logits, bit for bit, as the three calls it fuses, and one native call per forward."""
+    import paddle
+
+    from specdec.plugins.mtp.head import MtpHead
+    from specdec.sdk import AttentionMetadata
+
+    engine, context, weights = _shipped_head_parts(model_session)
+    config = engine.model_config
+    ids = np.asarray(model_session.prompt_ids(PROMPTS[1]), np.int64)
+    n = len(ids)
+    states = paddle.to_tensor(np.random.default_rng(0).standard_normal((n, config.hidden_size)).astype(np.float32))
+    blocks = np.arange(-(-n // engine.block_size))[None]
+    results = []
+    for fused in (True, False):
+        head = MtpHead(weights, context, engine._create_cache_layers(1), quantization="wint4")
+        assert head.fused is not None
+        if not fused:
+            head.fused = None
+        calls = []
+        if fused:
+            head.fused._ops = _CountingOps(head.fused._ops, calls)
+        half = AttentionMetadata.build([n // 2], [0], blocks, engine.block_size)
+        rest = AttentionMetadata.build([n - n // 2], [n // 2], blocks, engine.block_size)
+        head.forward(ids[: n // 2], states[: n // 2], half)  # a catch-up without logits, then one with
+        out, logits = head.forward(ids[n // 2:], states[n // 2:], rest, logit_rows=np.array([0, n - n // 2 - 1]))
+        results.append((np.asarray(out), np.asarray(logits)))
+        if fused:
+            assert calls == ["specdec_q_draft_head"] * 2, calls
+    engine.kv.pool.reset_prefix_cache()
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
 class CheckedMtp(MtpProposer):
