@@ -124,3 +124,44 @@ def test_bad_layers_are_refused_in_one_line():
     del w["mlp.down_proj.weight"]
     with pytest.raises(SpecdecError, match="missing weights mlp.down_proj.weight"):
         QuantizedDecoderLayer(w, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D, eps=EPS)
+
+
+def test_a_stack_of_layers_read_once_runs_as_its_layers_do_until_released():
+    """``specdec_q_register_layers`` + ``specdec_q_decoder_layers`` (the target's one call for
+    every layer) equal the layers' own calls; a released handle is refused, not read."""
+    from specdec.model.quant_layer import layer_operands
+    from specdec.plugins.attention.cpu_backend import CpuAttention
+    from specdec.sdk import AttentionMetadata
+
+    rng = np.random.default_rng(9)
+    layers = [QuantizedDecoderLayer(random_layer(rng, bias), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D,
+                                    eps=EPS, method="wint4") for bias in (False, True)]
+    ops = layers[0]._ops
+    positions = 40
+    cos = np.cos(np.outer(np.arange(positions), np.ones(D))).astype(np.float32)
+    sin = np.sin(np.outer(np.arange(positions), np.ones(D))).astype(np.float32)
+    x = paddle.to_tensor(rng.standard_normal((5, H)).astype(np.float32))
+    meta = AttentionMetadata.build([5], [0], [[0]], 16)
+    outputs = []
+    for one_call in (True, False):
+        cache = CpuAttention()
+        cache.setup(num_layers=2, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D, dtype="float16",
+                    rope_cos=cos, rope_sin=sin)
+        cache.init_cache(2, 16)
+        cache.prepare(meta)
+        if one_call:
+            handle = ops.specdec_q_register_layers([t for layer in layers for t in layer_operands(layer._layer)],
+                                                   HEADS * D)
+            caches, c, s, packed, heads, kv_heads = cache.kernel_operands()
+            outputs.append(ops.specdec_q_decoder_layers(x, layers[0].attention_input(x), caches, c, s, packed, handle,
+                                                        heads, kv_heads, EPS).numpy())
+        else:
+            h = x
+            for index, layer in enumerate(layers):
+                h = layer.output(cache.forward(index, layer.attention_input(h), meta), h)
+            outputs.append(h.numpy())
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    ops.specdec_q_release(handle)
+    with pytest.raises(Exception, match="no such handle"):
+        ops.specdec_q_decoder_layers(x, layers[0].attention_input(x), caches, c, s, packed, handle, heads, kv_heads,
+                                     EPS)
