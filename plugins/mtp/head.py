@@ -133,12 +133,12 @@ class MtpHead:
         at the positions ``meta`` gives (their keys and values go to the cache layer); returns
         the layer's output ``[T, H]`` (before any final norm) and the :meth:`logits` of its rows
         ``logit_rows`` (indices into the ``T`` rows; None: no logits): ``(output, logits)``."""
+        if self.fused is not None:  # one native call: no autograd to turn off (no_grad costs us too)
+            out, logits = self.fused.forward(token_ids, hidden, self.cache, self.layer_index, meta,
+                                             () if logit_rows is None else logit_rows)
+            return out, None if logit_rows is None else logits
         p = self.paddle
         with p.no_grad():
-            if self.fused is not None:
-                out, logits = self.fused.forward(token_ids, hidden, self.cache, self.layer_index, meta,
-                                                 () if logit_rows is None else logit_rows)
-                return out, None if logit_rows is None else logits
             if self.layer is not None:
                 x, qkv = self.input(token_ids, hidden, self.layer)
                 self.cache.prepare(meta)

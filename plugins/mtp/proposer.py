@@ -130,7 +130,7 @@ class MtpProposer(specdec.Proposer):
             context_lens.append(int(rows[0]))
             tables.append(request.block_table)
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
-        last_rows = np.cumsum(query_lens) - 1
+        last_rows = meta.cu_seqlens_q[1:].astype(np.int64) - 1
         out, logits = self.head.forward(np.concatenate(tokens),
                                         states[0] if len(states) == 1 else p.concat(states, axis=0), meta,
                                         logit_rows=last_rows[drafting] if drafting else None)
