@@ -345,7 +345,8 @@ void exp_row(float* sc, int64_t visible, int64_t padded_end, float* max_out, flo
 // block, over positions first .. last-1 and the 8W columns from c. Each value row is read once
 // for all N queries (a query's own pass would read the head's whole value page again); N * W
 // accumulators stay in registers, with the W value vectors or the N broadcast probabilities,
-// whichever are fewer (16 AVX2 registers: 3 x 4 accumulators + 4 values + a broadcast spill).
+// whichever are fewer (16 AVX2 registers: 3 x 4 accumulators, 3 broadcasts and a value row's 8
+// columns; with the 4 value vectors instead, 17, one spilled).
 template <int N, int W, typename T>
 void block_values_pass(const float* probs, int64_t ld, int64_t first, int64_t last, const PagedCache<T>& kv,
                        const int32_t* table, int64_t kvh, int64_t c, float* const* outs) {
