@@ -790,6 +790,34 @@ void embed_rows(const QuantWeight& table, const int64_t* id, int64_t T, int64_t 
   }
 }
 
+// A one-layer draft head's input (q_draft_input): x [T, H] = hidden_proj(n_h(hidden)) +
+// embed_proj(n_e(embeds)), n_e and n_h RMSNorms with their gains where `normalize_*` (a gain
+// may be null: none).
+void draft_input(const float* embeds, int64_t E, const float* hidden, int64_t Hh, int64_t T,
+                 const QuantWeight& embed_proj, const float* embed_gain, bool normalize_embed,
+                 const QuantWeight& hidden_proj, const float* hidden_gain, bool normalize_hidden, float eps, float* x) {
+  std::vector<float> from_embeds(T * embed_proj.rows);
+  project(embeds, T, E, embed_proj, Epilogue{}, embed_gain, normalize_embed, eps, from_embeds.data());
+  Epilogue sum;  // the hidden projection plus the embeddings' one: the add of the separate calls
+  sum.residual = from_embeds.data();
+  project(hidden, T, Hh, hidden_proj, sum, hidden_gain, normalize_hidden, eps, x);
+}
+
+// A draft head's logits [rows, V]: rms_norm(out[rows]) * gain (gain may be null) @ head^T, of
+// out [T, H] (q_layer_tail_head).
+paddle::Tensor head_logits(const paddle::Tensor& out, const std::vector<int64_t>& rows, const QuantWeight& head,
+                           const float* gain, float eps, const char* what) {
+  const int64_t T = out.shape()[0], H = out.shape()[1], R = static_cast<int64_t>(rows.size());
+  std::vector<float> picked(R * H);
+  for (int64_t r = 0; r < R; ++r) {
+    PD_CHECK(rows[r] >= 0 && rows[r] < T, what, ": row out of range");
+    std::copy_n(out.data<float>() + rows[r] * H, H, picked.data() + r * H);
+  }
+  auto logits = paddle::empty({R, head.rows}, paddle::DataType::FLOAT32, out.place());
+  if (R > 0) project(picked.data(), R, H, head, Epilogue{}, gain, true, eps, logits.data<float>());
+  return logits;
+}
+
 }  // namespace
 
 std::vector<paddle::Tensor> QEmbedding(const paddle::Tensor& ids, const paddle::Tensor& w, const paddle::Tensor& layout,
@@ -837,20 +865,13 @@ std::vector<paddle::Tensor> QDraftInput(const paddle::Tensor& embeds, const padd
   const QuantWeight embed_proj = parse_weight(we, le, E, "q_draft_input: embed_proj");
   const QuantWeight hidden_proj = parse_weight(wh, lh, Hh, "q_draft_input: hidden_proj");
   PD_CHECK(embed_proj.rows == hidden_proj.rows, "q_draft_input: the projections' outputs differ");
-  const int64_t H = embed_proj.rows;
-  auto projected = [&](const float* in, int64_t K, bool normalize, const paddle::Tensor& gain, const QuantWeight& w,
-                       const Epilogue& epi, float* out) {
-    if (normalize && gain.numel() > 0) PD_CHECK(gain.numel() == K, "q_draft_input: a gain's size");
-    if (!normalize) return matmul(in, T, K, w, epi, out);
-    const std::vector<float> h = normalized(in, T, K, gain.numel() > 0 ? gain.data<float>() : nullptr, eps);
-    matmul(h.data(), T, K, w, epi, out);
+  const auto gain = [](const paddle::Tensor& g, int64_t K, bool normalize) -> const float* {
+    if (normalize && g.numel() > 0) PD_CHECK(g.numel() == K, "q_draft_input: a gain's size");
+    return g.numel() > 0 ? g.data<float>() : nullptr;
   };
-  std::vector<float> from_embeds(T * H);
-  projected(e, E, normalize_embed, embed_gain, embed_proj, Epilogue{}, from_embeds.data());
-  auto x = paddle::empty({T, H}, paddle::DataType::FLOAT32, hidden.place());
-  Epilogue sum;  // the hidden projection plus the embeddings' one: the add of the separate calls
-  sum.residual = from_embeds.data();
-  projected(hidden.data<float>(), Hh, normalize_hidden, hidden_gain, hidden_proj, sum, x.data<float>());
+  auto x = paddle::empty({T, embed_proj.rows}, paddle::DataType::FLOAT32, hidden.place());
+  draft_input(e, E, hidden.data<float>(), Hh, T, embed_proj, gain(embed_gain, E, normalize_embed), normalize_embed,
+              hidden_proj, gain(hidden_gain, Hh, normalize_hidden), normalize_hidden, eps, x.data<float>());
   return {x, q_matmul(x, attn_gain, wqkv, lqkv, epilogue, eps, true)};
 }
 
@@ -866,18 +887,11 @@ std::vector<paddle::Tensor> QLayerTailHead(const paddle::Tensor& attn, const pad
                                            const std::vector<int64_t>& rows, float eps) {
   auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
   layer_tail(attn, x, wo, lo, gain, wgu, lgu, wd, ld, eps, out.data<float>());
-  const int64_t T = x.shape()[0], H = x.shape()[1], R = static_cast<int64_t>(rows.size());
+  const int64_t H = x.shape()[1];
   const QuantWeight head = parse_weight(wh, lh, H, "q_layer_tail_head: head");
   if (head_gain.numel() > 0) PD_CHECK(head_gain.numel() == H, "q_layer_tail_head: head_gain must be [H]");
-  std::vector<float> picked(R * H);
-  for (int64_t r = 0; r < R; ++r) {
-    PD_CHECK(rows[r] >= 0 && rows[r] < T, "q_layer_tail_head: row out of range");
-    std::copy_n(out.data<float>() + rows[r] * H, H, picked.data() + r * H);
-  }
-  const std::vector<float> h = normalized(picked.data(), R, H, head_gain.numel() > 0 ? head_gain.data<float>() : nullptr, eps);
-  auto logits = paddle::empty({R, head.rows}, paddle::DataType::FLOAT32, x.place());
-  matmul(h.data(), R, H, head, Epilogue{}, logits.data<float>());
-  return {out, logits};
+  return {out, head_logits(out, rows, head, head_gain.numel() > 0 ? head_gain.data<float>() : nullptr, eps,
+                           "q_layer_tail_head")};
 }
 
 namespace {
@@ -945,30 +959,19 @@ std::vector<paddle::Tensor> QDraftHead(const paddle::Tensor& hidden, const paddl
   const int64_t T = hidden.shape()[0], E = head->embed_cols, H = head->embed_proj.rows;
   PD_CHECK(hidden.shape()[1] == head->hidden_cols, "q_draft_head: hidden must be [T, ", head->hidden_cols, "]");
   PD_CHECK(static_cast<int64_t>(ids.size()) == T, "q_draft_head: one id per hidden row");
-  std::vector<float> embeds(T * E), from_embeds(T * H);
+  std::vector<float> embeds(T * E);
   embed_rows(head->table, ids.data(), T, E, embeds.data(), "q_draft_head");
-  project(embeds.data(), T, E, head->embed_proj, Epilogue{}, head->embed_gain, head->embed_gain != nullptr, eps,
-          from_embeds.data());
   auto x = paddle::empty({T, H}, paddle::DataType::FLOAT32, hidden.place());
-  Epilogue sum;  // the hidden projection plus the embeddings' one
-  sum.residual = from_embeds.data();
-  project(hidden.data<float>(), T, head->hidden_cols, head->hidden_proj, sum, head->hidden_gain,
-          head->hidden_gain != nullptr, eps, x.data<float>());
+  draft_input(embeds.data(), E, hidden.data<float>(), head->hidden_cols, T, head->embed_proj, head->embed_gain,
+              head->embed_gain != nullptr, head->hidden_proj, head->hidden_gain, head->hidden_gain != nullptr, eps,
+              x.data<float>());
   const StackLayer& layer = head->layer;
   auto qkv = paddle::empty({T, layer.qkv.weight.rows}, paddle::DataType::FLOAT32, hidden.place());
   project(x.data<float>(), T, H, layer.qkv.weight, layer.qkv.epi, layer.attn_gain, true, eps, qkv.data<float>());
   const paddle::Tensor attn = PagedAttention(qkv, cache, cos, sin, meta, heads, kv_heads)[0];
   auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, hidden.place());
   layer_tail(attn.data<float>(), x.data<float>(), T, attn.shape()[1], H, layer.tail, eps, out.data<float>());
-  const int64_t R = static_cast<int64_t>(rows.size());
-  std::vector<float> picked(R * H);
-  for (int64_t r = 0; r < R; ++r) {
-    PD_CHECK(rows[r] >= 0 && rows[r] < T, "q_draft_head: row out of range");
-    std::copy_n(out.data<float>() + rows[r] * H, H, picked.data() + r * H);
-  }
-  auto logits = paddle::empty({R, head->lm_head.rows}, paddle::DataType::FLOAT32, hidden.place());
-  if (R > 0) project(picked.data(), R, H, head->lm_head, Epilogue{}, head->head_gain, true, eps, logits.data<float>());
-  return {out, logits};
+  return {out, head_logits(out, rows, head->lm_head, head->head_gain, eps, "q_draft_head")};
 }
 
 // Forgets what q_register_layers or q_register_draft_head read (its tensors may then be freed).
