@@ -137,7 +137,7 @@ def _worker_pid(parent: int, timeout: float = 120.0) -> int:
         for child in children:
             try:
                 cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):  # a short-lived child already gone
                 continue
             if b"spawn_main" in cmdline:
                 return int(child)
