@@ -154,15 +154,17 @@ class LlamaModel:
         """
         p = self.paddle
         weights = self.weights
+        self.attention.prepare(meta)
+        operands = self._native_attention() if not hidden_layers else None
+        if operands is not None:  # the whole pass in one native call
+            hidden, logits = weights.forward_rows(np.asarray(token_ids, np.int64), np.asarray(logit_rows, np.int64),
+                                                  operands)
+            if not device_logits:
+                logits = logits.numpy()
+            return (logits, hidden) if return_hidden else logits
         with p.no_grad():
             x = weights.embed(p.to_tensor(token_ids))
-            self.attention.prepare(meta)
-            qkv = weights.attention_input(0, x)
-            operands = self._native_attention() if not hidden_layers else None
-            if operands is not None:  # every layer in one native call
-                x = hidden = weights.decoder_layers(x, qkv, operands)
-            else:
-                x, hidden = self._layer_by_layer(x, qkv, meta, hidden_layers)
+            x, hidden = self._layer_by_layer(x, weights.attention_input(0, x), meta, hidden_layers)
             if len(logit_rows) == 0:
                 logits = np.zeros((0, self.config.vocab_size), np.float32)
                 if device_logits:
@@ -176,11 +178,11 @@ class LlamaModel:
         return (logits, hidden) if return_hidden else logits
 
     def _native_attention(self) -> Optional[tuple]:
-        """The attention's operands for the quantized kernels' call over every layer
-        (``decoder_layers``): a quantized model over the ``cpu`` backend (not a subclass of it
+        """The attention's operands for the quantized kernels' call of the whole pass
+        (``forward_rows``): a quantized model over the ``cpu`` backend (not a subclass of it
         with a ``forward`` of its own); else None."""
         operands = getattr(self.attention, "kernel_operands", None)
-        if operands is None or not hasattr(self.weights, "decoder_layers"):
+        if operands is None or not hasattr(self.weights, "forward_rows"):
             return None
         return operands()
 

@@ -119,13 +119,18 @@ class QuantizedWeights:
         self._float_embedding = None
         self._float_lm_head = None
         #: Every layer's operands, in the kernel's order, read once by the kernels
-        #: (``specdec_q_register_layers``): :meth:`decoder_layers` passes their handle, not 11
+        #: (``specdec_q_register_layers``): :meth:`forward_rows` passes their handle, not 11
         #: tensors a layer, each of which paddle checks at every call (100 us of the default
         #: model's 1-row forward pass, 2026-12-05). The list keeps the tensors alive as long as
         #: the kernels may read them: the handle is released with this object.
         self._layer_operands = [tensor for layer in self.layers for tensor in layer_operands(layer)]
         self._layer_stack = ops.specdec_q_register_layers(self._layer_operands, c.num_heads * c.head_dim)
         release_with(self, ops, self._layer_stack)
+        #: The whole model for :meth:`forward_rows`: the stack, the embedding, the final norm and
+        #: the LM head (the tensors are this object's, alive as long as it is).
+        self._model = ops.specdec_q_register_model(self._layer_stack, *self.embedding_blocks, self.final_norm,
+                                                   *self.lm_head)
+        release_with(self, ops, self._model)
 
     @staticmethod
     def _table_names(config: ModelConfig) -> list[str]:
@@ -147,15 +152,17 @@ class QuantizedWeights:
     def layer_output(self, index: int, attn, x):
         return layer_output(self.ops, self.layers[index], attn, x, self.eps)
 
-    def decoder_layers(self, x, qkv, attention_operands: tuple):
-        """Every layer in one native call, from the first layer's input ``x`` and its ``qkv``,
-        with the cpu attention backend's ``kernel_operands()``: the last layer's output, the
-        same floats as the loop of :meth:`layer_output_and_next_input` and the backend's
-        ``forward``. At batch 1 on the default model the loop's 60 paddle dispatches cost
-        about a seventh of the forward pass (1 of 7.4 ms, docs/models.md)."""
+    def forward_rows(self, token_ids, logit_rows, attention_operands: tuple):
+        """The model's forward pass in one native call (``specdec_q_forward``): the embedding
+        of ``token_ids``, every layer with the cpu attention backend's ``kernel_operands()``,
+        the final norm and the LM head over ``logit_rows``. Returns ``(hidden [T, H] before the
+        final norm, logits [len(logit_rows), V])``, the same floats as :meth:`embed`,
+        :meth:`attention_input`, the layers' calls (``specdec_q_decoder_layers``) and
+        :meth:`logits` called one by one; those four calls and the ids' copy into a tensor cost
+        a tenth of the default model's 1-row pass (docs/models.md)."""
         caches, cos, sin, meta, heads, kv_heads = attention_operands
-        return self.ops.specdec_q_decoder_layers(x, qkv, caches, cos, sin, meta, self._layer_stack, heads,
-                                                 kv_heads, self.eps)
+        return self.ops.specdec_q_forward(caches, cos, sin, meta, self._model, token_ids.tolist(), logit_rows.tolist(),
+                                          heads, kv_heads, self.eps)
 
     def layer_output_and_next_input(self, index: int, attn, x):
         """``(layer_output(index, attn, x), attention_input(index + 1, that))`` in one call."""

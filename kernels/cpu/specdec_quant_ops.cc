@@ -743,6 +743,40 @@ std::vector<paddle::Tensor> QRegisterLayers(const std::vector<paddle::Tensor>& l
   return {handle_tensor(stacks.add(std::move(stack)))};
 }
 
+namespace {
+
+// The stack's layers from the first layer's input x [T, H] and its q/k/v: per layer the paged
+// attention over caches[i] (the cpu backend's call), then the layer's tail with the next
+// layer's input side. Returns the last layer's output, before the final norm.
+paddle::Tensor run_layers(const std::vector<StackLayer>& stack, const paddle::Tensor& x, const paddle::Tensor& qkv,
+                          const std::vector<paddle::Tensor>& caches, const paddle::Tensor& cos,
+                          const paddle::Tensor& sin, const paddle::Tensor& meta, int64_t heads, int64_t kv_heads,
+                          float eps, const char* what) {
+  const size_t L = caches.size();
+  PD_CHECK(L == stack.size(), what, ": one cache per layer");
+  check_rows(x, what);
+  const int64_t M = x.shape()[0], H = x.shape()[1];
+  paddle::Tensor h = x, q = qkv;
+  for (size_t i = 0; i < L; ++i) {
+    const StackLayer& layer = stack[i];
+    const paddle::Tensor attn = PagedAttention(q, caches[i], cos, sin, meta, heads, kv_heads)[0];
+    check_rows(attn, what);
+    PD_CHECK(attn.shape()[0] == M && layer.tail.o.rows == H, what, ": shapes");
+    auto out = paddle::empty({M, H}, paddle::DataType::FLOAT32, x.place());
+    layer_tail(attn.data<float>(), h.data<float>(), M, attn.shape()[1], H, layer.tail, eps, out.data<float>());
+    if (i + 1 == L) return out;
+    const StackLayer& next = stack[i + 1];
+    auto next_qkv = paddle::empty({M, next.qkv.weight.rows}, paddle::DataType::FLOAT32, x.place());
+    project(out.data<float>(), M, H, next.qkv.weight, next.qkv.epi, next.attn_gain, true, eps,
+            next_qkv.data<float>());
+    h = out;
+    q = next_qkv;
+  }
+  return h;
+}
+
+}  // namespace
+
 // Every decoder layer of a quantized model in one call (the stack `handle` of
 // q_register_layers), from the first layer's input x [T, H] and its q/k/v: per layer the paged
 // attention over caches[i] (the cpu backend's call), then q_layer_tail_qkv with the next
@@ -755,27 +789,7 @@ std::vector<paddle::Tensor> QDecoderLayers(const paddle::Tensor& x, const paddle
                                            const paddle::Tensor& sin, const paddle::Tensor& meta,
                                            const paddle::Tensor& handle, int64_t heads, int64_t kv_heads, float eps) {
   const std::shared_ptr<const std::vector<StackLayer>> stack = stacks.find(handle, "q_decoder_layers");
-  const size_t L = caches.size();
-  PD_CHECK(L == stack->size(), "q_decoder_layers: one cache per layer");
-  check_rows(x, "q_decoder_layers: x");
-  const int64_t M = x.shape()[0], H = x.shape()[1];
-  paddle::Tensor h = x, q = qkv;
-  for (size_t i = 0; i < L; ++i) {
-    const StackLayer& layer = (*stack)[i];
-    const paddle::Tensor attn = PagedAttention(q, caches[i], cos, sin, meta, heads, kv_heads)[0];
-    check_rows(attn, "q_decoder_layers: attn");
-    PD_CHECK(attn.shape()[0] == M && layer.tail.o.rows == H, "q_decoder_layers: shapes");
-    auto out = paddle::empty({M, H}, paddle::DataType::FLOAT32, x.place());
-    layer_tail(attn.data<float>(), h.data<float>(), M, attn.shape()[1], H, layer.tail, eps, out.data<float>());
-    if (i + 1 == L) return {out};
-    const StackLayer& next = (*stack)[i + 1];
-    auto next_qkv = paddle::empty({M, next.qkv.weight.rows}, paddle::DataType::FLOAT32, x.place());
-    project(out.data<float>(), M, H, next.qkv.weight, next.qkv.epi, next.attn_gain, true, eps,
-            next_qkv.data<float>());
-    h = out;
-    q = next_qkv;
-  }
-  return {h};
+  return {run_layers(*stack, x, qkv, caches, cos, sin, meta, heads, kv_heads, eps, "q_decoder_layers")};
 }
 
 namespace {
@@ -974,11 +988,70 @@ std::vector<paddle::Tensor> QDraftHead(const paddle::Tensor& hidden, const paddl
   return {out, head_logits(out, rows, head->lm_head, head->head_gain, eps, "q_draft_head")};
 }
 
-// Forgets what q_register_layers or q_register_draft_head read (its tensors may then be freed).
+namespace {
+
+// A whole model read once (q_register_model): its layer stack, the embedding table, the final
+// norm's gain and the LM head.
+struct ModelWeights {
+  std::shared_ptr<const std::vector<StackLayer>> stack;
+  QuantWeight embedding, lm_head;
+  int64_t hidden;
+  const float* final_norm;
+};
+
+Registry<ModelWeights> models;
+
+}  // namespace
+
+// Reads a model's ends once for q_forward, around the stack of q_register_layers (`stack`):
+// the embedding table (data, layout), the final norm's gain [H] and the LM head (data,
+// layout), which may be the embedding's tensors (tied). Returns its handle.
+std::vector<paddle::Tensor> QRegisterModel(const paddle::Tensor& stack, const paddle::Tensor& table,
+                                           const paddle::Tensor& table_layout, const paddle::Tensor& final_norm,
+                                           const paddle::Tensor& head, const paddle::Tensor& head_layout) {
+  const char* what = "q_register_model";
+  auto model = std::make_shared<ModelWeights>();
+  model->stack = stacks.find(stack, what);
+  model->hidden = final_norm.numel();
+  PD_CHECK(!model->stack->empty() && model->stack->front().tail.o.rows == model->hidden, what,
+           ": final_norm must be [H]");
+  model->final_norm = final_norm.data<float>();
+  model->embedding = parse_weight(table, table_layout, model->hidden, what);
+  model->lm_head = parse_weight(head, head_layout, model->hidden, what);
+  return {handle_tensor(models.add(std::move(model)))};
+}
+
+// A quantized model's forward pass in one call: the embedding of `ids`, the first layer's
+// q/k/v, every layer (q_decoder_layers' computations) and the final norm and LM head over the
+// rows `logit_rows`. The same computations, in the same order, as q_embedding, q_matmul,
+// q_decoder_layers and q_matmul (after a gather of the rows) called one by one: each call
+// costs a paddle dispatch (15-30 us on a CPU) and the ids a host-to-tensor copy, together a
+// tenth of the default model's 1-row pass. Returns (the last layer's output [T, H], before
+// the final norm; logits [len(logit_rows), V]).
+std::vector<paddle::Tensor> QForward(const std::vector<paddle::Tensor>& caches, const paddle::Tensor& cos,
+                                     const paddle::Tensor& sin, const paddle::Tensor& meta,
+                                     const paddle::Tensor& handle, const std::vector<int64_t>& ids,
+                                     const std::vector<int64_t>& logit_rows, int64_t heads, int64_t kv_heads,
+                                     float eps) {
+  const std::shared_ptr<const ModelWeights> model = models.find(handle, "q_forward");
+  const int64_t T = static_cast<int64_t>(ids.size()), H = model->hidden;
+  PD_CHECK(T > 0, "q_forward: no tokens");
+  auto x = paddle::empty({T, H}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  embed_rows(model->embedding, ids.data(), T, H, x.data<float>(), "q_forward");
+  const StackLayer& first = model->stack->front();
+  auto qkv = paddle::empty({T, first.qkv.weight.rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  project(x.data<float>(), T, H, first.qkv.weight, first.qkv.epi, first.attn_gain, true, eps, qkv.data<float>());
+  const paddle::Tensor out = run_layers(*model->stack, x, qkv, caches, cos, sin, meta, heads, kv_heads, eps,
+                                        "q_forward");
+  return {out, head_logits(out, logit_rows, model->lm_head, model->final_norm, eps, "q_forward")};
+}
+
+// Forgets what q_register_layers, q_register_draft_head or
+// q_register_model read (its tensors may then be freed).
 std::vector<paddle::Tensor> QRelease(const paddle::Tensor& handle) {
   PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, "q_release: bad handle");
   const int64_t id = handle.data<int64_t>()[0];
-  PD_CHECK(stacks.erase(id) || draft_heads.erase(id), "q_release: no such handle");
+  PD_CHECK(stacks.erase(id) || draft_heads.erase(id) || models.erase(id), "q_release: no such handle");
   return {handle};
 }
 
@@ -1023,6 +1096,18 @@ PD_BUILD_OP(specdec_q_draft_head)
     .Attrs({"ids: std::vector<int64_t>", "rows: std::vector<int64_t>", "heads: int64_t", "kv_heads: int64_t",
             "eps: float"})
     .SetKernelFn(PD_KERNEL(QDraftHead));
+
+PD_BUILD_OP(specdec_q_register_model)
+    .Inputs({"Stack", "Table", "TableLayout", "FinalNorm", "Head", "HeadLayout"})
+    .Outputs({"Handle"})
+    .SetKernelFn(PD_KERNEL(QRegisterModel));
+
+PD_BUILD_OP(specdec_q_forward)
+    .Inputs({paddle::Vec("Caches"), "Cos", "Sin", "Meta", "Handle"})
+    .Outputs({"Hidden", "Logits"})
+    .Attrs({"ids: std::vector<int64_t>", "logit_rows: std::vector<int64_t>", "heads: int64_t", "kv_heads: int64_t",
+            "eps: float"})
+    .SetKernelFn(PD_KERNEL(QForward));
 
 PD_BUILD_OP(specdec_q_decoder_layers)
     .Inputs({"X", "Qkv", paddle::Vec("Caches"), "Cos", "Sin", "Meta", "Handle"})

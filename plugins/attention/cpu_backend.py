@@ -86,8 +86,8 @@ class CpuAttention(specdec.AttentionBackend):
     def kernel_operands(self) -> tuple | None:
         """What ``specdec_paged_attention`` takes besides the layer's q/k/v, for this step (after
         :meth:`prepare`): ``(caches, cos, sin, meta, num_heads, num_kv_heads)``, the caches one
-        per layer. A quantized model then runs all its layers, this attention included, in one
-        native call (``specdec_q_decoder_layers``), the same calls as ``forward`` layer by
+        per layer. A quantized model then runs its whole pass, this attention included, in one
+        native call (``specdec_q_forward``), the same calls as ``forward`` layer by
         layer. None for a subclass with a ``forward`` of its own, which must then be called."""
         if type(self).forward is not CpuAttention.forward:
             return None

@@ -123,12 +123,12 @@ def test_speculation_keeps_the_quantized_greedy_output(quantization):
 
 #: VmHWM (this process's peak resident set) rather than ru_maxrss, which Linux carries over
 #: from the pytest process that forked this one.
-def test_a_forward_pass_makes_four_native_calls_the_loop_s_floats_bit_for_bit():
-    """docs/models.md: the embedding, the first layer's q/k/v, every layer at once
-    (``specdec_q_decoder_layers``, the cpu attention backend's calls inside) and the LM head.
-    Layer by layer (as with ``hidden_layers``, or another attention backend) it is 3 + 2 x layers
-    calls; both give the same floats, the KV cache the same rows, the prompt's and a decode
-    step's alike."""
+def test_a_forward_pass_is_one_native_call_the_loop_s_floats_bit_for_bit():
+    """docs/models.md: the embedding, the first layer's q/k/v, every layer (the cpu attention
+    backend's calls inside) and the LM head in one call (``specdec_q_forward``). Layer by layer
+    (as with ``hidden_layers``, or another attention backend) it is 3 + 2 x layers calls; both
+    give the same floats, the KV cache the same rows, the prompt's and a decode step's alike,
+    with logits of every row or of some."""
     llm = engine("gguf")
     eng, model = llm.engine, llm.engine.model
     layers = model.config.num_layers
@@ -150,13 +150,15 @@ def test_a_forward_pass_makes_four_native_calls_the_loop_s_floats_bit_for_bit():
     prompt, rows = ids[:-3], ids[-3:]
 
     def run(**options):
-        """Logits and hidden states of the prompt's prefill, then of 3 rows over it."""
+        """Logits and hidden states of the prompt's prefill (its last row's logits), then of 3
+        rows over it (logits of two rows, then of all three)."""
         blocks = [eng.kv.pool.allocate() for _ in range(-(-len(ids) // eng.block_size))]
         try:
             results = []
-            for chunk, context in ((prompt, 0), (rows, len(prompt))):
+            for chunk, context, logit_rows in ((prompt, 0, [len(prompt) - 1]), (rows, len(prompt), [0, 2]),
+                                               (rows, len(prompt), [0, 1, 2])):
                 meta = AttentionMetadata.build([len(chunk)], [context], [blocks], eng.block_size)
-                logits, hidden = model.forward(chunk, meta, np.arange(len(chunk), dtype=np.int64),
+                logits, hidden = model.forward(chunk, meta, np.asarray(logit_rows, dtype=np.int64),
                                                return_hidden=True, **options)
                 results += [np.asarray(logits), np.asarray(hidden)]
             return results
@@ -173,11 +175,10 @@ def test_a_forward_pass_makes_four_native_calls_the_loop_s_floats_bit_for_bit():
         by_layer = run(hidden_layers=(layers,))
     finally:
         weights.ops, attention.ops = saved
-    assert fused_calls == ["specdec_q_embedding", "specdec_q_matmul", "specdec_q_decoder_layers",
-                           "specdec_q_matmul"] * 2
-    assert len(calls) == 2 * (3 + 2 * layers) == 126, sorted(set(calls))
-    assert calls.count("specdec_q_layer_tail_qkv") == 2 * (layers - 1)
-    assert calls.count("specdec_paged_attention") == 2 * layers
+    assert fused_calls == ["specdec_q_forward"] * 3
+    assert len(calls) == 3 * (3 + 2 * layers) == 189, sorted(set(calls))
+    assert calls.count("specdec_q_layer_tail_qkv") == 3 * (layers - 1)
+    assert calls.count("specdec_paged_attention") == 3 * layers
     for got, want in zip(fused, by_layer):
         np.testing.assert_array_equal(got, want)
 
@@ -194,7 +195,7 @@ def test_a_forward_pass_makes_four_native_calls_the_loop_s_floats_bit_for_bit():
         np.testing.assert_array_equal(run()[2], fused[2])
     finally:
         attention.__class__ = OwnForward.__bases__[0]
-    assert seen == list(range(layers)) * 2
+    assert seen == list(range(layers)) * 3
 
 
 _RSS_SCRIPT = """
