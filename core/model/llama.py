@@ -152,7 +152,6 @@ class LlamaModel:
             the fused verify kernels) instead of copying them to a numpy array.
         :returns: ``[M, V]`` float32 numpy logits, or ``(logits, hidden_states)``.
         """
-        p = self.paddle
         weights = self.weights
         self.attention.prepare(meta)
         operands = self._native_attention() if not hidden_layers else None
@@ -162,6 +161,7 @@ class LlamaModel:
             if not device_logits:
                 logits = logits.numpy()
             return (logits, hidden) if return_hidden else logits
+        p = self.paddle
         with p.no_grad():
             x = weights.embed(p.to_tensor(token_ids))
             x, hidden = self._layer_by_layer(x, weights.attention_input(0, x), meta, hidden_layers)

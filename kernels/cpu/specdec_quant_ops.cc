@@ -817,8 +817,8 @@ void draft_input(const float* embeds, int64_t E, const float* hidden, int64_t Hh
   project(hidden, T, Hh, hidden_proj, sum, hidden_gain, normalize_hidden, eps, x);
 }
 
-// A draft head's logits [rows, V]: rms_norm(out[rows]) * gain (gain may be null) @ head^T, of
-// out [T, H] (q_layer_tail_head).
+// An LM head's logits [rows, V]: rms_norm(out[rows]) * gain (gain may be null) @ head^T, of
+// out [T, H] (a draft head's, in q_layer_tail_head and q_draft_head; the model's, in q_forward).
 paddle::Tensor head_logits(const paddle::Tensor& out, const std::vector<int64_t>& rows, const QuantWeight& head,
                            const float* gain, float eps, const char* what) {
   const int64_t T = out.shape()[0], H = out.shape()[1], R = static_cast<int64_t>(rows.size());
@@ -1026,8 +1026,8 @@ std::vector<paddle::Tensor> QRegisterModel(const paddle::Tensor& stack, const pa
 // rows `logit_rows`. The same computations, in the same order, as q_embedding, q_matmul,
 // q_decoder_layers and q_matmul (after a gather of the rows) called one by one: each call
 // costs a paddle dispatch (15-30 us on a CPU) and the ids a host-to-tensor copy, together
-// 0.2 ms, 8% of the default model's 1-row pass (2026-12-06, AMD Zen 5). Returns (the last layer's output [T, H], before
-// the final norm; logits [len(logit_rows), V]).
+// 0.2 ms, 8% of the default model's 1-row pass (2026-12-06, AMD Zen 5). Returns (the last
+// layer's output [T, H], before the final norm; logits [len(logit_rows), V]).
 std::vector<paddle::Tensor> QForward(const std::vector<paddle::Tensor>& caches, const paddle::Tensor& cos,
                                      const paddle::Tensor& sin, const paddle::Tensor& meta,
                                      const paddle::Tensor& handle, const std::vector<int64_t>& ids,
@@ -1046,8 +1046,8 @@ std::vector<paddle::Tensor> QForward(const std::vector<paddle::Tensor>& caches, 
   return {out, head_logits(out, logit_rows, model->lm_head, model->final_norm, eps, "q_forward")};
 }
 
-// Forgets what q_register_layers, q_register_draft_head or
-// q_register_model read (its tensors may then be freed).
+// Forgets what q_register_layers, q_register_draft_head or q_register_model read (its tensors
+// may then be freed).
 std::vector<paddle::Tensor> QRelease(const paddle::Tensor& handle) {
   PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, "q_release: bad handle");
   const int64_t id = handle.data<int64_t>()[0];
