@@ -95,7 +95,7 @@ class StepCostModel:
 
 
 def choose_draft_lengths(lengths: np.ndarray, chances: np.ndarray, base_rows: int, base_tokens: int,
-                         fixed: float, per_row: float) -> np.ndarray:
+                         fixed: float, per_row: float, draft_cost: float = 0.0) -> np.ndarray:
     """Cut each request's draft so that the step's expected tokens per second is highest.
 
     :param lengths: ``[B]`` drafts each request has.
@@ -105,6 +105,9 @@ def choose_draft_lengths(lengths: np.ndarray, chances: np.ndarray, base_rows: in
     :param base_rows: rows the step is measured from before any draft (the engine passes
         one per decoding request: a plain decode step, whatever prompt rows share the step).
     :param base_tokens: tokens the step emits without any draft.
+    :param draft_cost: seconds each draft costs besides its row: the proposer's time per
+        draft, when deciding how many drafts to ask a proposer for (a draft model's forward
+        per draft); 0 once the drafts exist, when deciding how many to verify.
     :returns: ``[B]`` draft lengths to verify (each at most ``lengths[b]``).
     """
     width = int(lengths.max()) if len(lengths) else 0
@@ -115,10 +118,11 @@ def choose_draft_lengths(lengths: np.ndarray, chances: np.ndarray, base_rows: in
     order = np.argsort(-value, axis=None, kind="stable")
     values = value.reshape(-1)[order]
     values = values[values > 0]
-    # Take candidate i while values[i] / per_row > tokens / seconds of the step so far.
+    # Take candidate i while values[i] / its cost > tokens / seconds of the step so far.
+    cost = per_row + draft_cost
     tokens = base_tokens + np.concatenate([[0.0], np.cumsum(values)[:-1]])
-    seconds = fixed + per_row * (base_rows + np.arange(len(values)))
-    worth = values * seconds > per_row * tokens
+    seconds = fixed + per_row * base_rows + cost * np.arange(len(values))
+    worth = values * seconds > cost * tokens
     taken = len(values) if worth.all() else int(np.argmin(worth))
     chosen = np.zeros(value.size, dtype=bool)
     chosen[order[:taken]] = True
@@ -136,7 +140,11 @@ class AcceptanceModel:
     model keeps, per class and draft position ``j``, the conditional acceptance
     ``p(j) = P(draft j accepted | drafts before it accepted)`` as decayed counts:
 
-    - shared counts over all requests, starting from :data:`PRIOR_ACCEPTANCE`, and
+    - shared counts over all requests, starting from :data:`PRIOR_ACCEPTANCE` at the first
+      position and from the estimate at position ``j - 1`` at position ``j`` (a position
+      never verified, because every step cut the drafts before it, is taken to be like the
+      last one measured rather than like nothing measured: otherwise a cut that once stopped
+      at three drafts would never learn that the fourth pays), and
     - each request's own counts, pulled towards the shared estimate (a prior worth
       :data:`REQUEST_PRIOR_WEIGHT` drafts): a request whose output copies its prompt
       closely is told apart from one that does not, once it has a history.
@@ -177,8 +185,12 @@ class AcceptanceModel:
         counts = self._shared.get(draft_class)
         if counts is None:
             return np.full(width, PRIOR_ACCEPTANCE)
-        counts = self._grown(counts, width)[:, :width]
-        return (counts[1] + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (counts[0] + PRIOR_WEIGHT)
+        verified, accepted = self._grown(counts, width)[:, :width]
+        p = np.empty(width)
+        prior = PRIOR_ACCEPTANCE
+        for j in range(width):
+            p[j] = prior = (accepted[j] + PRIOR_WEIGHT * prior) / (verified[j] + PRIOR_WEIGHT)
+        return p
 
     def chances(self, request_ids: list[str], classes: np.ndarray | None, width: int) -> np.ndarray:
         """``[B, width]``: the chance that draft ``j + 1`` of request ``b`` (of class

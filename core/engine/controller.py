@@ -28,6 +28,11 @@ decayed mean of it per request (a new request starts from the method's mean) and
   off since the prompt runs over the whole conversation so far); a probe dearer than the
   budget holds waits until the budget has grown to its price.
 
+A proposer whose time grows with the drafts it makes (a draft model runs a forward per draft)
+is asked for no more drafts than the adaptive draft length would verify of them, each draft
+counted with its share of the proposer's time as well as its row (:meth:`drafts_to_ask`): a
+step on which the policy verifies two drafts does not pay for five draft forwards.
+
 A request whose proposer was off gets the hidden states of every step it skipped at its next
 proposal (the engine keeps them): a model proposer catches up over them in one call. The
 proposer's usual time is learned from the calls without such a catch-up only.
@@ -99,6 +104,12 @@ class DraftController:
         self.step_costs = StepCostModel()
         #: Mean proposer seconds per request proposed for (None until measured).
         self.proposer_seconds: float | None = None
+        #: Mean proposer seconds per draft round (a call's time over its longest draft; None
+        #: until measured): what one more draft costs a request drafting alone.
+        self.proposer_seconds_per_draft: float | None = None
+        #: Whether the method's drafts carry classes (``Drafts.classes``, set by the engine):
+        #: a draft's chance then depends on a class known only once it is drafted.
+        self.drafts_have_classes = False
         self.shared_net = 0.0
         self._requests: dict[str, _RequestState] = {}
         self._bar = 0.0  # tokens per second of this step without drafts (set by draft_lengths)
@@ -154,17 +165,24 @@ class DraftController:
         _, per_row = self.step_costs.costs()
         cost = drafts * per_row
         if calls_proposer:
-            cost += (self.proposer_seconds or 0.0) + catch_up_tokens * (self.catch_up_seconds_per_token or 0.0)
+            cost += self._proposer_cost(drafts) + catch_up_tokens * (self.catch_up_seconds_per_token or 0.0)
         if self._probe_credit < cost:
             self._probe_waiting = max(self._probe_waiting, PROBE_PRICE_MARGIN * cost)
             return False
         self._probe_credit -= cost
         return True
 
-    def proposer_time(self, num_requests: int, seconds: float) -> None:
-        """One proposer call took ``seconds`` for ``num_requests`` requests."""
+    def proposer_time(self, num_requests: int, seconds: float, drafts: int = 0) -> None:
+        """One proposer call took ``seconds`` for ``num_requests`` requests, the longest of
+        its drafts ``drafts`` tokens long."""
         if num_requests <= 0:
             return
+        if drafts > 0:
+            per_draft = seconds / drafts
+            mean = self.proposer_seconds_per_draft
+            if mean is not None:
+                per_draft = min(per_draft, PROPOSER_OUTLIER_FACTOR * mean)
+            self.proposer_seconds_per_draft = per_draft if mean is None else 0.9 * mean + 0.1 * per_draft
         share = seconds / num_requests
         if self.proposer_seconds is None:
             self.proposer_seconds = share
@@ -196,6 +214,31 @@ class DraftController:
         credit = self._probe_cap if self._probe_credit is None else self._probe_credit + PROBE_TIME_SHARE * seconds
         self._probe_credit = min(credit, max(self._probe_cap, self._probe_waiting))
 
+    def drafts_to_ask(self, request_ids: list[str], max_draft_lens: np.ndarray, base_rows: int,
+                      base_tokens: int) -> np.ndarray:
+        """``[B]`` how many drafts to ask the proposer for, of the ``max_draft_lens`` each may
+        verify: as many as the adaptive draft length would verify if each draft cost its
+        proposer's time too (a round of the proposer shared by the requests drafting), at
+        least one (whether to draft at all is :meth:`proposing`'s to say, on the mean of many
+        steps: the chances of the first draft move too fast for it), except for the requests
+        probed this step, which are asked for all. Call it after :meth:`proposing`.
+
+        ``max_draft_lens`` as it is while the proposer's time per draft is unmeasured or
+        negligible, or when its drafts carry classes (their chances depend on a class known
+        only once drafted: the verify cut still applies)."""
+        per_draft = self._per_draft_seconds()
+        if (per_draft is None or not self.step_costs.measured
+                or self._proposer_negligible() or not max_draft_lens.any()):
+            return max_draft_lens
+        fixed, per_row = self.step_costs.costs()
+        drafting = int((max_draft_lens > 0).sum())
+        chances = self.acceptance.chances(request_ids, None, int(max_draft_lens.max()))
+        asked = choose_draft_lengths(max_draft_lens, chances, base_rows, base_tokens, fixed, per_row,
+                                     draft_cost=per_draft / drafting)
+        asked = np.minimum(np.maximum(asked, 1), max_draft_lens)
+        probing = np.fromiter((self._state(r).probing for r in request_ids), dtype=bool, count=len(request_ids))
+        return np.where(probing, max_draft_lens, asked)
+
     def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
                       base_tokens: int, adaptive: bool = True) -> np.ndarray:
         """``[B]`` drafts to verify of the ``lengths`` proposed: the adaptive draft length's
@@ -220,7 +263,6 @@ class DraftController:
         ``verified[b]`` drafts of class ``classes[b]`` and accepted ``accepted[b]`` of them."""
         self.acceptance.record(request_ids, classes, verified, accepted)
         _, per_row = self.step_costs.costs()
-        proposer = self.proposer_seconds or 0.0
         negligible = self._proposer_negligible()
         # Before a step and a proposer call without catch-up are measured, a step's net would
         # be its accepted drafts for free: it teaches nothing (a draft model's first steps would
@@ -235,7 +277,12 @@ class DraftController:
             if not proposed[b]:
                 continue
             if costs_known:
-                net = float(accepted[b]) - self._bar * (per_row * float(verified[b]) + proposer)
+                gained, drafted = int(accepted[b]), int(verified[b])
+                if state.probing and self._per_draft_seconds() is not None:
+                    # A probe drafts all it may, but how many a step drafts is then the cut's
+                    # to choose (drafts_to_ask): drafting pays if drafting one does.
+                    gained, drafted = min(gained, 1), min(drafted, 1)
+                net = gained - self._bar * (per_row * drafted + self._proposer_cost(drafted))
                 self.shared_net = SHARED_DECAY * self.shared_net + (1.0 - SHARED_DECAY) * net
                 keep = REQUEST_DECAY ** max(int(verified[b]), 1)
                 state.net = net if state.probing else keep * state.net + (1.0 - keep) * net
@@ -257,6 +304,20 @@ class DraftController:
                 state.interval = longer if state.steps_since_probe <= state.interval else PROBE_INTERVAL_MIN
                 state.idle_steps = 0
             state.proposing = paying
+
+    def _per_draft_seconds(self) -> float | None:
+        """The proposer's seconds per draft where drafts are asked for by that measure
+        (:meth:`drafts_to_ask`: drafts without classes), else None."""
+        return None if self.drafts_have_classes else self.proposer_seconds_per_draft
+
+    def _proposer_cost(self, drafts: int) -> float:
+        """Seconds of the proposer's time for one request drafting ``drafts`` tokens (a call
+        costs at least one): by its time per draft where that is the measure, else its mean
+        time per request."""
+        per_draft = self._per_draft_seconds()
+        if per_draft is not None:
+            return per_draft * max(drafts, 1)
+        return self.proposer_seconds or 0.0
 
     def _proposer_negligible(self) -> bool:
         """Whether a proposer call costs less than :data:`MIN_LOSS` tokens of a plain step."""

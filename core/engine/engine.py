@@ -738,8 +738,11 @@ class Engine:
         wanted = ((max_draft_lens > 0) | needs_hidden) & ~led
         unseen = np.fromiter((r.num_tokens - r.proposed_through for r in plan.decodes), dtype=np.int64,
                              count=len(plan.decodes))
+        asked = max_draft_lens
         if adaptive:
             wanted &= self.controller.proposing(request_ids, keeps, max_draft_lens, unseen, without_proposer=led)
+            # No more drafts than are worth their proposer's time and their rows.
+            asked = self.controller.drafts_to_ask(request_ids, max_draft_lens, len(plan.decodes), len(batch))
         rows = np.flatnonzero(wanted)
         catching_up = self._catching_up([plan.decodes[b] for b in rows])
         caught_up_tokens = int(sum(unseen[b] for b in rows if not plan.decodes[b].proposed_last_step))
@@ -747,11 +750,12 @@ class Engine:
             request.proposed_last_step = bool(proposed)
             if proposed:
                 request.proposed_through = request.num_tokens
-        state.proposed = wanted & (max_draft_lens > 0)
+        state.proposed = wanted & (asked > 0)
         state.proposer_off = ~wanted & ~led & (max_draft_lens > 0)
         drafts = Drafts.empty(len(batch))
         if len(rows) and (needs_hidden or max_draft_lens[rows].any()):
-            proposals = [batch.requests[b] for b in rows]
+            proposals = [batch.requests[b] if asked[b] == max_draft_lens[b]
+                         else attrs.evolve(batch.requests[b], max_draft_len=int(asked[b])) for b in rows]
             timed = True
             if needs_hidden:
                 proposals = [self._with_hidden_states(p, plan.decodes[b]) for p, b in zip(proposals, rows)]
@@ -769,10 +773,11 @@ class Engine:
                     raise SpecdecError(f"proposer '{self.spec.method}' returned draft classes that are not "
                                        f"{len(rows)} non-negative integer labels")
                 proposed.classes = classes
+                self.controller.drafts_have_classes = True
             if timed and catching_up:
                 self.controller.catch_up_time(len(rows), state.proposer_seconds, caught_up_tokens)
             elif timed:
-                self.controller.proposer_time(len(rows), state.proposer_seconds)
+                self.controller.proposer_time(len(rows), state.proposer_seconds, int(proposed.lengths.max(initial=0)))
             drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))
         drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, predicted)
         lengths = np.minimum(drafts.lengths, max_draft_lens)

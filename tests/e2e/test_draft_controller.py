@@ -108,7 +108,8 @@ def test_mtp_catches_up_over_skipped_steps_to_the_drafts_it_would_have_made(mode
     model_session.run(spec, PROMPTS, SAMPLING, max_num_seqs=3, cache=False)
     both = sorted(set(every_step) & set(after_gaps))
     assert len(both) >= 10, "too few positions drafted in both runs to compare"
-    same = sum(every_step[key] == after_gaps[key] for key in both)
+    # The controller may ask for fewer drafts than the head makes without it (drafts_to_ask)
+    same = sum(every_step[key][: len(after_gaps[key])] == after_gaps[key] for key in both)
     assert same >= 0.95 * len(both), f"{same} of {len(both)} drafts equal"
 
 

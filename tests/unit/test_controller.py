@@ -4,6 +4,8 @@ drafting loses, and probes now and then to re-learn."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from specdec.engine.controller import MIN_LOSS, PROBE_INTERVAL_MAX, PROBE_INTERVAL_MIN, DraftController
@@ -203,3 +205,51 @@ def test_a_request_whose_drafts_pay_on_average_stays_on_through_runs_of_misses()
     calls = run_steps(controller, 2000, proposer_seconds=0.0016, accept=lambda drafted: int(rng.random() < 0.35),
                       k=1)
     assert np.mean(calls) > 0.65, np.mean(calls)  # measured: 0.48 with a ten-step mean, 0.75 with twenty
+
+
+def asked_after(controller: DraftController, chance: float, steps: int = 30, per_draft: float = 0.004,
+                k: int = 5) -> list[int]:
+    """Drafts asked of a proposer costing ``per_draft`` seconds a draft, over ``steps`` steps of
+    one request whose drafts are each accepted with conditional ``chance`` (as counted)."""
+    asked_steps = []
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        proposed = controller.proposing(["r"], np.array([False]), np.array([k]))
+        asked = controller.drafts_to_ask(["r"], np.array([k]), 1, 1) if proposed[0] else np.array([0])
+        if asked[0]:
+            controller.proposer_time(1, per_draft * int(asked[0]), int(asked[0]))
+        verified = controller.draft_lengths(["r"], asked, None, 1, 1)
+        accepted = sum(1 for _ in itertools.takewhile(lambda _: rng.random() < chance, range(int(verified[0]))))
+        controller.record(["r"], proposed & (asked > 0), None, verified, np.array([accepted]))
+        controller.step_time(1 + int(verified[0]), FIXED + PER_ROW * (1 + int(verified[0])))
+        asked_steps.append(int(asked[0]))
+    return asked_steps
+
+
+def test_a_proposer_paying_per_draft_is_asked_for_no_more_drafts_than_pay_for_it_too():
+    """A draft model runs a forward per draft: drafts the verify cut would keep for their row
+    alone may not pay for that forward as well. The controller asks for fewer, and for all
+    of them when they are nearly always right."""
+    sure = asked_after(measured_controller(), chance=0.99, steps=100)
+    assert np.mean(sure[50:]) >= 4.5
+    # Each accepted 85% of the time: all five pay for a 1 ms row (the fifth is accepted with
+    # the others 44% of the time, against 1/11 of a token a plain step gives a millisecond);
+    # with a 4 ms draft forward as well, two or three do (0.85 + 0.72 + 0.61 tokens in
+    # 11 + 15 ms: 0.122 a millisecond, 0.116 with one).
+    middling = asked_after(measured_controller(), chance=0.85, steps=100)
+    assert middling[0] == 5  # the proposer's time not measured yet: all of them
+    assert 1.0 <= np.mean(middling[50:]) <= 3.0 and max(middling[50:]) < 5
+    # A draft that costs next to nothing is the verify cut's alone to cut.
+    cheap = asked_after(measured_controller(), chance=0.85, steps=100, per_draft=0.00001)
+    assert cheap[50:] == [5] * 50
+
+
+def test_a_probe_or_drafts_with_classes_are_asked_for_in_full():
+    controller = measured_controller()
+    asked_after(controller, chance=0.3)
+    controller.proposing(["r"], np.array([True]), np.array([5]))  # a seeded sampled request: a probe
+    assert controller.drafts_to_ask(["r"], np.array([5]), 1, 1)[0] == 5
+    controller.proposing(["r"], np.array([False]), np.array([5]))
+    assert controller.drafts_to_ask(["r"], np.array([5]), 1, 1)[0] < 5
+    controller.drafts_have_classes = True  # an ngram match's length: known once drafted
+    assert controller.drafts_to_ask(["r"], np.array([5]), 1, 1)[0] == 5
