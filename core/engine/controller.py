@@ -76,6 +76,46 @@ PROBE_TIME_SHARE = 0.03
 PROBE_PRICE_MARGIN = 1.05
 #: How much of its mean a proposer call may take before it counts as interrupted.
 PROPOSER_OUTLIER_FACTOR = 3.0
+#: How much of its history the fit of a proposer's time per draft keeps per call.
+PROPOSER_FIT_DECAY = 0.95
+
+
+class ProposerCostModel:
+    """A proposer call's seconds per request, ``first + per_draft * drafts`` (``drafts``: its
+    longest draft), fitted to recent calls with exponential forgetting. A draft model's call
+    runs a forward per draft, the first one over the rows the target accepted too.
+
+    While the calls are all about one length the two parts cannot be told apart, and the whole
+    time counts per draft: the dearer guess, which makes the calls shorter and so tells them
+    apart."""
+
+    def __init__(self):
+        self._sums = np.zeros(5)  # weight, drafts, seconds, drafts^2, drafts*seconds
+
+    @property
+    def measured(self) -> bool:
+        return self._sums[0] >= 1.0
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        if self.measured:
+            first, per_draft = self.costs()
+            seconds = min(seconds, PROPOSER_OUTLIER_FACTOR * (first + per_draft * drafts))
+        self._sums *= PROPOSER_FIT_DECAY
+        self._sums += (1.0, drafts, seconds, drafts * drafts, drafts * seconds)
+
+    def costs(self) -> tuple[float, float]:
+        """``(first, per_draft)`` seconds; ``(0, 0)`` before any call."""
+        weight, drafts, seconds, drafts2, drafts_seconds = self._sums
+        if not self.measured:
+            return 0.0, 0.0
+        mean_drafts, mean_seconds = drafts / weight, seconds / weight
+        whole = mean_seconds / max(mean_drafts, 1.0)
+        variance = drafts2 / weight - mean_drafts ** 2
+        if variance < 0.25:
+            return 0.0, whole
+        per_draft = (drafts_seconds / weight - mean_drafts * mean_seconds) / variance
+        per_draft = min(max(per_draft, 0.1 * whole), whole)
+        return max(mean_seconds - per_draft * mean_drafts, 0.0), per_draft
 
 
 @attrs.define(slots=True)
@@ -87,6 +127,7 @@ class _RequestState:
     steps_since_probe: int = PROBE_INTERVAL_MAX
     verified_since_probe: bool = False  # drafts the policy chose (not a probe) were verified
     probing: bool = False
+    kept: bool = False  # seeded and sampled: proposed for and verified uncut every step
 
 
 class DraftController:
@@ -104,9 +145,9 @@ class DraftController:
         self.step_costs = StepCostModel()
         #: Mean proposer seconds per request proposed for (None until measured).
         self.proposer_seconds: float | None = None
-        #: Mean proposer seconds per draft round (a call's time over its longest draft; None
-        #: until measured): what one more draft costs a request drafting alone.
-        self.proposer_seconds_per_draft: float | None = None
+        #: A proposer call's time per request against its longest draft (what one more draft
+        #: costs).
+        self.proposer_costs = ProposerCostModel()
         #: Whether the method's drafts carry classes (``Drafts.classes``, set by the engine):
         #: a draft's chance then depends on a class known only once it is drafted.
         self.drafts_have_classes = False
@@ -143,7 +184,7 @@ class DraftController:
         states = [self._state(request_id) for request_id in request_ids]
         due = []
         for b, state in enumerate(states):
-            state.probing = bool(always[b])
+            state.kept = state.probing = bool(always[b])
             if not state.probing and state.idle_steps >= state.interval and max_draft_lens[b] > 0:
                 due.append(b)
         if due:  # the budget's ceiling follows the probes due now (set by those it cannot pay)
@@ -151,7 +192,8 @@ class DraftController:
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
             unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
             calls_proposer = not states[b].proposing and (without_proposer is None or not without_proposer[b])
-            states[b].probing = self._afford_probe(int(max_draft_lens[b]), calls_proposer, unseen)
+            drafts = min(int(max_draft_lens[b]), 1) if self._asks_per_draft() else int(max_draft_lens[b])
+            states[b].probing = self._afford_probe(drafts, calls_proposer, unseen)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
 
     def _afford_probe(self, drafts: int, calls_proposer: bool, catch_up_tokens: int) -> bool:
@@ -177,32 +219,33 @@ class DraftController:
         its drafts ``drafts`` tokens long."""
         if num_requests <= 0:
             return
-        if drafts > 0:
-            per_draft = seconds / drafts
-            mean = self.proposer_seconds_per_draft
-            if mean is not None:
-                per_draft = min(per_draft, PROPOSER_OUTLIER_FACTOR * mean)
-            self.proposer_seconds_per_draft = per_draft if mean is None else 0.9 * mean + 0.1 * per_draft
         share = seconds / num_requests
+        if drafts > 0:
+            self.proposer_costs.observe(drafts, share)
         if self.proposer_seconds is None:
             self.proposer_seconds = share
             return
         share = min(share, PROPOSER_OUTLIER_FACTOR * self.proposer_seconds)
         self.proposer_seconds = 0.9 * self.proposer_seconds + 0.1 * share
 
-    def catch_up_time(self, num_requests: int, seconds: float, tokens: int = 0) -> None:
-        """A proposer call for ``num_requests`` requests that carried a catch-up over
-        ``tokens`` tokens it had not seen (see ``Engine._catching_up``) took ``seconds``:
-        what it took beyond the proposer's usual time comes out of the probe budget, since
-        probes (and new requests) cause such calls, and teaches the catch-up's cost per token.
-        A draft model's pass over a long prompt then puts the budget in debt, and the next
-        probes wait until the engine has run long enough to pay for it."""
+    def catch_up_time(self, num_requests: int, seconds: float, tokens: int = 0,
+                      request_ids: list[str] | None = None) -> None:
+        """A proposer call for ``num_requests`` requests (``request_ids``) that carried a
+        catch-up over ``tokens`` tokens it had not seen (see ``Engine._catching_up``) took
+        ``seconds``: it teaches the catch-up's cost per token, and when one of the requests
+        is probed (None: assume so), what it took beyond the proposer's usual time comes out
+        of the probe budget. A probe of a draft model off since a long conversation began
+        then puts the budget in debt, and the next probes wait until the engine has run long
+        enough to pay for it. A new request's pass over its prompt, with the method's drafting
+        paying, is what drafting it costs, not a probe's: charged to the probes, it would hold
+        back the probe of a request switched off by one bad first step for hundreds of steps."""
         extra = max(seconds - num_requests * (self.proposer_seconds or 0.0), 0.0)
         if tokens > 0:  # the first call, before the usual time is known, counts whole: an upper bound
             share = extra / tokens
             mean = self.catch_up_seconds_per_token
             self.catch_up_seconds_per_token = share if mean is None else 0.8 * mean + 0.2 * share
-        if self._probe_credit is not None:
+        probed = request_ids is None or any(self._state(r).probing for r in request_ids)
+        if self._probe_credit is not None and probed:
             self._probe_credit -= extra
 
     def step_time(self, rows: int, seconds: float) -> None:
@@ -218,26 +261,28 @@ class DraftController:
                       base_tokens: int) -> np.ndarray:
         """``[B]`` how many drafts to ask the proposer for, of the ``max_draft_lens`` each may
         verify: as many as the adaptive draft length would verify if each draft cost its
-        proposer's time too (a round of the proposer shared by the requests drafting), at
+        share of the proposer's time per draft too (:class:`ProposerCostModel`), at
         least one (whether to draft at all is :meth:`proposing`'s to say, on the mean of many
-        steps: the chances of the first draft move too fast for it), except for the requests
-        probed this step, which are asked for all. Call it after :meth:`proposing`.
+        steps: the chances of the first draft move too fast for it). A request probed this
+        step is asked for one: whether drafting pays for it is whether its first draft does
+        (:meth:`record`), and the drafts after it are this cut's to choose once it is on. A
+        seeded sampled request is asked for all. Call it after :meth:`proposing`.
 
         ``max_draft_lens`` as it is while the proposer's time per draft is unmeasured or
         negligible, or when its drafts carry classes (their chances depend on a class known
         only once drafted: the verify cut still applies)."""
-        per_draft = self._per_draft_seconds()
-        if (per_draft is None or not self.step_costs.measured
-                or self._proposer_negligible() or not max_draft_lens.any()):
+        if not self._asks_per_draft() or not max_draft_lens.any():
             return max_draft_lens
         fixed, per_row = self.step_costs.costs()
-        drafting = int((max_draft_lens > 0).sum())
+        _, per_draft = self.proposer_costs.costs()
         chances = self.acceptance.chances(request_ids, None, int(max_draft_lens.max()))
         asked = choose_draft_lengths(max_draft_lens, chances, base_rows, base_tokens, fixed, per_row,
-                                     draft_cost=per_draft / drafting)
-        asked = np.minimum(np.maximum(asked, 1), max_draft_lens)
-        probing = np.fromiter((self._state(r).probing for r in request_ids), dtype=bool, count=len(request_ids))
-        return np.where(probing, max_draft_lens, asked)
+                                     draft_cost=per_draft)
+        states = [self._state(r) for r in request_ids]
+        probed = np.fromiter((s.probing and not s.kept for s in states), dtype=bool, count=len(states))
+        kept = np.fromiter((s.kept for s in states), dtype=bool, count=len(states))
+        asked = np.minimum(np.where(probed, 1, np.maximum(asked, 1)), max_draft_lens)
+        return np.where(kept, max_draft_lens, asked)
 
     def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
                       base_tokens: int, adaptive: bool = True) -> np.ndarray:
@@ -278,9 +323,9 @@ class DraftController:
                 continue
             if costs_known:
                 gained, drafted = int(accepted[b]), int(verified[b])
-                if state.probing and self._per_draft_seconds() is not None:
-                    # A probe drafts all it may, but how many a step drafts is then the cut's
-                    # to choose (drafts_to_ask): drafting pays if drafting one does.
+                if state.probing and not state.kept and self._per_draft_costs() is not None:
+                    # How many drafts a step asks for is drafts_to_ask's to choose: drafting
+                    # pays if drafting one does.
                     gained, drafted = min(gained, 1), min(drafted, 1)
                 net = gained - self._bar * (per_row * drafted + self._proposer_cost(drafted))
                 self.shared_net = SHARED_DECAY * self.shared_net + (1.0 - SHARED_DECAY) * net
@@ -305,18 +350,27 @@ class DraftController:
                 state.idle_steps = 0
             state.proposing = paying
 
-    def _per_draft_seconds(self) -> float | None:
-        """The proposer's seconds per draft where drafts are asked for by that measure
-        (:meth:`drafts_to_ask`: drafts without classes), else None."""
-        return None if self.drafts_have_classes else self.proposer_seconds_per_draft
+    def _asks_per_draft(self) -> bool:
+        """Whether :meth:`drafts_to_ask` cuts the drafts asked for: the proposer's time per
+        draft is measured and worth weighing, and the step's costs are known."""
+        return (self._per_draft_costs() is not None and self.step_costs.measured
+                and not self._proposer_negligible())
+
+    def _per_draft_costs(self) -> tuple[float, float] | None:
+        """The proposer's ``(first, per_draft)`` seconds per request where drafts are asked
+        for by that measure (:meth:`drafts_to_ask`: drafts without classes), else None."""
+        if self.drafts_have_classes or not self.proposer_costs.measured:
+            return None
+        return self.proposer_costs.costs()
 
     def _proposer_cost(self, drafts: int) -> float:
         """Seconds of the proposer's time for one request drafting ``drafts`` tokens (a call
         costs at least one): by its time per draft where that is the measure, else its mean
         time per request."""
-        per_draft = self._per_draft_seconds()
-        if per_draft is not None:
-            return per_draft * max(drafts, 1)
+        costs = self._per_draft_costs()
+        if costs is not None:
+            first, per_draft = costs
+            return first + per_draft * max(drafts, 1)
         return self.proposer_seconds or 0.0
 
     def _proposer_negligible(self) -> bool:

@@ -775,7 +775,8 @@ class Engine:
                 proposed.classes = classes
                 self.controller.drafts_have_classes = True
             if timed and catching_up:
-                self.controller.catch_up_time(len(rows), state.proposer_seconds, caught_up_tokens)
+                self.controller.catch_up_time(len(rows), state.proposer_seconds, caught_up_tokens,
+                                              [request_ids[b] for b in rows])
             elif timed:
                 self.controller.proposer_time(len(rows), state.proposer_seconds, int(proposed.lengths.max(initial=0)))
             drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))

@@ -253,3 +253,19 @@ def test_a_probe_or_drafts_with_classes_are_asked_for_in_full():
     assert controller.drafts_to_ask(["r"], np.array([5]), 1, 1)[0] < 5
     controller.drafts_have_classes = True  # an ngram match's length: known once drafted
     assert controller.drafts_to_ask(["r"], np.array([5]), 1, 1)[0] == 5
+
+
+def test_a_proposer_s_time_is_split_into_its_first_call_and_a_cost_per_draft():
+    from specdec.engine.controller import ProposerCostModel
+
+    model = ProposerCostModel()
+    for _ in range(10):
+        model.observe(5, 0.005 + 5 * 0.008)
+    first, per_draft = model.costs()
+    assert first == 0.0 and abs(per_draft - (0.005 + 5 * 0.008) / 5) < 1e-12  # one length: all of it per draft
+    for drafts in (1, 3, 2, 5, 4) * 6:
+        model.observe(drafts, 0.005 + drafts * 0.008)
+    first, per_draft = model.costs()
+    assert abs(first - 0.005) < 1e-4 and abs(per_draft - 0.008) < 1e-4
+    model.observe(2, 10.0)  # the process was descheduled: it counts as three times the fit
+    assert model.costs()[1] < 0.012
