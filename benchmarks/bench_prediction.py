@@ -1,7 +1,7 @@
 """Predicted Outputs and agent loops: end-to-end speed at batch 1 against naive decoding.
 
     python benchmarks/bench_prediction.py [--model PATH] [--tasks 6] [--max-tokens 400]
-                                          [--turns 4] [--agent-max-tokens 500] [--skip-agent]
+                                          [--min-lines 8] [--max-lines 30] [--turns 4] [--agent-max-tokens 500] [--skip-agent]
                                           [--skip-edits] [--agent-cache warm|cold|both]
 
 Two workloads, greedy, one request at a time (batch 1), one run, each request timed end to
@@ -90,9 +90,9 @@ def timed_chat(llm: specdec.LLM, spec, messages: list[dict], sampling: SamplingP
     return output, time.perf_counter() - start
 
 
-def code_edits(llm: specdec.LLM, tasks: int, max_tokens: int, max_lines: int) -> dict[str, Tally]:
+def code_edits(llm: specdec.LLM, tasks: int, max_tokens: int, min_lines: int, max_lines: int) -> dict[str, Tally]:
     tallies = {name: Tally() for name in CODE_EDIT_ENGINES}
-    for messages, prediction in code_edit_tasks(tasks, max_lines=max_lines):
+    for messages, prediction in code_edit_tasks(tasks, min_lines=min_lines, max_lines=max_lines):
         prediction_ids = llm.tokenizer.encode(prediction, add_special_tokens=False)
         for name, (spec, predicted) in CODE_EDIT_ENGINES.items():
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0,
@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF file or model name (default: the default model)")
     parser.add_argument("--tasks", type=int, default=6, help="code-edit tasks")
     parser.add_argument("--max-tokens", type=int, default=400, help="most tokens of a code-edit answer")
+    parser.add_argument("--min-lines", type=int, default=8, help="shortest function of a task, in lines")
     parser.add_argument("--max-lines", type=int, default=30, help="longest function of a task, in lines")
     parser.add_argument("--turns", type=int, default=4, help="turns of the agent loop")
     parser.add_argument("--agent-max-tokens", type=int, default=500, help="most tokens of an agent-loop answer")
@@ -168,9 +169,9 @@ def main() -> None:
           f"python {sys.version.split()[0]}; batch 1, greedy, one run, end to end")
     print()
     if not args.skip_edits:
-        tallies = code_edits(llm, args.tasks, args.max_tokens, args.max_lines)
-        print_table(f"code edits with the original code as prediction: {args.tasks} tasks, "
-                    f"max_tokens {args.max_tokens} (goal: >= 3x naive)", tallies)
+        tallies = code_edits(llm, args.tasks, args.max_tokens, args.min_lines, args.max_lines)
+        print_table(f"code edits with the original code as prediction: {args.tasks} tasks, functions of "
+                    f"{args.min_lines}-{args.max_lines} lines, max_tokens {args.max_tokens} (goal: >= 3x naive)", tallies)
     for cache in ("warm", "cold") if args.agent_cache == "both" else (args.agent_cache,):
         if args.skip_agent:
             break
