@@ -113,13 +113,20 @@ def choose_draft_lengths(lengths: np.ndarray, chances: np.ndarray, base_rows: in
     width = int(lengths.max()) if len(lengths) else 0
     if width == 0:
         return lengths
+    cost = per_row + draft_cost
+    if len(lengths) == 1:  # one request: its drafts in order (a few microseconds, not tens)
+        tokens, seconds, taken = float(base_tokens), fixed + per_row * base_rows, 0
+        for value in chances[0, :width].tolist():
+            if value <= 0 or value * seconds <= cost * tokens:
+                break
+            tokens, seconds, taken = tokens + value, seconds + cost, taken + 1
+        return np.array([taken], dtype=lengths.dtype)
     j = np.arange(1, width + 1)
     value = np.where(j[None, :] <= lengths[:, None], chances[:, :width], -1.0)  # [B, k]
     order = np.argsort(-value, axis=None, kind="stable")
     values = value.reshape(-1)[order]
     values = values[values > 0]
     # Take candidate i while values[i] / its cost > tokens / seconds of the step so far.
-    cost = per_row + draft_cost
     tokens = base_tokens + np.concatenate([[0.0], np.cumsum(values)[:-1]])
     seconds = fixed + per_row * base_rows + cost * np.arange(len(values))
     worth = values * seconds > cost * tokens

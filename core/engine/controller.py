@@ -271,8 +271,8 @@ class DraftController:
         ``max_draft_lens`` as it is while the proposer's time per draft is unmeasured or
         negligible, or when its drafts carry classes (their chances depend on a class known
         only once drafted: the verify cut still applies)."""
-        if not self._asks_per_draft() or not max_draft_lens.any():
-            return max_draft_lens
+        if max_draft_lens.max(initial=0) <= 1 or not self._asks_per_draft():
+            return max_draft_lens  # nothing to cut: a step asks for one at least
         fixed, per_row = self.step_costs.costs()
         _, per_draft = self.proposer_costs.costs()
         chances = self.acceptance.chances(request_ids, None, int(max_draft_lens.max()))

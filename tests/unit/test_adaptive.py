@@ -167,3 +167,18 @@ def test_a_row_never_costs_more_than_twice_the_fixed_part_of_a_step():
         model.observe(rows, 0.001 + 0.010 * rows)
     fixed, per_row = model.costs()
     assert MAX_ROW_COST == 2.0 and per_row <= MAX_ROW_COST * fixed * 1.0001
+
+
+def test_one_request_s_cut_is_the_batch_rule_s():
+    """A single request takes a shortcut (its drafts in order); it must cut where the batch
+    rule would cut the same request next to one that drafts nothing."""
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        length = int(rng.integers(1, 9))
+        chances = np.cumprod(rng.uniform(0.05, 1.0, size=(1, 8)), axis=1)
+        fixed, per_row, draft_cost = 1.0, float(rng.uniform(0.01, 0.5)), float(rng.choice([0.0, rng.uniform(0, 0.5)]))
+        base = int(rng.integers(1, 4))
+        alone = choose_draft_lengths(np.array([length]), chances, base, base, fixed, per_row, draft_cost)
+        paired = choose_draft_lengths(np.array([length, 0]), np.vstack([chances, chances]), base, base, fixed,
+                                      per_row, draft_cost)
+        assert alone[0] == paired[0]
