@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -280,6 +281,95 @@ inline void score_tiles(const float* const* queries, const T* const* tiles, int6
     for (int t = 0; t < TT; ++t) _mm256_storeu_ps(scores + m * ld + 8 * (i + t), acc[m][t]);
 }
 
+// The same passes on AVX-512 (where the CPU has it and SPECDEC_CPU_ISA is not "avx2"): twice
+// the floats per instruction, and the same floats out, bit for bit. A score still sums q_d *
+// key_d over d in order from zero (a 16-wide vector holds two tiles' 8 positions at the same
+// d), and a value column still sums over the positions in order.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+// The 8 positions of tile a at element d, then tile b's (a, b: a tile's row d).
+inline __m512 load_tile_pair(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m512 load_tile_pair(const uint16_t* a, const uint16_t* b) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// score_tiles for TP pairs of key tiles from tile i: N * TP 16-wide accumulators.
+template <int N, int TP, typename T>
+void score_tile_pairs_zmm(const float* const* queries, const T* const* tiles, int64_t i, int64_t D, float* scores,
+                          int64_t ld) {
+  __m512 acc[N][TP];
+#pragma GCC unroll 6
+  for (int m = 0; m < N; ++m)
+#pragma GCC unroll 4
+    for (int t = 0; t < TP; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 k[TP];
+#pragma GCC unroll 4
+    for (int t = 0; t < TP; ++t) k[t] = load_tile_pair(tiles[i + 2 * t] + d * 8, tiles[i + 2 * t + 1] + d * 8);
+#pragma GCC unroll 6
+    for (int m = 0; m < N; ++m) {
+      const __m512 qd = _mm512_set1_ps(queries[m][d]);
+#pragma GCC unroll 4
+      for (int t = 0; t < TP; ++t) acc[m][t] = _mm512_fmadd_ps(qd, k[t], acc[m][t]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < N; ++m)
+#pragma GCC unroll 4
+    for (int t = 0; t < TP; ++t) _mm512_storeu_ps(scores + m * ld + 8 * (i + 2 * t), acc[m][t]);
+}
+
+// block_values_pass over the 16W columns from c.
+template <int N, int W, typename T>
+void block_values_pass_zmm(const float* probs, int64_t ld, int64_t first, int64_t last, const PagedCache<T>& kv,
+                           const int32_t* table, int64_t kvh, int64_t c, float* const* outs) {
+  const int64_t bs = kv.block_size, D = kv.D;
+  __m512 acc[N][W];
+#pragma GCC unroll 6
+  for (int m = 0; m < N; ++m)
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) acc[m][w] = _mm512_setzero_ps();
+  for (int64_t start = first; start < last; start = (start / bs + 1) * bs) {
+    const int64_t stop = std::min(last, (start / bs + 1) * bs);
+    const T* v = kv.value_page(table[start / bs], kvh) + (start % bs) * D + c;
+    const float* p = probs + start - first;
+    for (int64_t j = start; j < stop; ++j, v += D, ++p) {
+      __m512 vw[W];
+#pragma GCC unroll 4
+      for (int w = 0; w < W; ++w) vw[w] = load16(v + 16 * w);
+#pragma GCC unroll 6
+      for (int m = 0; m < N; ++m) {
+        const __m512 pm = _mm512_set1_ps(p[m * ld]);
+#pragma GCC unroll 4
+        for (int w = 0; w < W; ++w) acc[m][w] = _mm512_fmadd_ps(pm, vw[w], acc[m][w]);
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < N; ++m)
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(outs[m] + c + 16 * w, acc[m][w]);
+}
+
+#pragma GCC pop_options
+
+// Whether the attention passes run on AVX-512: the CPU has it, and SPECDEC_CPU_ISA (read at
+// every call, as the quantized kernels read it) does not force "avx2".
+inline bool attention_uses_zmm() {
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  const char* isa = std::getenv("SPECDEC_CPU_ISA");
+  return supported && !(isa != nullptr && std::string(isa) == "avx2");
+}
+
 // scores[m * tiles * 8 + j] = q_m . key_j for the n queries and every position of `num_tiles`
 // key tiles. Tiles go TT at a time, TT chosen so that the N * TT accumulators, the TT tiles and
 // a broadcast query fit the 16 AVX2 registers (at least 8 accumulators: FMA latency x 2 ports).
@@ -296,6 +386,16 @@ void block_scores(const float* const* queries, const T* const* tiles, const T* c
     prefetch_bytes(value_rows[t], tile_bytes);
   }
   int64_t i = 0;
+  if (attention_uses_zmm()) {  // 4 pairs of tiles a pass: N * 4 of the 32 registers accumulate
+    for (; i + 8 <= num_tiles; i += 8) {
+      for (int64_t t = i + 2 * TT; t < std::min(num_tiles, i + 2 * TT + 8); ++t) {
+        prefetch_bytes(tiles[t], tile_bytes);
+        prefetch_bytes(value_rows[t], tile_bytes);
+      }
+      score_tile_pairs_zmm<N, 4>(queries, tiles, i, D, scores, ld);
+    }
+    for (; i + 2 <= num_tiles; i += 2) score_tile_pairs_zmm<N, 1>(queries, tiles, i, D, scores, ld);
+  }
   for (; i + TT <= num_tiles; i += TT) {
     for (int64_t t = i + 2 * TT; t < std::min(num_tiles, i + 3 * TT); ++t) {
       prefetch_bytes(tiles[t], tile_bytes);
@@ -397,6 +497,10 @@ void block_values(const float* probs, int64_t ld, int64_t first, int64_t last, c
                   const int32_t* table, int64_t kvh, float* const* outs) {
   constexpr int W = N == 1 ? 8 : (N <= 3 ? 4 : 2);
   int64_t c = 0;
+  if (attention_uses_zmm()) {  // 64 columns a pass: N * 4 accumulators, 4 value vectors
+    for (; c + 64 <= kv.D; c += 64) block_values_pass_zmm<N, 4>(probs, ld, first, last, kv, table, kvh, c, outs);
+    for (; c + 16 <= kv.D; c += 16) block_values_pass_zmm<N, 1>(probs, ld, first, last, kv, table, kvh, c, outs);
+  }
   for (; c + 8 * W <= kv.D; c += 8 * W) block_values_pass<N, W>(probs, ld, first, last, kv, table, kvh, c, outs);
   for (; c < kv.D; c += 8) block_values_pass<N, 1>(probs, ld, first, last, kv, table, kvh, c, outs);
 }
