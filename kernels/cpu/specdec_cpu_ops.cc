@@ -12,6 +12,8 @@
 //       written into the paged cache at positions context_lens[b].., then causal attention of
 //       each request's rows over its own positions [0, context + t]. Keys are cached in
 //       transposed tiles of 8 positions; the cache is float32 or float16 (computation is float32).
+//       Its score and value passes run 16 floats wide where the CPU has AVX-512, with the same
+//       floats out as the AVX2 passes.
 #include "paddle/extension.h"
 #include "simd_math.h"
 #include "work_pool.h"

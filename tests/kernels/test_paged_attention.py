@@ -190,6 +190,46 @@ def test_a_query_s_output_is_the_same_alone_in_a_verify_step_or_in_a_batch():
     np.testing.assert_array_equal(batch[:1], alone)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_the_avx512_passes_give_the_avx2_passes_floats(cache_dtype, monkeypatch):
+    """Where the CPU has AVX-512 the score and value passes run 16 floats wide; they must give
+    the AVX2 passes' floats bit for bit (each score and each value column sums in the same
+    order), so that outputs do not depend on the machine's vector width. The default model's
+    shape (9 heads over 3 KV heads of 64), contexts of several chunks, decode, verify and batch
+    rows. On a CPU without AVX-512 both runs take the AVX2 passes."""
+    import paddle
+
+    from specdec.kernels.cpu import load_cpu_ops
+
+    ops = load_cpu_ops()
+    rng = np.random.default_rng(13)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    cos = rng.uniform(-1, 1, size=(1100, dim)).astype(np.float32)
+    sin = rng.uniform(-1, 1, size=(1100, dim)).astype(np.float32)
+    for context, lens in (([300], [1]), ([300], [6]), ([1000], [3]), ([37, 600, 0, 129], [40, 1, 17, 6])):
+        context, lens = np.array(context, np.int32), np.array(lens, np.int32)
+        per_request = -(-(context + lens) // block_size)
+        ids = rng.permutation(int(per_request.sum())).astype(np.int32)
+        tables = np.zeros((len(lens), per_request.max()), np.int32)
+        for b, start in enumerate(np.concatenate([[0], np.cumsum(per_request)[:-1]])):
+            tables[b, :per_request[b]] = ids[start:start + per_request[b]]
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        cache = rng.normal(size=(len(ids), 2 * kv_heads, block_size, dim)).astype(cache_dtype)
+        qkv = rng.normal(size=(int(cu[-1]), (heads + 2 * kv_heads) * dim)).astype(np.float32)
+        outs = []
+        for isa in ("avx2", None):
+            if isa is None:
+                monkeypatch.delenv("SPECDEC_CPU_ISA", raising=False)
+            else:
+                monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+            out = ops.specdec_paged_attention(paddle.to_tensor(qkv), paddle.to_tensor(cache), paddle.to_tensor(cos),
+                                              paddle.to_tensor(sin),
+                                              paddle.to_tensor(pack_attention_metadata(tables, cu, context)),
+                                              heads, kv_heads)
+            outs.append(out.numpy())
+        np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_metadata_rows_come_from_the_block_tables():
     meta = AttentionMetadata.build([2, 1], [15, 3], [[4, 9, 5], [2, 0, 0]], 8)
     assert meta.cu_seqlens_q.tolist() == [0, 2, 3]
