@@ -141,6 +141,19 @@ def _run_kernel(ops, qkv, cache, cos, sin, tables, cu, context):
     return out.numpy(), cache_tensor.numpy()
 
 
+def _shuffled_batch(rng, context: list[int], lens: list[int], block_size: int):
+    """``(context, cu, tables, num_blocks)`` of a batch of requests holding ``context``
+    positions each and adding ``lens`` rows, their cache blocks handed out in a shuffled order."""
+    context, lens = np.array(context, np.int32), np.array(lens, np.int32)
+    per_request = -(-(context + lens) // block_size)
+    ids = rng.permutation(int(per_request.sum())).astype(np.int32)
+    tables = np.zeros((len(lens), per_request.max()), np.int32)
+    for b, start in enumerate(np.concatenate([[0], np.cumsum(per_request)[:-1]])):
+        tables[b, :per_request[b]] = ids[start:start + per_request[b]]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return context, cu, tables, len(ids)
+
+
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
 def test_long_contexts_match_the_numpy_twin(cache_dtype):
     """Contexts of several 128-position chunks (the kernel's unit of a query's softmax), alone
@@ -153,14 +166,8 @@ def test_long_contexts_match_the_numpy_twin(cache_dtype):
     block_size = 16
     cos, sin = _rope_tables(700)
     for context, lens in (([600], [1]), ([250], [9]), ([600, 130, 255, 0, 383, 127], [1, 6, 2, 20, 1, 3])):
-        context, lens = np.array(context, np.int32), np.array(lens, np.int32)
-        per_request = -(-(context + lens) // block_size)
-        ids = rng.permutation(int(per_request.sum())).astype(np.int32)
-        tables = np.zeros((len(lens), per_request.max()), np.int32)
-        for b, start in enumerate(np.concatenate([[0], np.cumsum(per_request)[:-1]])):
-            tables[b, :per_request[b]] = ids[start:start + per_request[b]]
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        cache = rng.normal(size=(len(ids), 2 * KV_HEADS, block_size, DIM)).astype(cache_dtype)
+        context, cu, tables, num_blocks = _shuffled_batch(rng, context, lens, block_size)
+        cache = rng.normal(size=(num_blocks, 2 * KV_HEADS, block_size, DIM)).astype(cache_dtype)
         qkv = rng.normal(size=(int(cu[-1]), (HEADS + 2 * KV_HEADS) * DIM)).astype(np.float32) * 2
         want, _ = reference.paged_attention(qkv, cache, cos, sin, tables, cu, context, HEADS, KV_HEADS)
         got, _ = _run_kernel(ops, qkv, cache, cos, sin, tables, cu, context)
@@ -207,14 +214,8 @@ def test_the_avx512_passes_give_the_avx2_passes_floats(cache_dtype, monkeypatch)
     cos = rng.uniform(-1, 1, size=(1100, dim)).astype(np.float32)
     sin = rng.uniform(-1, 1, size=(1100, dim)).astype(np.float32)
     for context, lens in (([300], [1]), ([300], [6]), ([1000], [3]), ([37, 600, 0, 129], [40, 1, 17, 6])):
-        context, lens = np.array(context, np.int32), np.array(lens, np.int32)
-        per_request = -(-(context + lens) // block_size)
-        ids = rng.permutation(int(per_request.sum())).astype(np.int32)
-        tables = np.zeros((len(lens), per_request.max()), np.int32)
-        for b, start in enumerate(np.concatenate([[0], np.cumsum(per_request)[:-1]])):
-            tables[b, :per_request[b]] = ids[start:start + per_request[b]]
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        cache = rng.normal(size=(len(ids), 2 * kv_heads, block_size, dim)).astype(cache_dtype)
+        context, cu, tables, num_blocks = _shuffled_batch(rng, context, lens, block_size)
+        cache = rng.normal(size=(num_blocks, 2 * kv_heads, block_size, dim)).astype(cache_dtype)
         qkv = rng.normal(size=(int(cu[-1]), (heads + 2 * kv_heads) * dim)).astype(np.float32)
         outs = []
         for isa in ("avx2", None):
