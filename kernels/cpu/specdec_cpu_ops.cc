@@ -12,7 +12,7 @@
 //       written into the paged cache at positions context_lens[b].., then causal attention of
 //       each request's rows over its own positions [0, context + t]. Keys are cached in
 //       transposed tiles of 8 positions; the cache is float32 or float16 (computation is float32).
-//       Its score and value passes run 16 floats wide where the CPU has AVX-512, with the same
+//       Its score, softmax and value passes run 16 floats wide where the CPU has AVX-512, with the same
 //       floats out as the AVX2 passes.
 #include "paddle/extension.h"
 #include "simd_math.h"
@@ -362,6 +362,57 @@ void block_values_pass_zmm(const float* probs, int64_t ld, int64_t first, int64_
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(outs[m] + c + 16 * w, acc[m][w]);
 }
 
+// exp8 on 16 lanes: the same operations lane by lane, so the same floats.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// exp_row with 16 lanes: the max is exact in any order; the sum adds each 8 positions' lanes in
+// the order exp_row adds them.
+void exp_row_zmm(float* sc, int64_t visible, int64_t padded_end, float* max_out, float* sum_out) {
+  visible = std::max<int64_t>(visible, 0);
+  __m512 max16 = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= visible; j += 16) max16 = _mm512_max_ps(max16, _mm512_loadu_ps(sc + j));
+  float best = _mm512_reduce_max_ps(max16);
+  for (; j < visible; ++j) best = std::max(best, sc[j]);
+  const __m512 vbest = _mm512_set1_ps(best);
+  __m256 sum8 = _mm256_setzero_ps();
+  j = 0;
+  for (; j + 16 <= visible; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vbest));
+    _mm512_storeu_ps(sc + j, e);
+    sum8 = _mm256_add_ps(sum8, _mm512_castps512_ps256(e));
+    sum8 = _mm256_add_ps(sum8, _mm512_extractf32x8_ps(e, 1));
+  }
+  for (; j + 8 <= visible; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), _mm256_set1_ps(best)));
+    _mm256_storeu_ps(sc + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = hsum8(sum8);
+  for (; j < visible; ++j) {
+    sc[j] = std::exp(sc[j] - best);
+    total += sc[j];
+  }
+  std::fill(sc + visible, sc + padded_end, 0.f);
+  *max_out = best;
+  *sum_out = total;
+}
+
 #pragma GCC pop_options
 
 // Whether the attention passes run on AVX-512: the CPU has it, and SPECDEC_CPU_ISA (read at
@@ -380,7 +431,7 @@ inline bool attention_uses_zmm() {
 // the hardware prefetcher cannot guess where the next one starts.
 template <int N, typename T>
 void block_scores(const float* const* queries, const T* const* tiles, const T* const* value_rows,
-                  int64_t num_tiles, int64_t D, float* scores) {
+                  int64_t num_tiles, int64_t D, float* scores, bool wide) {
   constexpr int TT = N == 1 ? 8 : (N == 2 ? 4 : (N == 3 ? 3 : 2));
   const int64_t ld = num_tiles * 8, tile_bytes = 8 * D * sizeof(T);
   for (int64_t t = 0; t < std::min<int64_t>(num_tiles, 2 * TT); ++t) {
@@ -388,7 +439,7 @@ void block_scores(const float* const* queries, const T* const* tiles, const T* c
     prefetch_bytes(value_rows[t], tile_bytes);
   }
   int64_t i = 0;
-  if (attention_uses_zmm()) {  // 4 pairs of tiles a pass: N * 4 of the 32 registers accumulate
+  if (wide) {  // 4 pairs of tiles a pass: N * 4 of the 32 registers accumulate
     for (; i + 8 <= num_tiles; i += 8) {
       for (int64_t t = i + 2 * TT; t < std::min(num_tiles, i + 2 * TT + 8); ++t) {
         prefetch_bytes(tiles[t], tile_bytes);
@@ -496,10 +547,10 @@ void block_values_pass(const float* probs, int64_t ld, int64_t first, int64_t la
 // accumulators), then 8-column passes for what is left of D.
 template <int N, typename T>
 void block_values(const float* probs, int64_t ld, int64_t first, int64_t last, const PagedCache<T>& kv,
-                  const int32_t* table, int64_t kvh, float* const* outs) {
+                  const int32_t* table, int64_t kvh, float* const* outs, bool wide) {
   constexpr int W = N == 1 ? 8 : (N <= 3 ? 4 : 2);
   int64_t c = 0;
-  if (attention_uses_zmm()) {  // 64 columns a pass: N * 4 accumulators, 4 value vectors
+  if (wide) {  // 64 columns a pass: N * 4 accumulators, 4 value vectors
     for (; c + 64 <= kv.D; c += 64) block_values_pass_zmm<N, 4>(probs, ld, first, last, kv, table, kvh, c, outs);
     for (; c + 16 <= kv.D; c += 16) block_values_pass_zmm<N, 1>(probs, ld, first, last, kv, table, kvh, c, outs);
   }
@@ -525,7 +576,7 @@ struct ChunkPart {
 // positions below visible[i]; last is the chunk's end or the block's last visible position).
 template <typename T>
 void attend_chunk(const float* const* queries, const int64_t* visible, int64_t n, int64_t first, int64_t last,
-                  const PagedCache<T>& kv, const int32_t* table, int64_t kvh, ChunkPart* parts) {
+                  const PagedCache<T>& kv, const int32_t* table, int64_t kvh, ChunkPart* parts, bool wide) {
   const int64_t D = kv.D, bs = kv.block_size;
   const int64_t num_tiles = (last - first + 7) / 8;
   const T* tiles[kChunk / 8];
@@ -537,26 +588,27 @@ void attend_chunk(const float* const* queries, const int64_t* visible, int64_t n
   }
   float scores[kQueryBlock * kChunk];
   switch (n) {
-    case 1: block_scores<1>(queries, tiles, value_rows, num_tiles, D, scores); break;
-    case 2: block_scores<2>(queries, tiles, value_rows, num_tiles, D, scores); break;
-    case 3: block_scores<3>(queries, tiles, value_rows, num_tiles, D, scores); break;
-    case 4: block_scores<4>(queries, tiles, value_rows, num_tiles, D, scores); break;
-    case 5: block_scores<5>(queries, tiles, value_rows, num_tiles, D, scores); break;
-    default: block_scores<6>(queries, tiles, value_rows, num_tiles, D, scores); break;
+    case 1: block_scores<1>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    case 2: block_scores<2>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    case 3: block_scores<3>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    case 4: block_scores<4>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    case 5: block_scores<5>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    default: block_scores<6>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
   }
   const int64_t ld = num_tiles * 8;
   float* outs[kQueryBlock];
   for (int64_t i = 0; i < n; ++i) {
-    exp_row(scores + i * ld, std::min(visible[i], last) - first, last - first, &parts[i].max, &parts[i].sum);
+    (wide ? exp_row_zmm : exp_row)(scores + i * ld, std::min(visible[i], last) - first, last - first, &parts[i].max,
+                                   &parts[i].sum);
     outs[i] = parts[i].out;
   }
   switch (n) {
-    case 1: block_values<1>(scores, ld, first, last, kv, table, kvh, outs); break;
-    case 2: block_values<2>(scores, ld, first, last, kv, table, kvh, outs); break;
-    case 3: block_values<3>(scores, ld, first, last, kv, table, kvh, outs); break;
-    case 4: block_values<4>(scores, ld, first, last, kv, table, kvh, outs); break;
-    case 5: block_values<5>(scores, ld, first, last, kv, table, kvh, outs); break;
-    default: block_values<6>(scores, ld, first, last, kv, table, kvh, outs); break;
+    case 1: block_values<1>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    case 2: block_values<2>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    case 3: block_values<3>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    case 4: block_values<4>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    case 5: block_values<5>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    default: block_values<6>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
   }
 }
 
@@ -593,6 +645,7 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   const int64_t width = (heads + 2 * kv_heads) * D;
   const PagedCache<T> kv{cache_data, kv_heads, bs, D};
   const int64_t group = heads / kv_heads;
+  const bool wide = attention_uses_zmm();  // read once a call: SPECDEC_CPU_ISA is an environment lookup
 
   // RoPE on the new rows; keys and values into their cache slots. Rows go in parallel (not
   // requests: a verify step's or a prompt's rows all belong to one request).
@@ -653,7 +706,7 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   };
   const auto attend = [&](const Block& blk, int64_t chunk, ChunkPart* parts) {
     const int64_t first = chunk * kChunk, last = std::min(first + kChunk, blk.visible[blk.n - 1]);
-    attend_chunk(blk.queries, blk.visible, blk.n, first, last, kv, blk.table, blk.kvh, parts);
+    attend_chunk(blk.queries, blk.visible, blk.n, first, last, kv, blk.table, blk.kvh, parts, wide);
   };
   const int64_t num_blocks = first_block[B];
   if (num_blocks >= 2 * WorkPool::get().threads()) {  // enough blocks: a work item is a block
