@@ -27,8 +27,8 @@
 #include <functional>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
-#include <string>
 #include <thread>
 #include <vector>
 
@@ -362,55 +362,27 @@ void block_values_pass_zmm(const float* probs, int64_t ld, int64_t first, int64_
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(outs[m] + c + 16 * w, acc[m][w]);
 }
 
-// exp8 on 16 lanes: the same operations lane by lane, so the same floats.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-// exp_row with 16 lanes: the max is exact in any order; the sum adds each 8 positions' lanes in
-// the order exp_row adds them.
-void exp_row_zmm(float* sc, int64_t visible, int64_t padded_end, float* max_out, float* sum_out) {
-  visible = std::max<int64_t>(visible, 0);
+// exp_row's max over sc[0:j], j the last multiple of 16 within `visible` (stored in *end).
+float row_max_zmm(const float* sc, int64_t visible, int64_t* end) {
   __m512 max16 = _mm512_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 16 <= visible; j += 16) max16 = _mm512_max_ps(max16, _mm512_loadu_ps(sc + j));
-  float best = _mm512_reduce_max_ps(max16);
-  for (; j < visible; ++j) best = std::max(best, sc[j]);
+  *end = j;
+  return _mm512_reduce_max_ps(max16);
+}
+
+// exp_row's exponentials of sc[0:j] in place, j as in row_max_zmm, their lanes added to *sum8
+// 8 positions at a time in the order exp_row adds them; returns j.
+int64_t row_exp_zmm(float* sc, int64_t visible, float best, __m256* sum8) {
   const __m512 vbest = _mm512_set1_ps(best);
-  __m256 sum8 = _mm256_setzero_ps();
-  j = 0;
+  int64_t j = 0;
   for (; j + 16 <= visible; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vbest));
+    const __m512 e = specdec_cpu::exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vbest));
     _mm512_storeu_ps(sc + j, e);
-    sum8 = _mm256_add_ps(sum8, _mm512_castps512_ps256(e));
-    sum8 = _mm256_add_ps(sum8, _mm512_extractf32x8_ps(e, 1));
+    *sum8 = _mm256_add_ps(*sum8, _mm512_castps512_ps256(e));
+    *sum8 = _mm256_add_ps(*sum8, _mm512_extractf32x8_ps(e, 1));
   }
-  for (; j + 8 <= visible; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), _mm256_set1_ps(best)));
-    _mm256_storeu_ps(sc + j, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  float total = hsum8(sum8);
-  for (; j < visible; ++j) {
-    sc[j] = std::exp(sc[j] - best);
-    total += sc[j];
-  }
-  std::fill(sc + visible, sc + padded_end, 0.f);
-  *max_out = best;
-  *sum_out = total;
+  return j;
 }
 
 #pragma GCC pop_options
@@ -420,7 +392,7 @@ void exp_row_zmm(float* sc, int64_t visible, int64_t padded_end, float* max_out,
 inline bool attention_uses_zmm() {
   static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
   const char* isa = std::getenv("SPECDEC_CPU_ISA");
-  return supported && !(isa != nullptr && std::string(isa) == "avx2");
+  return supported && !(isa != nullptr && std::strcmp(isa, "avx2") == 0);
 }
 
 // scores[m * tiles * 8 + j] = q_m . key_j for the n queries and every position of `num_tiles`
@@ -469,16 +441,18 @@ inline float hmax8(__m256 v) {
 // Turns sc[0:visible] into exp(sc[j] - max) in place, zeroes sc[visible:padded_end] (so that a
 // query can share a value pass with queries that see more positions), and returns the max and
 // the sum of the exponentials: a chunk's part of a softmax (-inf and 0 when visible <= 0).
-void exp_row(float* sc, int64_t visible, int64_t padded_end, float* max_out, float* sum_out) {
+// `wide`: the first multiple of 16 positions on AVX-512, the same floats.
+void exp_row(float* sc, int64_t visible, int64_t padded_end, float* max_out, float* sum_out, bool wide) {
   visible = std::max<int64_t>(visible, 0);
   __m256 max8 = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
+  if (wide) max8 = _mm256_set1_ps(row_max_zmm(sc, visible, &j));
   for (; j + 8 <= visible; j += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(sc + j));
   float best = hmax8(max8);
   for (; j < visible; ++j) best = std::max(best, sc[j]);
   const __m256 vbest = _mm256_set1_ps(best);
   __m256 sum8 = _mm256_setzero_ps();
-  j = 0;
+  j = wide ? row_exp_zmm(sc, visible, best, &sum8) : 0;
   for (; j + 8 <= visible; j += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vbest));
     _mm256_storeu_ps(sc + j, e);
@@ -598,8 +572,7 @@ void attend_chunk(const float* const* queries, const int64_t* visible, int64_t n
   const int64_t ld = num_tiles * 8;
   float* outs[kQueryBlock];
   for (int64_t i = 0; i < n; ++i) {
-    (wide ? exp_row_zmm : exp_row)(scores + i * ld, std::min(visible[i], last) - first, last - first, &parts[i].max,
-                                   &parts[i].sum);
+    exp_row(scores + i * ld, std::min(visible[i], last) - first, last - first, &parts[i].max, &parts[i].sum, wide);
     outs[i] = parts[i].out;
   }
   switch (n) {
