@@ -105,6 +105,7 @@ struct ActivationNeeds {
   bool pairs = false;   // split Q4_0 / Q4_1
   bool biased = false;  // split Q8_0 under VNNI
   bool per256 = false;  // Q4_K, Q5_K, Q6_K: q256, d256t and sum16
+  bool columns256 = false;  // interleaved Q4_K / Q6_K under VNNI, more than 2 rows: q256t, sum32t, offset16t
 };
 
 // max |x[i]| over the n (a multiple of 8) floats of x.
@@ -149,6 +150,17 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
 //     [M, K / 16]: Q4_K's mins, Q6_K's -32).
 // A matmul whose weight is all Q4_K, Q5_K and Q6_K (a Q4_K_M file's) builds per256 alone (q, d and
 // sum stay null).
+// How the kernels split M activation rows into tiles of at most `max_tile` rows (every weight
+// block unpacked once serves a tile): tiles = ceil(M / max_tile) of even sizes, the first ones a
+// row larger; the rows of tile `tile`, which starts at row m0.
+inline int64_t tile_rows(int64_t M, int64_t m0, int64_t tiles, int64_t tile) {
+  return (M - m0) / (tiles - tile) + ((M - m0) % (tiles - tile) != 0);
+}
+
+// The tiles of the AVX-512 VNNI kernels (their kMaxTile), which the column-major activations
+// (QuantizedRows::q256t) are laid out for.
+constexpr int64_t kColumnTile = 8;
+
 struct QuantizedRows {
   int64_t M = 0, K = 0, blocks = 0, ld = 0, ldt = 0;
   const int8_t* q = nullptr;
@@ -157,11 +169,23 @@ struct QuantizedRows {
   const int8_t* q256 = nullptr;
   const float* d256t = nullptr;
   const int16_t* sum16 = nullptr;
+  // The same per-256 activations tile by tile, column-major in each tile (kColumnTile), for the
+  // 512-bit interleaved Q4_K / Q6_K kernels' tiles of more than 2 rows: a tile's rows at one
+  // chunk are adjacent, one pointer reaches them all (8 row pointers would take the general
+  // registers the kernel needs), and a tile's data is contiguous. The 4-byte chunks of q256
+  // (chunk c of row m0 + r of the tile of R rows at m0: q256t[m0 * K / 4 + c * R + r]), the two
+  // 16-sums of each 32 elements as one int32 (sum32t, as load_int(sum16 + 2j) reads them; at
+  // m0 * K / 32 + j * R + r) and -32 times each 16-sum (offset16t: Q6_K's offset; at
+  // m0 * K / 16 + g * R + r).
+  const int32_t* q256t = nullptr;
+  const int32_t* sum32t = nullptr;
+  const int32_t* offset16t = nullptr;
   const float* d = nullptr;
   const float* sum = nullptr;
   AlignedVector<int8_t> q_store, pair_store;
   AlignedVector<uint8_t> biased_store;
   std::vector<int16_t> sum16_store;
+  AlignedVector<int32_t> q256t_store, sum32t_store, offset16t_store;
   AlignedVector<int8_t> q256_store;
   AlignedVector<float> d256t_store;
   std::vector<float> d_store, sum_store;
@@ -174,11 +198,13 @@ struct QuantizedRows {
     if (needs.per256) {
       quantize_per_256(x);
       sum_sixteens();
+      if (needs.columns256) columns_per_256();
     }
   }
 
  private:
   void quantize_per_32(const float* x);
+  void columns_per_256();
   void pair_blocks();
   void bias();
   void quantize_per_256(const float* x);
@@ -257,6 +283,27 @@ void QuantizedRows::sum_sixteens() {
     sum16_store[i] = static_cast<int16_t>(total);  // |total| <= 16 * 127
   }
   sum16 = sum16_store.data();
+}
+
+void QuantizedRows::columns_per_256() {
+  const int64_t chunks = K / 4, pairs = K / 32, groups = K / 16;
+  q256t_store.resize(chunks * M);
+  sum32t_store.resize(pairs * M);
+  offset16t_store.resize(groups * M);
+  const int64_t tiles = (M + kColumnTile - 1) / kColumnTile;
+  for (int64_t tile = 0, m0 = 0; tile < tiles; ++tile) {
+    const int64_t R = tile_rows(M, m0, tiles, tile);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      for (int64_t c = 0; c < chunks; ++c) std::memcpy(&q256t_store[m0 * chunks + c * R + r], q256 + m * K + 4 * c, 4);
+      for (int64_t j = 0; j < pairs; ++j) std::memcpy(&sum32t_store[m0 * pairs + j * R + r], sum16 + m * groups + 2 * j, 4);
+      for (int64_t g = 0; g < groups; ++g) offset16t_store[m0 * groups + g * R + r] = -32 * sum16[m * groups + g];
+    }
+    m0 += R;
+  }
+  q256t = q256t_store.data();
+  sum32t = sum32t_store.data();
+  offset16t = offset16t_store.data();
 }
 
 struct WeightSegment {
@@ -473,7 +520,7 @@ bool has_tile_segments(const QuantWeight& w) {
 }
 
 // What the kernels of w's segments read of the activations (see QuantizedRows).
-ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
+ActivationNeeds needs_of(const QuantWeight& w, bool vnni, int64_t M) {
   ActivationNeeds needs;
   for (const WeightSegment& seg : w.segments) {
     const bool per256 = seg.type == specdec_cpu::kQ4_K || seg.type == specdec_cpu::kQ5_K || seg.type == specdec_cpu::kQ6_K ||
@@ -482,13 +529,14 @@ ActivationNeeds needs_of(const QuantWeight& w, bool vnni) {
     needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     needs.biased = needs.biased || (vnni && (seg.type == specdec_cpu::kQ8_0S || seg.type == specdec_cpu::kQ8_0I));
     needs.per256 = needs.per256 || per256;
+    needs.columns256 = needs.columns256 || (vnni && M > 2 && (seg.type == specdec_cpu::kQ4_KI || seg.type == specdec_cpu::kQ6_KI));
   }
   return needs;
 }
 
 void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, float* out) {
   const bool vnni = use_vnni();
-  const QuantizedRows rows(x, M, K, needs_of(w, vnni));
+  const QuantizedRows rows(x, M, K, needs_of(w, vnni, M));
   if (use_amx(M) && has_tile_segments(w))
     amx::matmul(rows, w, epi, out);
   else if (vnni)
