@@ -105,7 +105,7 @@ struct ActivationNeeds {
   bool pairs = false;   // split Q4_0 / Q4_1
   bool biased = false;  // split Q8_0 under VNNI
   bool per256 = false;  // Q4_K, Q5_K, Q6_K: q256, d256t and sum16
-  bool columns256 = false;  // interleaved Q4_K / Q6_K under VNNI, more than 2 rows: q256t, sum32t, offset16t
+  bool columns256 = false;  // interleaved Q4_K / Q6_K under VNNI, tiles of 3+ rows: q256t, sum32t, offset16t
 };
 
 // max |x[i]| over the n (a multiple of 8) floats of x.
@@ -135,6 +135,18 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
 }
 
+// How the kernels split M activation rows into tiles of at most `max_tile` rows (every weight
+// block unpacked once serves a tile): tiles = ceil(M / max_tile) of even sizes, the first ones a
+// row larger; the rows of tile `tile`, which starts at row m0.
+inline int64_t tile_rows(int64_t M, int64_t m0, int64_t tiles, int64_t tile) {
+  return (M - m0) / (tiles - tile) + ((M - m0) % (tiles - tile) != 0);
+}
+
+// The tiles of the AVX-512 VNNI kernels (their kMaxTile), which the column-major activations
+// (QuantizedRows::q256t) are laid out for, and the fewest rows of a tile that reads them.
+constexpr int64_t kColumnTile = 8;
+constexpr int64_t kColumnTileMinRows = 3;
+
 // Activation rows quantized to int8 (scale = max|x| / 127 per block), each representation
 // built only when `needs` asks for it:
 //   per32: q [M, K] in element order, blocks of 32, with per block its scale d and the sum of
@@ -147,20 +159,11 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
 //   per256 (Q4_K, Q5_K, Q6_K): the rows quantized with one scale per 256 (q256 [M, K]), the scales
 //     transposed (d256t [K / 256, ldt], ldt = M rounded up to 16, plus 16; zeros past M, so
 //     that 8 or 16 rows' scales load as a vector) and the int16 sum of each 16 of q256 (sum16
-//     [M, K / 16]: Q4_K's mins, Q6_K's -32).
+//     [M, K / 16]: Q4_K's mins, Q6_K's -32);
+//   columns256: the same per-256 data tile by tile for the 512-bit interleaved Q4_K / Q6_K
+//     kernels (q256t, sum32t, offset16t below).
 // A matmul whose weight is all Q4_K, Q5_K and Q6_K (a Q4_K_M file's) builds per256 alone (q, d and
 // sum stay null).
-// How the kernels split M activation rows into tiles of at most `max_tile` rows (every weight
-// block unpacked once serves a tile): tiles = ceil(M / max_tile) of even sizes, the first ones a
-// row larger; the rows of tile `tile`, which starts at row m0.
-inline int64_t tile_rows(int64_t M, int64_t m0, int64_t tiles, int64_t tile) {
-  return (M - m0) / (tiles - tile) + ((M - m0) % (tiles - tile) != 0);
-}
-
-// The tiles of the AVX-512 VNNI kernels (their kMaxTile), which the column-major activations
-// (QuantizedRows::q256t) are laid out for.
-constexpr int64_t kColumnTile = 8;
-
 struct QuantizedRows {
   int64_t M = 0, K = 0, blocks = 0, ld = 0, ldt = 0;
   const int8_t* q = nullptr;
@@ -529,7 +532,7 @@ ActivationNeeds needs_of(const QuantWeight& w, bool vnni, int64_t M) {
     needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     needs.biased = needs.biased || (vnni && (seg.type == specdec_cpu::kQ8_0S || seg.type == specdec_cpu::kQ8_0I));
     needs.per256 = needs.per256 || per256;
-    needs.columns256 = needs.columns256 || (vnni && M > 2 && (seg.type == specdec_cpu::kQ4_KI || seg.type == specdec_cpu::kQ6_KI));
+    needs.columns256 = needs.columns256 || (vnni && M >= kColumnTileMinRows && (seg.type == specdec_cpu::kQ4_KI || seg.type == specdec_cpu::kQ6_KI));
   }
   return needs;
 }
