@@ -53,7 +53,7 @@ template <int MB, Epilogue E, typename W>
 inline void panel_rows(const float* x, int64_t K, const W* panel, float* out, int64_t ld_out,
                        const float* residual) {
   __m256 acc0[MB], acc1[MB];
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < MB; ++m) { acc0[m] = _mm256_setzero_ps(); acc1[m] = _mm256_setzero_ps(); }
   for (int64_t k = 0; k < K; ++k) {
     // Software prefetch ~2 KB ahead: the hardware prefetcher stops at page boundaries.
@@ -67,7 +67,7 @@ inline void panel_rows(const float* x, int64_t K, const W* panel, float* out, in
       acc1[m] = _mm256_fmadd_ps(xb, w1, acc1[m]);
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < MB; ++m) {
     float* o = out + m * ld_out;
     if constexpr (E == Epilogue::kSwiglu) {
@@ -253,7 +253,13 @@ inline void prefetch_bytes(const void* p, int64_t n) {
   for (int64_t off = 0; off < n; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-constexpr int kQueryBlock = 6;  // queries per attention work item: 12 accumulators over 2 key tiles
+// Queries per attention work item: at most 6 on AVX2 (12 accumulators over 2 key tiles in its 16
+// registers), 9 on AVX-512 (18 over 2 pairs of tiles in its 32). A verify step of 6 rows with
+// 3 query heads per KV head (the default model) then makes 6 work items, 3 per thread, not 9;
+// there its 30 layers' attention took 0.82 ms instead of 1.00 (2026-12-06, Zen 5). On AVX2
+// blocks of 9 (one key tile at a time) were 11% slower for 16 rows and more.
+constexpr int kQueryBlock = 9;  // the largest block
+inline int64_t query_block(bool wide) { return wide ? 9 : 6; }
 
 // scores[m * ld + 8 * i + j] = q_m . key_j for the N queries and TT key tiles from tile i (8
 // positions each, transposed: element d of position j at tile[d * 8 + j % 8]). N * TT
@@ -262,7 +268,7 @@ template <int N, int TT, typename T>
 inline void score_tiles(const float* const* queries, const T* const* tiles, int64_t i, int64_t D, float* scores,
                         int64_t ld) {
   __m256 acc[N][TT];
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) acc[m][t] = _mm256_setzero_ps();
@@ -270,14 +276,14 @@ inline void score_tiles(const float* const* queries, const T* const* tiles, int6
     __m256 k[TT];
 #pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) k[t] = load8(tiles[i + t] + d * 8);
-#pragma GCC unroll 6
+#pragma GCC unroll 9
     for (int m = 0; m < N; ++m) {
       const __m256 qd = _mm256_broadcast_ss(queries[m] + d);
 #pragma GCC unroll 8
       for (int t = 0; t < TT; ++t) acc[m][t] = _mm256_fmadd_ps(qd, k[t], acc[m][t]);
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) _mm256_storeu_ps(scores + m * ld + 8 * (i + t), acc[m][t]);
@@ -309,7 +315,7 @@ template <int N, int TP, typename T>
 void score_tile_pairs_zmm(const float* const* queries, const T* const* tiles, int64_t i, int64_t D, float* scores,
                           int64_t ld) {
   __m512 acc[N][TP];
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 4
     for (int t = 0; t < TP; ++t) acc[m][t] = _mm512_setzero_ps();
@@ -317,14 +323,14 @@ void score_tile_pairs_zmm(const float* const* queries, const T* const* tiles, in
     __m512 k[TP];
 #pragma GCC unroll 4
     for (int t = 0; t < TP; ++t) k[t] = load_tile_pair(tiles[i + 2 * t] + d * 8, tiles[i + 2 * t + 1] + d * 8);
-#pragma GCC unroll 6
+#pragma GCC unroll 9
     for (int m = 0; m < N; ++m) {
       const __m512 qd = _mm512_set1_ps(queries[m][d]);
 #pragma GCC unroll 4
       for (int t = 0; t < TP; ++t) acc[m][t] = _mm512_fmadd_ps(qd, k[t], acc[m][t]);
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 4
     for (int t = 0; t < TP; ++t) _mm512_storeu_ps(scores + m * ld + 8 * (i + 2 * t), acc[m][t]);
@@ -336,7 +342,7 @@ void block_values_pass_zmm(const float* probs, int64_t ld, int64_t first, int64_
                            const int32_t* table, int64_t kvh, int64_t c, float* const* outs) {
   const int64_t bs = kv.block_size, D = kv.D;
   __m512 acc[N][W];
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 4
     for (int w = 0; w < W; ++w) acc[m][w] = _mm512_setzero_ps();
@@ -348,7 +354,7 @@ void block_values_pass_zmm(const float* probs, int64_t ld, int64_t first, int64_
       __m512 vw[W];
 #pragma GCC unroll 4
       for (int w = 0; w < W; ++w) vw[w] = load16(v + 16 * w);
-#pragma GCC unroll 6
+#pragma GCC unroll 9
       for (int m = 0; m < N; ++m) {
         const __m512 pm = _mm512_set1_ps(p[m * ld]);
 #pragma GCC unroll 4
@@ -356,7 +362,7 @@ void block_values_pass_zmm(const float* probs, int64_t ld, int64_t first, int64_
       }
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 4
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(outs[m] + c + 16 * w, acc[m][w]);
@@ -397,27 +403,29 @@ inline bool attention_uses_zmm() {
 
 // scores[m * tiles * 8 + j] = q_m . key_j for the n queries and every position of `num_tiles`
 // key tiles. Tiles go TT at a time, TT chosen so that the N * TT accumulators, the TT tiles and
-// a broadcast query fit the 16 AVX2 registers (at least 8 accumulators: FMA latency x 2 ports).
+// a broadcast query fit the 16 AVX2 registers (at least 8 accumulators: FMA latency x 2 ports);
+// on AVX-512 TP pairs of tiles at a time, N * TP of its 32 registers accumulating.
 // Two groups ahead it prefetches the keys and the values (value_rows[i]: the 8 value rows of
 // tile i's positions, read by the values pass next): a cache block's pages are scattered, so
 // the hardware prefetcher cannot guess where the next one starts.
 template <int N, typename T>
 void block_scores(const float* const* queries, const T* const* tiles, const T* const* value_rows,
                   int64_t num_tiles, int64_t D, float* scores, bool wide) {
-  constexpr int TT = N == 1 ? 8 : (N == 2 ? 4 : (N == 3 ? 3 : 2));
+  constexpr int TT = N == 1 ? 8 : (N == 2 ? 4 : (N == 3 ? 3 : (N <= 6 ? 2 : 1)));
+  constexpr int TP = N <= 6 ? 4 : 2;
   const int64_t ld = num_tiles * 8, tile_bytes = 8 * D * sizeof(T);
   for (int64_t t = 0; t < std::min<int64_t>(num_tiles, 2 * TT); ++t) {
     prefetch_bytes(tiles[t], tile_bytes);
     prefetch_bytes(value_rows[t], tile_bytes);
   }
   int64_t i = 0;
-  if (wide) {  // 4 pairs of tiles a pass: N * 4 of the 32 registers accumulate
-    for (; i + 8 <= num_tiles; i += 8) {
-      for (int64_t t = i + 2 * TT; t < std::min(num_tiles, i + 2 * TT + 8); ++t) {
+  if (wide) {
+    for (; i + 2 * TP <= num_tiles; i += 2 * TP) {
+      for (int64_t t = i + 2 * TT; t < std::min(num_tiles, i + 2 * TT + 2 * TP); ++t) {
         prefetch_bytes(tiles[t], tile_bytes);
         prefetch_bytes(value_rows[t], tile_bytes);
       }
-      score_tile_pairs_zmm<N, 4>(queries, tiles, i, D, scores, ld);
+      score_tile_pairs_zmm<N, TP>(queries, tiles, i, D, scores, ld);
     }
     for (; i + 2 <= num_tiles; i += 2) score_tile_pairs_zmm<N, 1>(queries, tiles, i, D, scores, ld);
   }
@@ -479,7 +487,7 @@ void block_values_pass(const float* probs, int64_t ld, int64_t first, int64_t la
                        const int32_t* table, int64_t kvh, int64_t c, float* const* outs) {
   const int64_t bs = kv.block_size, D = kv.D;
   __m256 acc[N][W];
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) acc[m][w] = _mm256_setzero_ps();
@@ -490,19 +498,19 @@ void block_values_pass(const float* probs, int64_t ld, int64_t first, int64_t la
     for (int64_t j = start; j < stop; ++j, v += D, ++p) {
       if constexpr (N < W) {
         __m256 pm[N];
-#pragma GCC unroll 6
+#pragma GCC unroll 9
         for (int m = 0; m < N; ++m) pm[m] = _mm256_broadcast_ss(p + m * ld);
 #pragma GCC unroll 8
         for (int w = 0; w < W; ++w) {
           const __m256 vw = load8(v + 8 * w);
-#pragma GCC unroll 6
+#pragma GCC unroll 9
           for (int m = 0; m < N; ++m) acc[m][w] = _mm256_fmadd_ps(pm[m], vw, acc[m][w]);
         }
       } else {
         __m256 vw[W];
 #pragma GCC unroll 8
         for (int w = 0; w < W; ++w) vw[w] = load8(v + 8 * w);
-#pragma GCC unroll 6
+#pragma GCC unroll 9
         for (int m = 0; m < N; ++m) {
           const __m256 pm = _mm256_broadcast_ss(p + m * ld);
 #pragma GCC unroll 8
@@ -511,21 +519,23 @@ void block_values_pass(const float* probs, int64_t ld, int64_t first, int64_t la
       }
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 9
   for (int m = 0; m < N; ++m)
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(outs[m] + c + 8 * w, acc[m][w]);
 }
 
 // All D columns of block_values_pass: passes of 8W columns (W chosen so that N * W <= 12
-// accumulators), then 8-column passes for what is left of D.
+// accumulators; on AVX-512 16 WZ columns, N * WZ <= 24), then 8-column passes for what is left
+// of D.
 template <int N, typename T>
 void block_values(const float* probs, int64_t ld, int64_t first, int64_t last, const PagedCache<T>& kv,
                   const int32_t* table, int64_t kvh, float* const* outs, bool wide) {
-  constexpr int W = N == 1 ? 8 : (N <= 3 ? 4 : 2);
+  constexpr int W = N == 1 ? 8 : (N <= 3 ? 4 : (N <= 6 ? 2 : 1));
+  constexpr int WZ = N <= 6 ? 4 : 2;
   int64_t c = 0;
-  if (wide) {  // 64 columns a pass: N * 4 accumulators, 4 value vectors
-    for (; c + 64 <= kv.D; c += 64) block_values_pass_zmm<N, 4>(probs, ld, first, last, kv, table, kvh, c, outs);
+  if (wide) {
+    for (; c + 16 * WZ <= kv.D; c += 16 * WZ) block_values_pass_zmm<N, WZ>(probs, ld, first, last, kv, table, kvh, c, outs);
     for (; c + 16 <= kv.D; c += 16) block_values_pass_zmm<N, 1>(probs, ld, first, last, kv, table, kvh, c, outs);
   }
   for (; c + 8 * W <= kv.D; c += 8 * W) block_values_pass<N, W>(probs, ld, first, last, kv, table, kvh, c, outs);
@@ -567,7 +577,10 @@ void attend_chunk(const float* const* queries, const int64_t* visible, int64_t n
     case 3: block_scores<3>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
     case 4: block_scores<4>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
     case 5: block_scores<5>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
-    default: block_scores<6>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    case 6: block_scores<6>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    case 7: block_scores<7>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    case 8: block_scores<8>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
+    default: block_scores<9>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
   }
   const int64_t ld = num_tiles * 8;
   float* outs[kQueryBlock];
@@ -581,7 +594,10 @@ void attend_chunk(const float* const* queries, const int64_t* visible, int64_t n
     case 3: block_values<3>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
     case 4: block_values<4>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
     case 5: block_values<5>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
-    default: block_values<6>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    case 6: block_values<6>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    case 7: block_values<7>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    case 8: block_values<8>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
+    default: block_values<9>(scores, ld, first, last, kv, table, kvh, outs, wide); break;
   }
 }
 
@@ -619,13 +635,15 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   const PagedCache<T> kv{cache_data, kv_heads, bs, D};
   const int64_t group = heads / kv_heads;
   const bool wide = attention_uses_zmm();  // read once a call: SPECDEC_CPU_ISA is an environment lookup
+  const int64_t qb = query_block(wide);
 
   // RoPE on the new rows; keys and values into their cache slots. Rows go in parallel (not
-  // requests: a verify step's or a prompt's rows all belong to one request).
+  // requests: a verify step's or a prompt's rows all belong to one request), 8 or more a work
+  // item: a verify step's few rows stay on the caller, where waking the pool cost more.
   std::vector<float> q(T_rows * heads * D);
   std::vector<int64_t> request_of(T_rows);
   for (int64_t b = 0; b < B; ++b) std::fill(request_of.begin() + cu[b], request_of.begin() + cu[b + 1], b);
-  const int64_t rows_per_chunk = std::max<int64_t>(1, T_rows / 64);
+  const int64_t rows_per_chunk = std::max<int64_t>(8, T_rows / 64);
   WorkPool::get().parallel_for((T_rows + rows_per_chunk - 1) / rows_per_chunk, [&](int64_t chunk) {
     std::vector<float> k(D);
     for (int64_t t = chunk * rows_per_chunk; t < std::min(T_rows, (chunk + 1) * rows_per_chunk); ++t) {
@@ -646,12 +664,12 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   });
 
   // The queries of one request and one KV head (its rows x the `group` heads that share the
-  // head, row-major) go in blocks of up to kQueryBlock. A block's scores come out of one pass
+  // head, row-major) go in blocks of up to query_block(wide). A block's scores come out of one pass
   // over the key tiles of a chunk, so keys are read once per block (not once per query head)
   // and every loaded tile feeds several FMAs.
   std::vector<int64_t> first_block(B + 1, 0);  // blocks of request b: [first_block[b], first_block[b+1])
   for (int64_t b = 0; b < B; ++b)
-    first_block[b + 1] = first_block[b] + kv_heads * (((cu[b + 1] - cu[b]) * group + kQueryBlock - 1) / kQueryBlock);
+    first_block[b + 1] = first_block[b] + kv_heads * (((cu[b + 1] - cu[b]) * group + qb - 1) / qb);
   struct Block {
     int64_t kvh, n, chunks, first_row;
     const int32_t* table;
@@ -663,10 +681,10 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
     Block blk;
     const int64_t b = std::upper_bound(first_block.begin(), first_block.end(), index) - first_block.begin() - 1;
     const int64_t rows = cu[b + 1] - cu[b];
-    const int64_t blocks_per_head = (rows * group + kQueryBlock - 1) / kQueryBlock;
+    const int64_t blocks_per_head = (rows * group + qb - 1) / qb;
     blk.kvh = (index - first_block[b]) / blocks_per_head;
-    const int64_t q0 = (index - first_block[b]) % blocks_per_head * kQueryBlock;  // first query of the block
-    blk.n = std::min<int64_t>(kQueryBlock, rows * group - q0);
+    const int64_t q0 = (index - first_block[b]) % blocks_per_head * qb;  // first query of the block
+    blk.n = std::min<int64_t>(qb, rows * group - q0);
     blk.table = tables + b * max_blocks;
     for (int64_t i = 0; i < blk.n; ++i) {
       const int64_t r = (q0 + i) / group, h = blk.kvh * group + (q0 + i) % group;

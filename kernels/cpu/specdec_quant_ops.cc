@@ -548,14 +548,32 @@ void matmul(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Ep
     avx2::matmul(rows, w, epi, out);
 }
 
+// The sum of x[k]^2 over the K floats of x, in double precision: four chains of four lanes
+// (element k in lane k % 16), added pairwise at the end. A float's square is exact in a
+// double, so this differs from the plain sum in order only. The plain sum was one serial chain
+// of double adds, about 1 us a row of the default model: with 2 norms a layer, 0.1 ms of a
+// 6-row verify pass spent on one core (2026-12-06, Zen 5).
+inline double sum_of_squares(const float* x, int64_t K) {
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16)
+    for (int j = 0; j < 4; ++j) {
+      const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + k + 4 * j));
+      acc[j] = _mm256_fmadd_pd(v, v, acc[j]);
+    }
+  const __m256d both = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
+  const __m128d half = _mm_add_pd(_mm256_castpd256_pd128(both), _mm256_extractf128_pd(both, 1));
+  double total = _mm_cvtsd_f64(_mm_add_sd(half, _mm_unpackhi_pd(half, half)));
+  for (; k < K; ++k) total += static_cast<double>(x[k]) * x[k];
+  return total;
+}
+
 // rms_norm(x) * gain, row by row.
 std::vector<float> normalized(const float* x, int64_t M, int64_t K, const float* gain, float eps) {
   std::vector<float> h(M * K);
   for_each_row(M, [&](int64_t m) {
     const float* row = x + m * K;
-    double squares = 0;
-    for (int64_t k = 0; k < K; ++k) squares += static_cast<double>(row[k]) * row[k];
-    const float scale = 1.0f / std::sqrt(static_cast<float>(squares / K) + eps);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(sum_of_squares(row, K) / K) + eps);
     for (int64_t k = 0; k < K; ++k) h[m * K + k] = row[k] * scale * (gain ? gain[k] : 1.f);
   });
   return h;
