@@ -7,7 +7,8 @@ beside the floors the machine sets.
 A request's verify step feeds its last token and its drafts: ``rows`` rows at positions
 ``context .. context + rows - 1`` over a cache of ``context`` positions (written once, then the
 same slots rewritten each call). The table gives the median of ``--repeats`` forward passes
-(the model's own ``forward``, logits included), its ratio to the 1-row pass, and two floors:
+(the model's own ``forward``, logits included; the row counts take turns pass by pass), its
+ratio to the 1-row pass, and two floors:
 
 - memory: the bytes of weights a pass reads once (``weight_bytes``) over the memory bandwidth,
   measured here by every core reading its part of a 1 GiB array (an integer OR of its words);
@@ -121,21 +122,25 @@ def main() -> None:
         if args.layer_by_layer:
             paths["by layer"] = {"return_hidden": True, "hidden_layers": (model.config.num_layers,)}
         times, by_layer = {}, {}
+        cases = {}
         for rows in row_counts:
             meta = AttentionMetadata.build([rows], [args.context], [blocks], block)
-            ids = tokens[args.context: args.context + rows]
-            logit_rows = np.arange(rows, dtype=np.int64)
-            samples = {name: [] for name in paths}
-            for name, options in paths.items():
-                model.forward(ids, meta, logit_rows, **options)  # warm
-            for _ in range(args.repeats):
-                for name, options in paths.items():  # taking turns: the VM's slow spells hit both
+            cases[rows] = (tokens[args.context: args.context + rows], meta, np.arange(rows, dtype=np.int64))
+            for options in paths.values():
+                model.forward(*cases[rows], **options)  # warm
+        samples = {(rows, name): [] for rows in row_counts for name in paths}
+        for _ in range(args.repeats):
+            # Row counts and paths take turns pass by pass: a slow spell of the VM (they last
+            # seconds) hits them all, not the one that happened to run then.
+            for rows in row_counts:
+                for name, options in paths.items():
                     started = time.perf_counter()
-                    model.forward(ids, meta, logit_rows, **options)
-                    samples[name].append(time.perf_counter() - started)
-            times[rows] = float(np.median(samples["one call"]))
+                    model.forward(*cases[rows], **options)
+                    samples[rows, name].append(time.perf_counter() - started)
+        for rows in row_counts:
+            times[rows] = float(np.median(samples[rows, "one call"]))
             if args.layer_by_layer:
-                by_layer[rows] = float(np.median(samples["by layer"]))
+                by_layer[rows] = float(np.median(samples[rows, "by layer"]))
     finally:
         for block_id in blocks:
             pool.release(block_id)
