@@ -256,7 +256,7 @@ inline void prefetch_bytes(const void* p, int64_t n) {
 // Queries per attention work item: at most 6 on AVX2 (12 accumulators over 2 key tiles in its 16
 // registers), 9 on AVX-512 (18 over 2 pairs of tiles in its 32). A verify step of 6 rows with
 // 3 query heads per KV head (the default model) then makes 6 work items, 3 per thread, not 9;
-// there its 30 layers' attention took 0.82 ms instead of 1.00 (2026-12-06, Zen 5). On AVX2
+// there its 30 layers' attention took 1.00 ms instead of 1.22 (2026-12-06, Zen 5). On AVX2
 // blocks of 9 (one key tile at a time) were 11% slower for 16 rows and more.
 constexpr int kQueryBlock = 9;  // the largest block
 inline int64_t query_block(bool wide) { return wide ? 9 : 6; }
