@@ -53,7 +53,7 @@ template <int MB, Epilogue E, typename W>
 inline void panel_rows(const float* x, int64_t K, const W* panel, float* out, int64_t ld_out,
                        const float* residual) {
   __m256 acc0[MB], acc1[MB];
-#pragma GCC unroll 9
+#pragma GCC unroll 6
   for (int m = 0; m < MB; ++m) { acc0[m] = _mm256_setzero_ps(); acc1[m] = _mm256_setzero_ps(); }
   for (int64_t k = 0; k < K; ++k) {
     // Software prefetch ~2 KB ahead: the hardware prefetcher stops at page boundaries.
@@ -67,7 +67,7 @@ inline void panel_rows(const float* x, int64_t K, const W* panel, float* out, in
       acc1[m] = _mm256_fmadd_ps(xb, w1, acc1[m]);
     }
   }
-#pragma GCC unroll 9
+#pragma GCC unroll 6
   for (int m = 0; m < MB; ++m) {
     float* o = out + m * ld_out;
     if constexpr (E == Epilogue::kSwiglu) {
@@ -258,8 +258,9 @@ inline void prefetch_bytes(const void* p, int64_t n) {
 // 3 query heads per KV head (the default model) then makes 6 work items, 3 per thread, not 9;
 // there its 30 layers' attention took 1.00 ms instead of 1.22 (2026-12-06, Zen 5). On AVX2
 // blocks of 9 (one key tile at a time) were 11% slower for 16 rows and more.
-constexpr int kQueryBlock = 9;  // the largest block
-inline int64_t query_block(bool wide) { return wide ? 9 : 6; }
+constexpr int kQueryBlock = 9;      // AVX-512's, the largest block
+constexpr int kQueryBlockAvx2 = 6;
+inline int64_t query_block(bool wide) { return wide ? kQueryBlock : kQueryBlockAvx2; }
 
 // scores[m * ld + 8 * i + j] = q_m . key_j for the N queries and TT key tiles from tile i (8
 // positions each, transposed: element d of position j at tile[d * 8 + j % 8]). N * TT
