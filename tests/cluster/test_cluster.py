@@ -60,15 +60,28 @@ async def _outcomes(calls) -> list:
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
-async def _disrupted_run(instances, prompts, max_tokens: int, watched, disrupt) -> list:
+async def _disrupted_run(instances, prompts, max_tokens: int, watched, disrupt, routed_first=None) -> list:
     """Send ``prompts`` over ``instances`` in turn (every other one streamed), call
     ``disrupt()`` once ``watched`` have generated 20 tokens, and return each request's
     outcome (its text, or the exception it raised; a request that takes more than 150 s
-    raises TimeoutError)."""
-    calls = [asyncio.wait_for(_complete(instances[i % len(instances)], prompt, stream=i % 4 < 2,
-                                        max_tokens=max_tokens), timeout=150)
-             for i, prompt in enumerate(prompts)]
-    gathered = asyncio.ensure_future(_outcomes(calls))
+    raises TimeoutError).
+
+    ``routed_first``: one of ``instances`` whose clients' requests are sent first; the others'
+    follow once it has routed all of them, so it routes them while the others are idle (and
+    spreads them over the cluster) rather than after a heartbeat reported the others' load."""
+    def call(i, prompt):
+        return asyncio.wait_for(_complete(instances[i % len(instances)], prompt, stream=i % 4 < 2,
+                                          max_tokens=max_tokens), timeout=150)
+
+    first = [i for i in range(len(prompts)) if instances[i % len(instances)] is routed_first]
+    tasks = {i: asyncio.ensure_future(call(i, prompts[i])) for i in first}
+    deadline = time.monotonic() + 60
+    while (routed_first is not None and time.monotonic() < deadline
+           and sum(routed_first.metric("specdec_cluster_requests_routed_total", route=route)
+                   for route in ("local", "run")) < len(first)):
+        await asyncio.sleep(0.05)
+    tasks.update({i: asyncio.ensure_future(call(i, prompt)) for i, prompt in enumerate(prompts) if i not in tasks})
+    gathered = asyncio.ensure_future(_outcomes([tasks[i] for i in range(len(prompts))]))
     deadline = time.monotonic() + 60
     while sum(i.metric("specdec_generation_tokens_total") for i in watched) < 20 and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
@@ -156,7 +169,9 @@ def test_an_instance_killed_mid_run_loses_no_request_silently(directory, redis_s
         def disrupt():
             b.kill()
 
-        outcomes = asyncio.run(_disrupted_run([a, b], prompts, max_tokens, [b], disrupt))
+        # a routes its clients' requests while b is idle, so some run on b and are lost with it.
+        outcomes = asyncio.run(_disrupted_run([a, b], prompts, max_tokens, [b], disrupt, routed_first=a))
+        assert a.metric("specdec_cluster_requests_routed_total", route="run") >= 1
         for index, outcome in enumerate(outcomes):
             to_survivor, streamed = index % 2 == 0, index % 4 < 2
             if isinstance(outcome, str):
