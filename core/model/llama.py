@@ -36,6 +36,15 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np
     return cos_full, sin_signed
 
 
+def host_array(tensor) -> np.ndarray:
+    """``tensor``'s values as a numpy array: for a CPU tensor a view of its memory (DLPack, no
+    copy: ``Tensor.numpy()`` copies, 21 us for a verify step's 6 rows of logits and 0.35 ms for
+    64 rows of the default model's 49,152-token vocabulary), else a copy to the host."""
+    if tensor.place.is_cpu_place():
+        return np.from_dlpack(tensor)
+    return tensor.numpy()
+
+
 def make_linear(paddle, config: ModelConfig, kernels: str, weight_dtype: str):
     """The matmul implementation for ``kernels``: paddle's own ops for ``paddle`` (reference)
     and ``triton`` (whose kernels are attention and verification: the matmuls stay paddle's),
@@ -159,7 +168,7 @@ class LlamaModel:
             hidden, logits = weights.forward_rows(np.asarray(token_ids, np.int64), np.asarray(logit_rows, np.int64),
                                                   operands)
             if not device_logits:
-                logits = logits.numpy()
+                logits = host_array(logits)
             return (logits, hidden) if return_hidden else logits
         p = self.paddle
         with p.no_grad():
@@ -174,7 +183,7 @@ class LlamaModel:
                     x = p.gather(x, p.to_tensor(logit_rows))
                 logits = weights.logits(x)
                 if not device_logits:
-                    logits = logits.numpy()
+                    logits = host_array(logits)
         return (logits, hidden) if return_hidden else logits
 
     def _native_attention(self) -> Optional[tuple]:
