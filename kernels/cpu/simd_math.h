@@ -43,6 +43,13 @@ inline __m512 exp16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+// swiglu8 on 16 lanes (below): the same operations lane by lane, so the same floats.
+inline __m512 swiglu16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
+}
 #pragma GCC pop_options
 
 // silu(g) * u = g / (1 + exp(-g)) * u

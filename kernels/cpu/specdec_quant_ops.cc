@@ -135,6 +135,47 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
 }
 
+// Whether activations are quantized and SwiGLU runs on 512-bit vectors: the CPU has AVX-512
+// (F, BW, VL, DQ) and SPECDEC_CPU_ISA (read at every call) does not force "avx2".
+bool wide_activations() {
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const char* isa = std::getenv("SPECDEC_CPU_ISA");
+  return supported && !(isa != nullptr && std::strcmp(isa, "avx2") == 0);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+// One row's blocks of 32 quantized as abs_max and quantize32 do it, on 512-bit vectors (the
+// same int8s, scales and sums: a maximum, a product and its rounding, and the saturation to
+// int8 give the same results at any width): the scale of block j into d[j], the sum of its
+// dequantized values into sum[j]. A verify step quantizes its few rows on one thread, between
+// the matmuls.
+__attribute__((noinline)) void quantize_row_zmm(const float* x, int64_t blocks, int8_t* q, float* d, float* sum) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t j = 0; j < blocks; ++j) {
+    const __m512 a = _mm512_loadu_ps(x + 32 * j), b = _mm512_loadu_ps(x + 32 * j + 16);
+    const float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.f;
+    const __m512 inverse = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+    const __m128i low = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)));
+    const __m128i high = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse)));
+    const __m256i q8 = _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j), q8);
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q8), ones16);
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    d[j] = scale;
+    sum[j] = scale * static_cast<float>(_mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1))));
+  }
+}
+
+// a[0:n] = silu(g) * u as swiglu8 computes it, 16 lanes at a time (n: a multiple of 16).
+__attribute__((noinline)) void swiglu_row_zmm(const float* g, const float* u, float* a, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(a + i, specdec_cpu::swiglu16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+}
+#pragma GCC pop_options
+
 // How the kernels split M activation rows into tiles of at most `max_tile` rows (every weight
 // block unpacked once serves a tile): tiles = ceil(M / max_tile) of even sizes, the first ones a
 // row larger; the rows of tile `tile`, which starts at row m0.
@@ -229,7 +270,9 @@ void QuantizedRows::quantize_per_32(const float* x) {
   q_store.resize(M * K);
   d_store.assign(M * ld, 0.f);
   sum_store.assign(M * ld, 0.f);
+  const bool wide = wide_activations();
   for_each_row(M, [&](int64_t m) {
+    if (wide) return quantize_row_zmm(x + m * K, blocks, q_store.data() + m * K, &d_store[m * ld], &sum_store[m * ld]);
     for (int64_t j = 0; j < blocks; ++j) {
       const float* in = x + m * K + j * 32;
       const float scale = abs_max(in, 32) / 127.f;
@@ -631,9 +674,11 @@ void layer_tail(const float* attn, const float* x, int64_t M, int64_t A, int64_t
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
     const int64_t n = std::min(rows, M - m0);
     matmul(h.data() + m0 * H, n, H, w.gate_up, Epilogue{}, both.get());
+    const bool wide = wide_activations();
     for_each_row(n, [&](int64_t m) {
       const float* g = both.get() + m * 2 * I;
       float* a = act.get() + m * I;
+      if (wide) return swiglu_row_zmm(g, g + I, a, I);
       for (int64_t i = 0; i < I; i += 8)
         _mm256_storeu_ps(a + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(g + I + i)));
     });
