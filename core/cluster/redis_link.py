@@ -192,7 +192,7 @@ class RedisLink:
     def __init__(self, config: SchedulerConfig, give_up_after: float = 30.0):
         import redis.asyncio as aioredis
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
+        from redis.asyncio.retry import Retry
 
         self.config = config
         self.keys = config.keys
