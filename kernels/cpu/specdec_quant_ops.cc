@@ -146,11 +146,11 @@ bool wide_activations() {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-// One row's blocks of 32 quantized as abs_max and quantize32 do it, on 512-bit vectors (the
-// same int8s, scales and sums: a maximum, a product and its rounding, and the saturation to
-// int8 give the same results at any width): the scale of block j into d[j], the sum of its
-// dequantized values into sum[j]. A verify step quantizes its few rows on one thread, between
-// the matmuls.
+// One row's blocks of 32 quantized as abs_max and quantize32 do it, on 512-bit vectors (for
+// finite activations the same int8s, scales and sums: a maximum, a product and its rounding,
+// and the saturation to int8 give the same results at any width): the scale of block j into
+// d[j], the sum of its dequantized values into sum[j]. A verify step quantizes its few rows on
+// one thread, between the matmuls.
 __attribute__((noinline)) void quantize_row_zmm(const float* x, int64_t blocks, int8_t* q, float* d, float* sum) {
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t j = 0; j < blocks; ++j) {
