@@ -119,6 +119,14 @@ inline float abs_max(const float* x, int64_t n) {
   return _mm_cvtss_f32(m4);
 }
 
+// The sum of the 32 int8s of q8.
+inline int sum_of_int8s(__m256i q8) {
+  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1));
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+}
+
 // out[0:32] = in[0:32] * inverse rounded half to even (the MXCSR default) to int8, in order;
 // returns the sum of those int8s.
 inline int quantize32(const float* in, float inverse, int8_t* out) {
@@ -129,10 +137,14 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
   const __m256i q8 =
       _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q8);
-  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1));
-  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-  const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+  return sum_of_int8s(q8);
+}
+
+// SPECDEC_CPU_ISA: "avx2" forces the portable kernels, "avx512" the AVX-512 VNNI ones without
+// AMX tiles; unset (or anything else), the best the CPU has.
+bool isa_is(const char* name) {
+  const char* isa = std::getenv("SPECDEC_CPU_ISA");
+  return isa != nullptr && std::strcmp(isa, name) == 0;
 }
 
 // Whether activations are quantized and SwiGLU runs on 512-bit vectors: the CPU has AVX-512
@@ -140,8 +152,7 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
 bool wide_activations() {
   static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const char* isa = std::getenv("SPECDEC_CPU_ISA");
-  return supported && !(isa != nullptr && std::strcmp(isa, "avx2") == 0);
+  return supported && !isa_is("avx2");
 }
 
 #pragma GCC push_options
@@ -152,7 +163,6 @@ bool wide_activations() {
 // d[j], the sum of its dequantized values into sum[j]. A verify step quantizes its few rows on
 // one thread, between the matmuls.
 __attribute__((noinline)) void quantize_row_zmm(const float* x, int64_t blocks, int8_t* q, float* d, float* sum) {
-  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t j = 0; j < blocks; ++j) {
     const __m512 a = _mm512_loadu_ps(x + 32 * j), b = _mm512_loadu_ps(x + 32 * j + 16);
     const float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.f;
@@ -161,11 +171,8 @@ __attribute__((noinline)) void quantize_row_zmm(const float* x, int64_t blocks, 
     const __m128i high = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse)));
     const __m256i q8 = _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j), q8);
-    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q8), ones16);
-    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-    const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
     d[j] = scale;
-    sum[j] = scale * static_cast<float>(_mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1))));
+    sum[j] = scale * static_cast<float>(sum_of_int8s(q8));
   }
 }
 
@@ -520,13 +527,6 @@ namespace amx {
 #include "quant_matmul_amx.inc"
 }  // namespace amx
 #pragma GCC pop_options
-
-// SPECDEC_CPU_ISA: "avx2" forces the portable kernels, "avx512" the AVX-512 VNNI ones without
-// AMX tiles; unset (or anything else), the best the CPU has.
-bool isa_is(const char* name) {
-  const char* isa = std::getenv("SPECDEC_CPU_ISA");
-  return isa != nullptr && std::strcmp(isa, name) == 0;
-}
 
 bool use_vnni() {
   if (isa_is("avx2")) return false;
