@@ -255,8 +255,9 @@ inline void prefetch_bytes(const void* p, int64_t n) {
 
 // Prefetches `count` regions of `lines` cache lines each a few lines at a time, spread over the
 // `steps` steps of a pass (step() at each). Issued all at once before a pass over key tiles, a
-// group's 16 KB filled the core's miss buffers and held up the pass's arithmetic until they
-// drained; spread, the loads stream in while it computes.
+// group's keys and values (16 KB in a float16 cache with heads of 64) filled the core's miss
+// buffers and held up the pass's arithmetic until they drained; spread, the loads stream in
+// while it computes.
 class SpreadPrefetch {
  public:
   SpreadPrefetch() = default;
@@ -434,7 +435,7 @@ inline bool attention_uses_zmm() {
 // positions, read by the values pass next): a cache block's pages are scattered, so the
 // hardware prefetcher cannot guess where the next one starts. On AVX2 a group prefetches the
 // group two ahead before its pass; on AVX-512 a group's pass prefetches the next group as it
-// goes (SpreadPrefetch: 1.01x at 1 row over 300 positions, 1.045x over 1000, 2026-12-06, Zen 5;
+// goes (SpreadPrefetch: 1.01x at 1 row over 300 positions, 1.04x over 1000, 2026-12-06, Zen 5;
 // on AVX2, forced on the same machine, 6-row steps were 2-3% slower with it).
 template <int N, typename T>
 void block_scores(const float* const* queries, const T* const* tiles, const T* const* value_rows,
