@@ -3,7 +3,18 @@
 
 #include <immintrin.h>
 
+#include <cstdlib>
+#include <cstring>
+
 namespace specdec_cpu {
+
+// SPECDEC_CPU_ISA: "avx2" forces the portable kernels, "avx512" the AVX-512 VNNI ones without
+// AMX tiles; unset (or anything else), the best the CPU has. Read at every call (an environment
+// lookup: callers read it once a kernel call, not in inner loops), so a test can switch paths.
+inline bool isa_is(const char* name) {
+  const char* isa = std::getenv("SPECDEC_CPU_ISA");
+  return isa != nullptr && std::strcmp(isa, name) == 0;
+}
 
 // exp for 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp on [-87, 88]).
 inline __m256 exp8(__m256 x) {

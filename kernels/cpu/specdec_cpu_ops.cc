@@ -423,8 +423,7 @@ int64_t row_exp_zmm(float* sc, int64_t visible, float best, __m256* sum8) {
 // every call, as the quantized kernels read it) does not force "avx2".
 inline bool attention_uses_zmm() {
   static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  const char* isa = std::getenv("SPECDEC_CPU_ISA");
-  return supported && !(isa != nullptr && std::strcmp(isa, "avx2") == 0);
+  return supported && !specdec_cpu::isa_is("avx2");
 }
 
 // scores[m * tiles * 8 + j] = q_m . key_j for the n queries and every position of `num_tiles`

@@ -74,6 +74,7 @@ constexpr int64_t kMlpChunkBytes = 30 << 20;
 using specdec_cpu::Format;
 using specdec_cpu::half_at;
 using specdec_cpu::hsum8;
+using specdec_cpu::isa_is;
 using specdec_cpu::load32;
 using specdec_cpu::q6k_values;
 using specdec_cpu::SubBlock;
@@ -138,13 +139,6 @@ inline int quantize32(const float* in, float inverse, int8_t* out) {
       _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q8);
   return sum_of_int8s(q8);
-}
-
-// SPECDEC_CPU_ISA: "avx2" forces the portable kernels, "avx512" the AVX-512 VNNI ones without
-// AMX tiles; unset (or anything else), the best the CPU has.
-bool isa_is(const char* name) {
-  const char* isa = std::getenv("SPECDEC_CPU_ISA");
-  return isa != nullptr && std::strcmp(isa, name) == 0;
 }
 
 // Whether activations are quantized and SwiGLU runs on 512-bit vectors: the CPU has AVX-512
