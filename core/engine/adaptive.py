@@ -60,6 +60,8 @@ class StepCostModel:
     def __init__(self, decay: float = 0.97):
         self.decay = decay
         self._sums = np.zeros(5)  # weight, rows, seconds, rows^2, rows*seconds
+        #: costs() until the next observe(): the controller asks for it many times a step.
+        self._costs: tuple[float, float] | None = None
 
     def observe(self, rows: int, seconds: float) -> None:
         if self._sums[0] >= OUTLIER_MIN_STEPS:
@@ -67,6 +69,7 @@ class StepCostModel:
             seconds = min(seconds, OUTLIER_FACTOR * (fixed + per_row * rows))
         self._sums *= self.decay
         self._sums += (1.0, rows, seconds, rows * rows, rows * seconds)
+        self._costs = None
 
     @property
     def measured(self) -> bool:
@@ -75,7 +78,12 @@ class StepCostModel:
 
     def costs(self) -> tuple[float, float]:
         """``(fixed, per_row)``; relative units (``fixed`` 1) until there are measurements."""
-        weight, rows, seconds, rows2, rows_seconds = self._sums
+        if self._costs is None:
+            self._costs = self._fit()
+        return self._costs
+
+    def _fit(self) -> tuple[float, float]:
+        weight, rows, seconds, rows2, rows_seconds = self._sums.tolist()
         if not self.measured:
             return 1.0, PRIOR_ROW_COST
         mean_rows, mean_seconds = rows / weight, seconds / weight

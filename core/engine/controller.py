@@ -91,6 +91,7 @@ class ProposerCostModel:
 
     def __init__(self):
         self._sums = np.zeros(5)  # weight, drafts, seconds, drafts^2, drafts*seconds
+        self._costs: tuple[float, float] | None = None  # costs() until the next observe()
 
     @property
     def measured(self) -> bool:
@@ -102,10 +103,16 @@ class ProposerCostModel:
             seconds = min(seconds, PROPOSER_OUTLIER_FACTOR * (first + per_draft * drafts))
         self._sums *= PROPOSER_FIT_DECAY
         self._sums += (1.0, drafts, seconds, drafts * drafts, drafts * seconds)
+        self._costs = None
 
     def costs(self) -> tuple[float, float]:
         """``(first, per_draft)`` seconds; ``(0, 0)`` before any call."""
-        weight, drafts, seconds, drafts2, drafts_seconds = self._sums
+        if self._costs is None:
+            self._costs = self._fit()
+        return self._costs
+
+    def _fit(self) -> tuple[float, float]:
+        weight, drafts, seconds, drafts2, drafts_seconds = self._sums.tolist()
         if not self.measured:
             return 0.0, 0.0
         mean_drafts, mean_seconds = drafts / weight, seconds / weight
@@ -189,10 +196,11 @@ class DraftController:
                 due.append(b)
         if due:  # the budget's ceiling follows the probes due now (set by those it cannot pay)
             self._probe_waiting = 0.0
+            asks_one = self._asks_per_draft()  # a probe asks for one draft
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
             unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
             calls_proposer = not states[b].proposing and (without_proposer is None or not without_proposer[b])
-            drafts = min(int(max_draft_lens[b]), 1) if self._asks_per_draft() else int(max_draft_lens[b])
+            drafts = min(int(max_draft_lens[b]), 1) if asks_one else int(max_draft_lens[b])
             states[b].probing = self._afford_probe(drafts, calls_proposer, unseen)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
 

@@ -741,6 +741,7 @@ class Engine:
         asked = max_draft_lens
         if adaptive:
             wanted &= self.controller.proposing(request_ids, keeps, max_draft_lens, unseen, without_proposer=led)
+        if adaptive and wanted.any():  # (with the proposer off for all, nothing is asked)
             # No more drafts than are worth their proposer's time and their rows.
             asked = self.controller.drafts_to_ask(request_ids, max_draft_lens, len(plan.decodes), len(batch))
         rows = np.flatnonzero(wanted)
