@@ -207,6 +207,10 @@ class AcceptanceModel:
             p[j] = prior = (accepted[j] + PRIOR_WEIGHT * prior) / (verified[j] + PRIOR_WEIGHT)
         return p
 
+    def shared_first_chance(self, draft_class: int = 0) -> float:
+        """The chance that a first draft of ``draft_class`` is accepted, over all requests."""
+        return float(self._shared_p(draft_class, 1)[0])
+
     def chances(self, request_ids: list[str], classes: np.ndarray | None, width: int) -> np.ndarray:
         """``[B, width]``: the chance that draft ``j + 1`` of request ``b`` (of class
         ``classes[b]``; ``None``: all of class 0) is accepted along with every draft before it."""

@@ -276,21 +276,39 @@ class DraftController:
         (:meth:`record`), and the drafts after it are this cut's to choose once it is on. A
         seeded sampled request is asked for all. Call it after :meth:`proposing`.
 
+        None (0) where the first draft cannot pay at this step's costs even at the better of
+        the request's own chance and the method's shared one (:meth:`_first_draft_pays`): in a
+        large batch a verify row costs most of a token, and the engine then leaves the
+        request out of the proposer call instead of cutting all its drafts after it.
+
         ``max_draft_lens`` as it is while the proposer's time per draft is unmeasured or
         negligible, or when its drafts carry classes (their chances depend on a class known
         only once drafted: the verify cut still applies)."""
-        if max_draft_lens.max(initial=0) <= 1 or not self._asks_per_draft():
-            return max_draft_lens  # nothing to cut: a step asks for one at least
+        width = int(max_draft_lens.max(initial=0))
+        if width == 0 or not self._asks_per_draft():
+            return max_draft_lens
         fixed, per_row = self.step_costs.costs()
         _, per_draft = self.proposer_costs.costs()
-        chances = self.acceptance.chances(request_ids, None, int(max_draft_lens.max()))
-        asked = choose_draft_lengths(max_draft_lens, chances, base_rows, base_tokens, fixed, per_row,
-                                     draft_cost=per_draft)
+        chances = self.acceptance.chances(request_ids, None, width)
+        asked = np.ones_like(max_draft_lens) if width == 1 else choose_draft_lengths(
+            max_draft_lens, chances, base_rows, base_tokens, fixed, per_row, draft_cost=per_draft)
+        asked = np.where(self._first_draft_pays(chances[:, 0], base_rows, base_tokens), np.maximum(asked, 1), 0)
         states = [self._state(r) for r in request_ids]
         probed = np.fromiter((s.probing and not s.kept for s in states), dtype=bool, count=len(states))
         kept = np.fromiter((s.kept for s in states), dtype=bool, count=len(states))
-        asked = np.minimum(np.where(probed, 1, np.maximum(asked, 1)), max_draft_lens)
+        asked = np.minimum(np.where(probed, 1, asked), max_draft_lens)
         return np.where(kept, max_draft_lens, asked)
+
+    def _first_draft_pays(self, own_chances: np.ndarray, base_rows: int, base_tokens: int) -> np.ndarray:
+        """``[B]`` bool: whether a request's first draft, at the better of its own chance and
+        the method's shared one, is worth its verify row and one proposer call per request at
+        this step's costs (the verify cut's test for a step's first draft, the most lenient).
+        The shared chance moves slowly, so a run of misses does not stop a request that pays
+        on average; at batch 1 a row costs a few percent of a token and every request passes,
+        at batch 32 it costs most of one and a method accepted half the time does not."""
+        fixed, per_row = self.step_costs.costs()
+        chance = np.maximum(own_chances, self.acceptance.shared_first_chance())
+        return chance * (fixed + per_row * base_rows) > (per_row + self._proposer_cost(1)) * base_tokens
 
     def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
                       base_tokens: int, adaptive: bool = True) -> np.ndarray:

@@ -742,8 +742,10 @@ class Engine:
         if adaptive:
             wanted &= self.controller.proposing(request_ids, keeps, max_draft_lens, unseen, without_proposer=led)
         if adaptive and wanted.any():  # (with the proposer off for all, nothing is asked)
-            # No more drafts than are worth their proposer's time and their rows.
+            # No more drafts than are worth their proposer's time and their rows; a request
+            # whose first draft is not worth them this step is left out of the call.
             asked = self.controller.drafts_to_ask(request_ids, max_draft_lens, len(plan.decodes), len(batch))
+            wanted &= ~((asked == 0) & (max_draft_lens > 0))
         rows = np.flatnonzero(wanted)
         catching_up = self._catching_up([plan.decodes[b] for b in rows])
         caught_up_tokens = int(sum(unseen[b] for b in rows if not plan.decodes[b].proposed_last_step))

@@ -244,6 +244,34 @@ def test_a_proposer_paying_per_draft_is_asked_for_no_more_drafts_than_pay_for_it
     assert cheap[50:] == [5] * 50
 
 
+def test_a_request_whose_first_draft_cannot_pay_at_a_large_batch_is_asked_for_none():
+    """In a batch of 32 a verify row costs most of a token: a proposer accepted half the time
+    (its first draft) drafts at a loss there, and the engine leaves the request out of the
+    call rather than cut every draft after it. The same request alone is asked for drafts."""
+    def controller_at(batch: int) -> DraftController:
+        controller = DraftController()
+        for rows in (batch, batch + 1) * 8:  # steps of one size: the fit splits them by its prior
+            controller.step_time(rows, FIXED + PER_ROW * rows)
+        for _ in range(20):  # the method's drafts: the first accepted half the time
+            controller.record(["other"], np.array([True]), None, np.array([1]), np.array([_ % 2]))
+            controller.proposer_time(1, 0.0005, 1)
+            controller.proposer_time(1, 0.0009, 2)
+        # a step of this batch's rows sets the rate drafts are weighed at (tokens a second)
+        controller.draft_lengths([f"r{b}" for b in range(batch)], np.zeros(batch, dtype=np.int64), None, batch, batch)
+        return controller
+
+    ids = [f"r{b}" for b in range(32)]
+    large = controller_at(32)
+    large.proposing(ids, np.zeros(32, dtype=bool), np.full(32, 5))
+    assert (large.drafts_to_ask(ids, np.full(32, 5), 32, 32) == 0).all()
+    alone = controller_at(1)
+    alone.proposing(["r"], np.array([False]), np.array([5]))
+    assert alone.drafts_to_ask(["r"], np.array([5]), 1, 1)[0] >= 1
+    # A probe is asked for one draft whatever the batch: it measures what drafting would give.
+    large.proposing(ids[:1], np.array([True]), np.array([5]))  # seeded and sampled: kept, all of them
+    assert large.drafts_to_ask(ids[:1], np.array([5]), 32, 32)[0] == 5
+
+
 def test_a_probe_or_drafts_with_classes_are_asked_for_in_full():
     controller = measured_controller()
     asked_after(controller, chance=0.3)
