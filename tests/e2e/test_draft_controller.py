@@ -58,7 +58,9 @@ def test_a_proposer_that_only_wastes_time_is_left_out_once_seen(model_session, m
 
 def off_now_and_then(monkeypatch, period: int = 5) -> None:
     """Leave every request out of the proposer for ``period`` steps in every ``2 * period``
-    (what the controller does to a request whose drafts stop paying), whatever it measures."""
+    (what the controller does to a request whose drafts stop paying), whatever it measures:
+    in the other steps every request is proposed for, even where its first draft would not
+    pay for its row and the call (which leaves it out of a step too)."""
     real = DraftController.proposing
     steps = iter(range(10 ** 9))
 
@@ -68,6 +70,8 @@ def off_now_and_then(monkeypatch, period: int = 5) -> None:
         return np.full(len(request_ids), (next(steps) // period) % 2 == 0)
 
     monkeypatch.setattr(DraftController, "proposing", proposing)
+    monkeypatch.setattr(DraftController, "_first_draft_pays",
+                        lambda self, own_chances, base_rows, base_tokens: np.ones(len(own_chances), dtype=bool))
 
 
 @pytest.mark.parametrize("method", ["mtp", "hybrid", "ngram", "suffix"])

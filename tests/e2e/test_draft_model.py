@@ -205,6 +205,9 @@ def test_switching_the_draft_off_and_on_mid_request_changes_no_token(model_sessi
         return np.full(len(request_ids), (next(steps) // 5) % 2 == 0)
 
     monkeypatch.setattr(DraftController, "proposing", proposing)
+    # nor does it leave a request out of an "on" step for a first draft not worth its row
+    monkeypatch.setattr(DraftController, "_first_draft_pays",
+                        lambda self, own_chances, base_rows, base_tokens: np.ones(len(own_chances), dtype=bool))
     prompts = PROMPTS[:3]
     outputs = model_session.run({**DRAFT, "adaptive_draft_length": True}, prompts, SAMPLING, max_num_seqs=3,
                                 cache=False)
