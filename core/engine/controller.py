@@ -196,7 +196,7 @@ class DraftController:
                 due.append(b)
         if due:  # the budget's ceiling follows the probes due now (set by those it cannot pay)
             self._probe_waiting = 0.0
-            asks_one = self._asks_per_draft()  # a probe asks for one draft
+        asks_one = bool(due) and self._asks_per_draft()  # a probe then asks for one draft
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
             unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
             calls_proposer = not states[b].proposing and (without_proposer is None or not without_proposer[b])
@@ -270,8 +270,9 @@ class DraftController:
         """``[B]`` how many drafts to ask the proposer for, of the ``max_draft_lens`` each may
         verify: as many as the adaptive draft length would verify if each draft cost its
         share of the proposer's time per draft too (:class:`ProposerCostModel`), at
-        least one (whether to draft at all is :meth:`proposing`'s to say, on the mean of many
-        steps: the chances of the first draft move too fast for it). A request probed this
+        least one while the first draft pays (whether to draft at all is :meth:`proposing`'s
+        to say, on the mean of many steps: the chances of the first draft move too fast for
+        it; but see the next paragraph). A request probed this
         step is asked for one: whether drafting pays for it is whether its first draft does
         (:meth:`record`), and the drafts after it are this cut's to choose once it is on. A
         seeded sampled request is asked for all. Call it after :meth:`proposing`.

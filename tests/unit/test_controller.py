@@ -252,8 +252,8 @@ def test_a_request_whose_first_draft_cannot_pay_at_a_large_batch_is_asked_for_no
         controller = DraftController()
         for rows in (batch, batch + 1) * 8:  # steps of one size: the fit splits them by its prior
             controller.step_time(rows, FIXED + PER_ROW * rows)
-        for _ in range(20):  # the method's drafts: the first accepted half the time
-            controller.record(["other"], np.array([True]), None, np.array([1]), np.array([_ % 2]))
+        for step in range(20):  # the method's drafts: the first accepted half the time
+            controller.record(["other"], np.array([True]), None, np.array([1]), np.array([step % 2]))
             controller.proposer_time(1, 0.0005, 1)
             controller.proposer_time(1, 0.0009, 2)
         # a step of this batch's rows sets the rate drafts are weighed at (tokens a second)
@@ -267,8 +267,9 @@ def test_a_request_whose_first_draft_cannot_pay_at_a_large_batch_is_asked_for_no
     alone = controller_at(1)
     alone.proposing(["r"], np.array([False]), np.array([5]))
     assert alone.drafts_to_ask(["r"], np.array([5]), 1, 1)[0] >= 1
-    # A probe is asked for one draft whatever the batch: it measures what drafting would give.
-    large.proposing(ids[:1], np.array([True]), np.array([5]))  # seeded and sampled: kept, all of them
+    # A seeded sampled request keeps all its drafts whatever the batch (its tokens must not
+    # depend on what shares it).
+    large.proposing(ids[:1], np.array([True]), np.array([5]))
     assert large.drafts_to_ask(ids[:1], np.array([5]), 32, 32)[0] == 5
 
 
