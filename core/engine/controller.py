@@ -135,6 +135,9 @@ class _RequestState:
     verified_since_probe: bool = False  # drafts the policy chose (not a probe) were verified
     probing: bool = False
     kept: bool = False  # seeded and sampled: proposed for and verified uncut every step
+    #: Left out of the proposer call by drafts_to_ask at its last step (its first draft did not
+    #: pay): on, but a probe of it pays for the proposer and its catch-up as if it were off.
+    left_out: bool = False
 
 
 class DraftController:
@@ -158,6 +161,10 @@ class DraftController:
         #: Whether the method's drafts carry classes (``Drafts.classes``, set by the engine):
         #: a draft's chance then depends on a class known only once it is drafted.
         self.drafts_have_classes = False
+        #: Whether a proposer call has returned a draft yet (:meth:`proposer_time` with drafts,
+        #: or the engine after a catch-up call): until then whether drafts carry classes is not
+        #: known.
+        self.drafts_seen = False
         self.shared_net = 0.0
         self._requests: dict[str, _RequestState] = {}
         self._bar = 0.0  # tokens per second of this step without drafts (set by draft_lengths)
@@ -199,7 +206,8 @@ class DraftController:
         asks_one = bool(due) and self._asks_per_draft()  # a probe then asks for one draft
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
             unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
-            calls_proposer = not states[b].proposing and (without_proposer is None or not without_proposer[b])
+            calls_proposer = ((not states[b].proposing or states[b].left_out)
+                              and (without_proposer is None or not without_proposer[b]))
             drafts = min(int(max_draft_lens[b]), 1) if asks_one else int(max_draft_lens[b])
             states[b].probing = self._afford_probe(drafts, calls_proposer, unseen)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
@@ -229,6 +237,7 @@ class DraftController:
             return
         share = seconds / num_requests
         if drafts > 0:
+            self.drafts_seen = True
             self.proposer_costs.observe(drafts, share)
         if self.proposer_seconds is None:
             self.proposer_seconds = share
@@ -282,19 +291,26 @@ class DraftController:
         large batch a verify row costs most of a token, and the engine then leaves the
         request out of the proposer call instead of cutting all its drafts after it.
 
-        ``max_draft_lens`` as it is while the proposer's time per draft is unmeasured or
-        negligible, or when its drafts carry classes (their chances depend on a class known
-        only once drafted: the verify cut still applies)."""
+        ``max_draft_lens`` where its drafts carry classes (their chances depend on a class
+        known only once drafted: the verify cut still applies) or before any call has returned
+        a draft (which tells whether they do); without the first cut while the proposer's time
+        per draft is unmeasured or negligible (the first-draft test then counts the rows alone,
+        at a new method's prior chance: in a large batch a fresh engine does not run a model
+        proposer's pass over every prompt before it has seen a draft verified)."""
         width = int(max_draft_lens.max(initial=0))
-        if width == 0 or not self._asks_per_draft():
+        if width == 0 or self.drafts_have_classes or not self.drafts_seen:
             return max_draft_lens
-        fixed, per_row = self.step_costs.costs()
-        _, per_draft = self.proposer_costs.costs()
         chances = self.acceptance.chances(request_ids, None, width)
-        asked = np.ones_like(max_draft_lens) if width == 1 else choose_draft_lengths(
-            max_draft_lens, chances, base_rows, base_tokens, fixed, per_row, draft_cost=per_draft)
+        asked = max_draft_lens
+        if width > 1 and self._asks_per_draft():
+            fixed, per_row = self.step_costs.costs()
+            _, per_draft = self.proposer_costs.costs()
+            asked = choose_draft_lengths(max_draft_lens, chances, base_rows, base_tokens, fixed, per_row,
+                                         draft_cost=per_draft)
         asked = np.where(self._first_draft_pays(chances[:, 0], base_rows, base_tokens), np.maximum(asked, 1), 0)
         states = [self._state(r) for r in request_ids]
+        for state, count in zip(states, asked.tolist()):
+            state.left_out = count == 0
         probed = np.fromiter((s.probing and not s.kept for s in states), dtype=bool, count=len(states))
         kept = np.fromiter((s.kept for s in states), dtype=bool, count=len(states))
         asked = np.minimum(np.where(probed, 1, asked), max_draft_lens)

@@ -733,9 +733,12 @@ class Engine:
         led = self.predictions.leading(predicted, np.fromiter(
             (self._method_draft_len(r, room) for r, room in zip(plan.decodes, rooms)), dtype=np.int64,
             count=len(plan.decodes))) & ~keeps if predicted else np.zeros(len(batch), dtype=bool)
-        # A model proposer also gets the requests without room to draft: it catches up on
-        # their states. Left out, a request's states wait for its next proposal.
-        wanted = ((max_draft_lens > 0) | needs_hidden) & ~led
+        # A model proposer also gets the requests without room to draft that it proposed for
+        # at their previous step: a row or two keeps it caught up on their states. One it left
+        # out waits for its next proposal (a request without room gets none again: its
+        # remaining tokens only shrink), rather than pay a catch-up over every step it missed.
+        kept_up = np.fromiter((r.proposed_last_step for r in plan.decodes), dtype=bool, count=len(plan.decodes))
+        wanted = ((max_draft_lens > 0) | (needs_hidden & kept_up)) & ~led
         unseen = np.fromiter((r.num_tokens - r.proposed_through for r in plan.decodes), dtype=np.int64,
                              count=len(plan.decodes))
         asked = max_draft_lens
@@ -777,6 +780,8 @@ class Engine:
                                        f"{len(rows)} non-negative integer labels")
                 proposed.classes = classes
                 self.controller.drafts_have_classes = True
+            if proposed.lengths.any():
+                self.controller.drafts_seen = True
             if timed and catching_up:
                 self.controller.catch_up_time(len(rows), state.proposer_seconds, caught_up_tokens,
                                               [request_ids[b] for b in rows])

@@ -148,3 +148,26 @@ def test_a_catch_up_call_does_not_teach_the_controller_what_a_step_costs(model_s
         model_session.llm.set_speculative_config(None)
     assert learned is not None and learned < 0.02, learned
     assert output.metrics.num_proposer_off_steps == 0
+
+
+def test_a_request_left_out_is_not_caught_up_once_it_has_no_room_to_draft(model_session, monkeypatch):
+    """A model proposer keeps up with a request it drafts for, a row or two a step, even at
+    its last step (no room for a draft). One the controller left out (its proposer on, its
+    first draft not worth its row) is not handed every row it missed at that step: the
+    catch-up would buy no draft, the request ends there."""
+    calls = iter(range(10 ** 9))
+    monkeypatch.setattr(DraftController, "_first_draft_pays",  # worth it for a few steps, then not
+                        lambda self, own, rows, tokens: np.full(len(own), next(calls) < 3))
+    handed: list[tuple[int, int]] = []  # (rows handed over, drafts it may make) per request and call
+    real_propose = MtpProposer.propose
+
+    def propose(self, batch):
+        handed.extend((len(r.hidden_positions), r.max_draft_len) for r in batch.requests)
+        return real_propose(self, batch)
+
+    monkeypatch.setattr(MtpProposer, "propose", propose)
+    [output] = model_session.run({"method": "mtp"}, PROMPTS[:1], SAMPLING, cache=False)
+    assert output.metrics.num_proposer_off_steps >= output.metrics.num_steps - 16
+    # Probes catch up over the steps they missed, to draft; without room to draft, nothing
+    # but the row or two of a step the proposer ran in.
+    assert all(rows <= 6 for rows, room in handed if room == 0), handed

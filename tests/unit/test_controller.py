@@ -273,6 +273,22 @@ def test_a_request_whose_first_draft_cannot_pay_at_a_large_batch_is_asked_for_no
     assert large.drafts_to_ask(ids[:1], np.array([5]), 32, 32)[0] == 5
 
 
+def test_a_fresh_controller_asks_in_full_until_a_draft_is_seen_then_weighs_the_rows():
+    """Before any call has returned a draft, whether drafts carry classes is unknown: all are
+    asked for. After one (a model proposer's pass over a prompt), a large batch's rows alone,
+    at a new method's prior chance, are not worth a first draft: the other requests are not
+    run through the proposer's pass over their prompts until drafting is seen to pay."""
+    ids = [f"r{b}" for b in range(32)]
+    controller = DraftController()
+    controller.proposing(ids, np.zeros(32, dtype=bool), np.full(32, 5))
+    assert (controller.drafts_to_ask(ids, np.full(32, 5), 32, 32) == 5).all()
+    controller.drafts_seen = True  # what the engine sets once a call returns a draft
+    assert (controller.drafts_to_ask(ids, np.full(32, 5), 32, 32) == 0).all()
+    assert controller.drafts_to_ask(["alone"], np.array([5]), 1, 1)[0] == 5
+    controller.drafts_have_classes = True  # a lookup's match lengths: its chances need the class
+    assert (controller.drafts_to_ask(ids, np.full(32, 5), 32, 32) == 5).all()
+
+
 def test_a_probe_or_drafts_with_classes_are_asked_for_in_full():
     controller = measured_controller()
     asked_after(controller, chance=0.3)
