@@ -135,9 +135,6 @@ class _RequestState:
     verified_since_probe: bool = False  # drafts the policy chose (not a probe) were verified
     probing: bool = False
     kept: bool = False  # seeded and sampled: proposed for and verified uncut every step
-    #: Left out of the proposer call by drafts_to_ask at its last step (its first draft did not
-    #: pay): on, but a probe of it pays for the proposer and its catch-up as if it were off.
-    left_out: bool = False
 
 
 class DraftController:
@@ -206,8 +203,7 @@ class DraftController:
         asks_one = bool(due) and self._asks_per_draft()  # a probe then asks for one draft
         for b in sorted(due, key=lambda b: -states[b].idle_steps):
             unseen = 0 if unseen_tokens is None else int(unseen_tokens[b])
-            calls_proposer = ((not states[b].proposing or states[b].left_out)
-                              and (without_proposer is None or not without_proposer[b]))
+            calls_proposer = not states[b].proposing and (without_proposer is None or not without_proposer[b])
             drafts = min(int(max_draft_lens[b]), 1) if asks_one else int(max_draft_lens[b])
             states[b].probing = self._afford_probe(drafts, calls_proposer, unseen)
         return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
@@ -289,7 +285,9 @@ class DraftController:
         None (0) where the first draft cannot pay at this step's costs even at the better of
         the request's own chance and the method's shared one (:meth:`_first_draft_pays`): in a
         large batch a verify row costs most of a token, and the engine then leaves the
-        request out of the proposer call instead of cutting all its drafts after it.
+        request out of the proposer call instead of cutting all its drafts after it. Such a
+        request is switched off, as :meth:`record` switches off one whose drafting loses: its
+        probes then pay for the proposer's call and its catch-up.
 
         ``max_draft_lens`` where its drafts carry classes (their chances depend on a class
         known only once drafted: the verify cut still applies) or before any call has returned
@@ -307,10 +305,12 @@ class DraftController:
             _, per_draft = self.proposer_costs.costs()
             asked = choose_draft_lengths(max_draft_lens, chances, base_rows, base_tokens, fixed, per_row,
                                          draft_cost=per_draft)
-        asked = np.where(self._first_draft_pays(chances[:, 0], base_rows, base_tokens), np.maximum(asked, 1), 0)
+        pays = self._first_draft_pays(chances[:, 0], base_rows, base_tokens)
+        asked = np.where(pays, np.maximum(asked, 1), 0)
         states = [self._state(r) for r in request_ids]
-        for state, count in zip(states, asked.tolist()):
-            state.left_out = count == 0
+        for state, worth in zip(states, pays.tolist()):
+            if not worth and not state.probing:  # off until a probe finds drafting pays again
+                state.proposing = False
         probed = np.fromiter((s.probing and not s.kept for s in states), dtype=bool, count=len(states))
         kept = np.fromiter((s.kept for s in states), dtype=bool, count=len(states))
         asked = np.minimum(np.where(probed, 1, asked), max_draft_lens)
