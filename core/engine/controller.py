@@ -292,9 +292,10 @@ class DraftController:
         ``max_draft_lens`` where its drafts carry classes (their chances depend on a class
         known only once drafted: the verify cut still applies) or before any call has returned
         a draft (which tells whether they do); without the first cut while the proposer's time
-        per draft is unmeasured or negligible (the first-draft test then counts the rows alone,
-        at a new method's prior chance: in a large batch a fresh engine does not run a model
-        proposer's pass over every prompt before it has seen a draft verified)."""
+        per draft is unmeasured or negligible. The first-draft test still applies then, with
+        the proposer's mean time per request, or none before a call is timed, and a new
+        method's prior chance: in a large batch a fresh engine does not run a model proposer's
+        pass over every prompt before it has seen drafting pay."""
         width = int(max_draft_lens.max(initial=0))
         if width == 0 or self.drafts_have_classes or not self.drafts_seen:
             return max_draft_lens
