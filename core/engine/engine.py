@@ -750,8 +750,8 @@ class Engine:
             asked = self.controller.drafts_to_ask(request_ids, max_draft_lens, len(plan.decodes), len(batch))
             wanted &= ~((asked == 0) & (max_draft_lens > 0))
         rows = np.flatnonzero(wanted)
-        catching_up = self._catching_up([plan.decodes[b] for b in rows])
-        caught_up_tokens = int(sum(unseen[b] for b in rows if not plan.decodes[b].proposed_last_step))
+        catching_up = self._catching_up(kept_up[rows])
+        caught_up_tokens = int(unseen[rows][~kept_up[rows]].sum())
         for request, proposed in zip(plan.decodes, wanted):
             request.proposed_last_step = bool(proposed)
             if proposed:
@@ -812,13 +812,13 @@ class Engine:
         return bool(behind.any()), int(handed[behind].sum()), bool(handed.any())
 
     @staticmethod
-    def _catching_up(requests: list[Request]) -> bool:
-        """Whether a proposer call may carry a catch-up: one of ``requests`` was not proposed
-        for at its previous step (its first proposal, or the controller left it out). A model
-        proposer then runs every token it missed (a draft model its whole prompt), one-time
-        work that is not what drafting costs a step: the controller does not learn the
-        proposer's time from such a call."""
-        return any(not r.proposed_last_step for r in requests)
+    def _catching_up(proposed_last_step: np.ndarray) -> bool:
+        """Whether a proposer call may carry a catch-up: one of its requests was not proposed
+        for at its previous step (``proposed_last_step``, ``[n]`` bool: its first proposal, or
+        the controller left it out). A model proposer then runs every token it missed (a draft
+        model its whole prompt), one-time work that is not what drafting costs a step: the
+        controller does not learn the proposer's time from such a call."""
+        return not proposed_last_step.all()
 
     @staticmethod
     def _keeps_drafts(requests: list[Request]) -> np.ndarray:
