@@ -7,6 +7,11 @@ comparisons, small programs). The target answers them itself while training coll
 
     python training/mtp_corpus.py > mtp_prompts.jsonl
     python training/mtp_corpus.py --text-dir mtp_text    # the source files read as text
+    python training/mtp_corpus.py --self-instruct 4000 > mtp_self.jsonl  # user turns the target writes
+
+``--self-instruct N`` asks the target for user messages (Magpie's method: its chat template up
+to the user turn, sampled): questions and tasks as varied as the model's own instruction
+data, unlike the templates' few forms (:func:`self_instruct`).
 
 Training reads standard-library source as text too (:data:`TEXT_MODULES`, also disjoint from the
 benchmark's): cheap data (a prefill, no generation) with the target's own argmax as labels.
@@ -132,9 +137,47 @@ def write_texts(directory: str) -> None:
         (out / f"{name}.py.txt").write_text(inspect.getsource(importlib.import_module(name)))
 
 
+#: Words of the benchmark's chat prompts (specdec.workloads.CHAT_PROMPTS): a self-instructed
+#: prompt that names one is dropped, so the benchmark's prompts stay held out.
+HELD_OUT_WORDS = ("refrigerator", "lighthouse", "seagull", "prime number", "attic", "comet", "asteroid",
+                  "sea at night", "sky is blue", "sky blue", "baker", "moon", "vaccine", "immune",
+                  "mountain village", "operating system", "clock")
+
+
+def self_instruct(count: int, llm=None, seed: int = 0, batch: int = 256) -> list[str]:
+    """``count`` distinct user messages written by the target: its chat template cut where the
+    user's turn begins, sampled (temperature 1, top-p 0.95, min-p 0.05) up to the end of the
+    turn. Unfinished ones, very short or long ones, repeats (the same first 48 characters) and
+    any naming a topic of the benchmark's chat prompts are dropped. ``llm``: a loaded
+    :class:`specdec.LLM` (default: the default model)."""
+    import specdec
+
+    llm = llm or specdec.LLM()
+    marker = "\x00USER\x00"
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+    prefix, end = rendered[: rendered.index(marker)], rendered[rendered.index(marker) + len(marker):].split("\n")[0]
+    kept: dict[str, str] = {}
+    round_ = 0
+    while len(kept) < count and round_ < 4 * count // batch + 4:
+        params = [specdec.SamplingParams(max_tokens=96, temperature=1.0, top_p=0.95, min_p=0.05,
+                                         seed=seed * 1_000_003 + round_ * batch + i, stop=(end,))
+                  for i in range(batch)]
+        for output in llm.generate([prefix] * batch, params):
+            text = output.text.strip()
+            key = " ".join(text.lower().split())[:48]
+            if (output.finish_reason == "stop" and 16 <= len(text) <= 600 and key not in kept
+                    and not any(word in text.lower() for word in HELD_OUT_WORDS)):
+                kept[key] = text
+        round_ += 1
+    return list(kept.values())[:count]
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--text-dir":
         write_texts(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--self-instruct":
+        for prompt in self_instruct(int(sys.argv[2])):
+            sys.stdout.write(json.dumps({"prompt": prompt}) + "\n")
     else:
         for prompt in prompts():
             sys.stdout.write(json.dumps({"prompt": prompt}) + "\n")

@@ -81,3 +81,21 @@ def test_bad_corpus_is_a_one_line_error(tmp_path, capsys):
     assert "--held-out: must be in [0, 1), got 1.0" in capsys.readouterr().err
     assert main(["train-mtp", "--corpus", str(bad), "--output", str(tmp_path / "o"), "--num-model-steps", "9"]) == 2
     assert "--num-model-steps: must be between 1 and 8, got 9" in capsys.readouterr().err
+
+
+def test_self_instructed_prompts_are_finished_distinct_user_turns(llm):
+    """``training/mtp_corpus.py --self-instruct``: the target writes user messages from its
+    chat template cut at the user's turn; each is a finished turn (no template token left in
+    it), none repeats another, none names a topic of the benchmark's chat prompts."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "training" / "mtp_corpus.py"
+    spec = importlib.util.spec_from_file_location("mtp_corpus", path)
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    prompts = corpus.self_instruct(6, llm=llm, batch=12)
+    assert len(prompts) == 6 and len(set(prompts)) == 6
+    for prompt in prompts:
+        assert 16 <= len(prompt) <= 600 and "<|im_" not in prompt and prompt == prompt.strip()
+        assert not any(word in prompt.lower() for word in corpus.HELD_OUT_WORDS)
