@@ -317,6 +317,15 @@ class DraftController:
         asked = np.minimum(np.where(probed, 1, asked), max_draft_lens)
         return np.where(kept, max_draft_lens, asked)
 
+    def row_price(self, base_rows: int, base_tokens: int) -> float:
+        """What verifying one more draft costs this step, in tokens of the step without drafts
+        (``base_rows`` rows emitting ``base_tokens`` tokens): the acceptance chance a draft must
+        beat to pay for its own row (``ProposalBatch.row_price``). 0 before a step is measured."""
+        if not self.step_costs.measured:
+            return 0.0
+        fixed, per_row = self.step_costs.costs()
+        return per_row * base_tokens / (fixed + per_row * base_rows)
+
     def _first_draft_pays(self, own_chances: np.ndarray, base_rows: int, base_tokens: int) -> np.ndarray:
         """``[B]`` bool: whether a request's first draft, at the better of its own chance and
         the method's shared one, is worth its verify row and one proposer call per request at

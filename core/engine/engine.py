@@ -767,8 +767,9 @@ class Engine:
                 proposals = [self._with_hidden_states(p, plan.decodes[b]) for p, b in zip(proposals, rows)]
                 # what the proposer catches up on is in the rows handed over, not in the tokens
                 catching_up, caught_up_tokens, timed = self._hidden_catch_up(proposals, rooms[rows])
+            price = self.controller.row_price(len(plan.decodes), len(batch)) if adaptive else 0.0
             started = time.perf_counter()
-            proposed = self.proposer.propose(ProposalBatch(proposals))
+            proposed = self.proposer.propose(ProposalBatch(proposals, row_price=price))
             state.proposer_seconds = time.perf_counter() - started
             if proposed.batch_size != len(rows):
                 raise SpecdecError(

@@ -147,12 +147,19 @@ class HybridProposer(specdec.Proposer):
         rest: dict[int, list[int]] = {}
         classes = np.zeros(len(batch), dtype=np.int64)
         matches = self._matches(batch)
+        model_pays = self._model_pays(batch)
         for b, (draft, matched) in matches.items():
-            if self._lookup_leads(matched, len(batch), batch.requests[b].reproducible):
+            reproducible = batch.requests[b].reproducible
+            if self._lookup_leads(matched, len(batch), reproducible) or not (model_pays or reproducible):
                 rest[b], classes[b] = draft, matched
                 self._led[batch.requests[b].request_id] = self.leaders.kind(matched)
-        model_rows = [b for b in range(len(batch)) if b not in rest]
-        for b in rest:
+        skipped = [] if model_pays else [b for b, r in enumerate(batch.requests) if b not in rest and not r.reproducible]
+        if skipped:
+            self.leaders.skip_model()
+            if self.leaders.retry_due(MODEL):
+                skipped = skipped[1:]  # one request measures the model again
+        model_rows = [b for b in range(len(batch)) if b not in rest and b not in skipped]
+        for b in [*rest, *skipped]:
             self._wait(batch.requests[b])
         model_batch = ProposalBatch([
             self._with_waiting_states(attrs.evolve(batch.requests[b],
@@ -204,6 +211,14 @@ class HybridProposer(specdec.Proposer):
         if setting is None:
             return self.leaders.lookup_leads(matched, self._model_cost(batch_size))
         return 0 < setting <= matched
+
+    def _model_pays(self, batch: ProposalBatch) -> bool:
+        """Whether to run the model this step: its first-led drafts have been accepted at
+        least a verified row's price and its own time, in tokens (always under a set
+        ``draft_lookup_first``, whose order the user chose)."""
+        if self.config.draft_lookup_first is not None:
+            return True
+        return self.leaders.model_pays(batch.row_price + self._model_cost(len(batch)))
 
     def _time_step(self) -> None:
         """Time between two proposals: about a step (the engine proposes once a step)."""

@@ -186,3 +186,41 @@ def test_the_lookup_s_requests_carry_the_request_s_tenant():
     context, continued = _context_request(request), HybridProposer._lookup_request(request, [3])
     assert context.tenant == continued.tenant == "team-a"
     assert context.num_prompt_tokens == 8 and len(continued.token_ids) == 13
+
+
+def test_the_model_is_skipped_where_its_drafts_cannot_pay_their_rows_and_measured_afresh():
+    """In a large batch a verified row costs most of a token (``ProposalBatch.row_price``):
+    model-first steps accepted less than that and the model's time skip the model; after a
+    skip, its next measure replaces the old one, taken at another price."""
+    from specdec.plugins.hybrid.leader import MODEL
+
+    stats = leader_stats({0: 0.4})
+    assert stats.model_pays(0.1) and not stats.model_pays(0.8)
+    stats.next_step()
+    stats.record(MODEL, 0)  # not skipped: folded into the mean
+    assert 0.3 < stats.mean(MODEL) < 0.4
+    stats.skip_model()
+    stats.next_step()
+    stats.record(MODEL, 2)
+    assert stats.mean(MODEL) == 2.0
+
+
+def test_a_row_dearer_than_the_model_s_drafts_leaves_the_lookup_alone(model_session, monkeypatch):
+    """With every row priced above what the model's drafts are accepted, hybrid drafts as the
+    lookup alone would (the model runs only for a retry now and then); still lossless."""
+    from specdec.engine.controller import DraftController
+    from specdec.plugins.mtp import MtpProposer
+
+    asked = []
+    real = MtpProposer.propose
+
+    def propose(self, batch):
+        asked.append(sum(r.max_draft_len > 0 for r in batch.requests))
+        return real(self, batch)
+
+    monkeypatch.setattr(MtpProposer, "propose", propose)
+    monkeypatch.setattr(DraftController, "row_price", lambda self, rows, tokens: 5.0)
+    outputs = assert_equal_to_naive(model_session, {"method": "hybrid"}, 3, "hybrid (model skipped)")
+    steps = sum(o.metrics.num_steps for o in outputs)
+    assert sum(asked) <= 3 + steps // 32, (sum(asked), steps)
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0

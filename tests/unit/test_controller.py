@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from specdec.engine.controller import MIN_LOSS, PROBE_INTERVAL_MAX, PROBE_INTERVAL_MIN, DraftController
 
@@ -314,3 +315,15 @@ def test_a_proposer_s_time_is_split_into_its_first_call_and_a_cost_per_draft():
     assert abs(first - 0.005) < 1e-4 and abs(per_draft - 0.008) < 1e-4
     model.observe(2, 10.0)  # the process was descheduled: it counts as three times the fit
     assert model.costs()[1] < 0.012
+
+
+def test_a_row_s_price_is_its_cost_in_tokens_of_the_step_without_drafts():
+    """``ProposalBatch.row_price``: a few hundredths of a token at batch 1, most of one at
+    batch 32 (steps of 10 ms plus 0.5 ms a row); nothing before a step is measured."""
+    controller = DraftController()
+    assert controller.row_price(32, 32) == 0.0
+    for rows in (1, 2, 4, 8, 16, 32, 40) * 4:
+        controller.step_time(rows, 0.010 + 0.0005 * rows)
+    fixed, per_row = controller.step_costs.costs()
+    assert controller.row_price(32, 32) == pytest.approx(per_row * 32 / (fixed + per_row * 32))
+    assert controller.row_price(1, 1) < 0.1 and controller.row_price(32, 32) > 0.5
