@@ -92,11 +92,11 @@ class ProposalBatch:
 
     :ivar row_price: what verifying one draft costs this step, in tokens of the step without
         drafts: the chance of acceptance below which a draft loses time even if proposing it
-        were free (about 0.04 at batch 1 on the default model, most of a token at batch 32).
-        0 until the engine has measured a step, and whenever the adaptive draft length is
-        off. A proposer that drafts in more than one way (``hybrid``) may skip a way whose
-        drafts have been accepted less often than this; the engine's verify cut drops such
-        drafts anyway, after the proposer has spent its time on them.
+        were free (a few hundredths of a token at batch 1 on the default model, most of one at
+        batch 32). 0 until the engine has measured a step, and whenever the adaptive draft
+        length is off. A proposer that drafts in more than one way (``hybrid``) may skip a
+        way whose drafts have been accepted less often than this; the engine's verify cut
+        drops such drafts anyway, after the proposer has spent its time on them.
     """
 
     requests: list[ProposalRequest]
