@@ -323,8 +323,13 @@ class DraftController:
         beat to pay for its own row (``ProposalBatch.row_price``). 0 before a step is measured."""
         if not self.step_costs.measured:
             return 0.0
+        return self.step_costs.costs()[1] * self._tokens_per_second(base_rows, base_tokens)
+
+    def _tokens_per_second(self, base_rows: int, base_tokens: int) -> float:
+        """This step's tokens per second without drafts, by the step-cost fit (per unit of its
+        relative costs before a step is measured): what turns seconds into tokens of a step."""
         fixed, per_row = self.step_costs.costs()
-        return per_row * base_tokens / (fixed + per_row * base_rows)
+        return base_tokens / (fixed + per_row * base_rows)
 
     def _first_draft_pays(self, own_chances: np.ndarray, base_rows: int, base_tokens: int) -> np.ndarray:
         """``[B]`` bool: whether a request's first draft, at the better of its own chance and
@@ -333,9 +338,9 @@ class DraftController:
         The shared chance moves slowly, so a run of misses does not stop a request that pays
         on average; at batch 1 a row costs a few percent of a token and every request passes,
         at batch 32 it costs most of one and a method accepted half the time does not."""
-        fixed, per_row = self.step_costs.costs()
+        _, per_row = self.step_costs.costs()
         chance = np.maximum(own_chances, self.acceptance.shared_first_chance())
-        return chance * (fixed + per_row * base_rows) > (per_row + self._proposer_cost(1)) * base_tokens
+        return chance > (per_row + self._proposer_cost(1)) * self._tokens_per_second(base_rows, base_tokens)
 
     def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
                       base_tokens: int, adaptive: bool = True) -> np.ndarray:
@@ -344,10 +349,8 @@ class DraftController:
 
         ``base_rows`` / ``base_tokens``: the rows and tokens of this step without drafts."""
         fixed, per_row = self.step_costs.costs()
-        if self.step_costs.measured:
-            self._bar = base_tokens / (fixed + per_row * base_rows)
-        else:  # relative units: nothing to weigh a proposer's seconds against yet
-            self._bar = 0.0
+        # before a step is measured the costs are relative: nothing to weigh a proposer's seconds against
+        self._bar = self._tokens_per_second(base_rows, base_tokens) if self.step_costs.measured else 0.0
         if not adaptive or not lengths.any():
             return lengths
         chances = self.acceptance.chances(request_ids, classes, int(lengths.max()))
