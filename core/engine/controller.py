@@ -3,7 +3,10 @@ its drafts to verify, so that speculation never makes decoding slower.
 
 Drafting costs time twice: the proposer's own call (a model head or a draft model: a good part
 of a step) and a verified row per draft token (``adaptive.py``). Both are measured here, the
-proposer's per request it drafted for, the rest of a step per packed row.
+proposer's as a call's fixed part plus a part per request it drafted for, the rest of a step
+per packed row. A request's share of a call is its own part plus the fixed part split over
+the step's decoding requests: what a call for all of them costs each (a call for a few probed
+requests costs each more, and that price, taken for drafting's, would switch more off).
 Each step a request's drafting earns ``accepted`` tokens and costs ``per_row * verified +
 proposer share`` seconds (``per_row`` fitted to whole steps: a row's forward pass and the host
 work on its logits), which the batch would otherwise have spent on plain decoding at
@@ -81,13 +84,16 @@ PROPOSER_FIT_DECAY = 0.95
 
 
 class ProposerCostModel:
-    """A proposer call's seconds per request, ``first + per_draft * drafts`` (``drafts``: its
-    longest draft), fitted to recent calls with exponential forgetting. A draft model's call
-    runs a forward per draft, the first one over the rows the target accepted too.
+    """Seconds against a count, ``first + per_unit * units``, fitted to recent proposer calls
+    with exponential forgetting. The controller keeps two: a call's seconds per request against
+    its longest draft (``first + per_draft * drafts``: a draft model's call runs a forward per
+    draft, the first one over the rows the target accepted too), and a call's seconds against
+    the requests it drafted for (``first``: what a call costs however few they are, Python and
+    one native call at least).
 
-    While the calls are all about one length the two parts cannot be told apart, and the whole
-    time counts per draft: the dearer guess, which makes the calls shorter and so tells them
-    apart."""
+    While the calls are all about one count the two parts cannot be told apart, and the whole
+    time counts per unit: the dearer guess for more units, which makes the calls differ and so
+    tells them apart."""
 
     def __init__(self):
         self._sums = np.zeros(5)  # weight, drafts, seconds, drafts^2, drafts*seconds
@@ -97,32 +103,38 @@ class ProposerCostModel:
     def measured(self) -> bool:
         return self._sums[0] >= 1.0
 
-    def observe(self, drafts: int, seconds: float) -> None:
+    def observe(self, units: int, seconds: float) -> None:
+        """A call of ``units`` (drafts, or requests) took ``seconds``; one far slower than the
+        fit predicts (an interrupted call) counts as :data:`PROPOSER_OUTLIER_FACTOR` times it."""
         if self.measured:
-            first, per_draft = self.costs()
-            seconds = min(seconds, PROPOSER_OUTLIER_FACTOR * (first + per_draft * drafts))
+            seconds = min(seconds, PROPOSER_OUTLIER_FACTOR * self.predicted(units))
         self._sums *= PROPOSER_FIT_DECAY
-        self._sums += (1.0, drafts, seconds, drafts * drafts, drafts * seconds)
+        self._sums += (1.0, units, seconds, units * units, units * seconds)
         self._costs = None
 
     def costs(self) -> tuple[float, float]:
-        """``(first, per_draft)`` seconds; ``(0, 0)`` before any call."""
+        """``(first, per_unit)`` seconds; ``(0, 0)`` before any call."""
         if self._costs is None:
             self._costs = self._fit()
         return self._costs
 
+    def predicted(self, units: int) -> float:
+        """Seconds of a call of ``units`` by the fit (0 before any call)."""
+        first, per_unit = self.costs()
+        return first + per_unit * units
+
     def _fit(self) -> tuple[float, float]:
-        weight, drafts, seconds, drafts2, drafts_seconds = self._sums.tolist()
+        weight, units, seconds, units2, units_seconds = self._sums.tolist()
         if not self.measured:
             return 0.0, 0.0
-        mean_drafts, mean_seconds = drafts / weight, seconds / weight
-        whole = mean_seconds / max(mean_drafts, 1.0)
-        variance = drafts2 / weight - mean_drafts ** 2
+        mean_units, mean_seconds = units / weight, seconds / weight
+        whole = mean_seconds / max(mean_units, 1.0)
+        variance = units2 / weight - mean_units ** 2
         if variance < 0.25:
             return 0.0, whole
-        per_draft = (drafts_seconds / weight - mean_drafts * mean_seconds) / variance
-        per_draft = min(max(per_draft, 0.1 * whole), whole)
-        return max(mean_seconds - per_draft * mean_drafts, 0.0), per_draft
+        per_unit = (units_seconds / weight - mean_units * mean_seconds) / variance
+        per_unit = min(max(per_unit, 0.1 * whole), whole)
+        return max(mean_seconds - per_unit * mean_units, 0.0), per_unit
 
 
 @attrs.define(slots=True)
@@ -150,8 +162,10 @@ class DraftController:
     def __init__(self):
         self.acceptance = AcceptanceModel()
         self.step_costs = StepCostModel()
-        #: Mean proposer seconds per request proposed for (None until measured).
-        self.proposer_seconds: float | None = None
+        #: A proposer call's seconds against the requests it drafted for (see proposer_seconds).
+        self.proposer_calls = ProposerCostModel()
+        #: Decoding requests at this step (set by proposing): what a call's fixed part is split over.
+        self._batch_requests = 1
         #: A proposer call's time per request against its longest draft (what one more draft
         #: costs).
         self.proposer_costs = ProposerCostModel()
@@ -192,6 +206,7 @@ class DraftController:
         what a probe of it costs. ``without_proposer`` marks the requests whose drafts this
         step come from elsewhere (their predicted output): a probe of one costs its rows only,
         and the engine does not call the proposer for it whatever this returns."""
+        self._batch_requests = max(len(request_ids), 1)
         states = [self._state(request_id) for request_id in request_ids]
         due = []
         for b, state in enumerate(states):
@@ -231,15 +246,23 @@ class DraftController:
         its drafts ``drafts`` tokens long."""
         if num_requests <= 0:
             return
-        share = seconds / num_requests
         if drafts > 0:
             self.drafts_seen = True
-            self.proposer_costs.observe(drafts, share)
-        if self.proposer_seconds is None:
-            self.proposer_seconds = share
-            return
-        share = min(share, PROPOSER_OUTLIER_FACTOR * self.proposer_seconds)
-        self.proposer_seconds = 0.9 * self.proposer_seconds + 0.1 * share
+            self.proposer_costs.observe(drafts, seconds / num_requests)
+        self.proposer_calls.observe(num_requests, seconds)
+
+    @property
+    def proposer_seconds(self) -> float | None:
+        """The proposer's seconds per request at this step (None until a call is measured): its
+        part per request plus the call's fixed part split over the step's decoding requests,
+        what each pays of a call for all of them. Priced by what the last few calls cost each
+        (a mean share), a proposer whose calls cost mostly their fixed part would look dearer
+        the fewer requests it is called for, and switch more off: at batch 32 hybrid's lookup
+        went from 32 requests on to 5 within a turn (2026-12-06, docs/benchmarks/batch.md)."""
+        if not self.proposer_calls.measured:
+            return None
+        first, per_request = self.proposer_calls.costs()
+        return first / self._batch_requests + per_request
 
     def catch_up_time(self, num_requests: int, seconds: float, tokens: int = 0,
                       request_ids: list[str] | None = None) -> None:
@@ -252,7 +275,7 @@ class DraftController:
         enough to pay for it. A new request's pass over its prompt, with the method's drafting
         paying, is what drafting it costs, not a probe's: charged to the probes, it would hold
         back the probe of a request switched off by one bad first step for hundreds of steps."""
-        extra = max(seconds - num_requests * (self.proposer_seconds or 0.0), 0.0)
+        extra = max(seconds - self.proposer_calls.predicted(num_requests), 0.0)
         if tokens > 0:  # the first call, before the usual time is known, counts whole: an upper bound
             share = extra / tokens
             mean = self.catch_up_seconds_per_token

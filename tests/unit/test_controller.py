@@ -146,12 +146,30 @@ def test_a_probe_waits_until_the_budget_covers_its_catch_up():
     assert short <= 2 * PROBE_INTERVAL_MIN and long == 2000
 
 
-def test_the_proposer_time_is_a_mean_per_request_robust_to_one_interrupted_call():
+def test_the_proposer_time_per_request_is_robust_to_one_interrupted_call():
     controller = DraftController()
-    controller.proposer_time(4, 0.004)
-    assert controller.proposer_seconds == 0.001
-    controller.proposer_time(1, 1.0)  # the process was descheduled
+    for _ in range(10):
+        controller.proposer_time(4, 0.004)
+    assert controller.proposer_seconds == pytest.approx(0.001)  # calls of one size: all of it per request
+    controller.proposer_time(4, 1.0)  # the process was descheduled
     assert controller.proposer_seconds < 0.002
+
+
+def test_a_call_s_fixed_part_is_split_over_the_step_s_requests_not_those_called_for():
+    """A call costs 0.13 ms plus 0.018 ms a request (hybrid's lookup at batch 32, measured).
+    Calls for a few probed requests must not make a request's price their mean share (0.08 ms
+    at two requests): at batch 32 that price crossed the 0.02-token line and switched requests
+    off, which made the calls smaller still."""
+    controller = DraftController()
+    batch = [f"r{i}" for i in range(32)]
+    controller.proposing(batch, np.zeros(32, dtype=bool), np.full(32, 5))
+    for requests in (32, 30, 2, 1, 3, 28, 2, 32) * 3:
+        controller.proposer_time(requests, 0.00013 + 0.000018 * requests)
+    first, per_request = controller.proposer_calls.costs()
+    assert first == pytest.approx(0.00013) and per_request == pytest.approx(0.000018)
+    assert controller.proposer_seconds == pytest.approx(0.00013 / 32 + 0.000018)
+    controller.proposing(["alone"], np.zeros(1, dtype=bool), np.full(1, 5))
+    assert controller.proposer_seconds == pytest.approx(0.00013 + 0.000018)  # one request pays the whole call
 
 
 def test_steps_without_the_proposer_are_counted_and_the_demo_says_so():
