@@ -65,6 +65,32 @@ def has_avx512_vnni() -> bool:
     return {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
 
 
+def runs_512_bits_in_halves(cpuinfo: str) -> bool:
+    """Whether the CPU that ``cpuinfo`` (the text of ``/proc/cpuinfo``) describes runs 512-bit
+    vector instructions as two 256-bit halves: AMD's Zen 4, the only AMD family 0x19 (25) part
+    with AVX-512. Its AVX-512 kernels do the work of two 256-bit ones per instruction at half
+    the rate, which changes which weight layout pays (:func:`specdec.model.quant.interleave_k_here`).
+    Zen 5 (family 0x1A) and Intel's AVX-512 parts have full-width units."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    flags = set(fields.get("flags", "").split())
+    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25" and "avx512f" in flags
+
+
+@functools.lru_cache(maxsize=None)
+def avx512_in_halves() -> bool:
+    """:func:`runs_512_bits_in_halves` for this machine."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return runs_512_bits_in_halves(f.read())
+    except OSError:
+        return False
+
+
 @functools.lru_cache(maxsize=None)
 def has_amx() -> bool:
     """Whether this CPU has AMX int8 tiles, which the kernels use for prompt rows of Q4_K and
