@@ -96,7 +96,7 @@ class ProposerCostModel:
     tells them apart."""
 
     def __init__(self):
-        self._sums = np.zeros(5)  # weight, drafts, seconds, drafts^2, drafts*seconds
+        self._sums = np.zeros(5)  # weight, units, seconds, units^2, units*seconds
         self._costs: tuple[float, float] | None = None  # costs() until the next observe()
 
     @property
