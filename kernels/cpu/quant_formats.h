@@ -329,6 +329,14 @@ struct InterleavedQ6K {
     for (int w = 0; w < 4; ++w) std::memcpy(block + 192 + 4 * w, g + kScaleWords + 64 * w + 4 * lane, 4);
     std::memcpy(block + 208, g + kD + 2 * lane, 2);
   }
+  // The inverse: row `lane`'s stored Q6_K block (block[210]) into super-block `b` of the group.
+  static inline void scatter_block(const uint8_t* block, int lane, int64_t b, uint8_t* group) {
+    uint8_t* g = group + b * kBlockBytes;
+    for (int c = 0; c < 32; ++c) std::memcpy(g + 64 * c + 4 * lane, block + 4 * c, 4);
+    for (int c = 0; c < 16; ++c) std::memcpy(g + kQh + 64 * c + 4 * lane, block + 128 + 4 * c, 4);
+    for (int w = 0; w < 4; ++w) std::memcpy(g + kScaleWords + 64 * w + 4 * lane, block + 192 + 4 * w, 4);
+    std::memcpy(g + kD + 2 * lane, block + 208, 2);
+  }
 };
 
 // Calls fn(Format<T>{}) for the format of `type`; false if the type is not one of these.

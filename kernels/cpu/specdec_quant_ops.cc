@@ -569,7 +569,10 @@ ActivationNeeds needs_of(const QuantWeight& w, bool vnni, int64_t M) {
     needs.pairs = needs.pairs || seg.type == specdec_cpu::kQ4_0S || seg.type == specdec_cpu::kQ4_1S;
     needs.biased = needs.biased || (vnni && (seg.type == specdec_cpu::kQ8_0S || seg.type == specdec_cpu::kQ8_0I));
     needs.per256 = needs.per256 || per256;
-    needs.columns256 = needs.columns256 || (vnni && M >= kColumnTileMinRows && (seg.type == specdec_cpu::kQ4_KI || seg.type == specdec_cpu::kQ6_KI));
+    // (stored Q6_K rows: their prompt rows run on the interleaved kernel, quant_matmul.inc)
+    needs.columns256 = needs.columns256 || (vnni && M >= kColumnTileMinRows &&
+                                            (seg.type == specdec_cpu::kQ4_KI || seg.type == specdec_cpu::kQ6_KI ||
+                                             (seg.type == specdec_cpu::kQ6_K && M >= vnni::kGroupQ6KFromRows)));
   }
   return needs;
 }

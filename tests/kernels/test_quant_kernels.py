@@ -479,6 +479,27 @@ def test_interleaved_k_quants_are_the_stored_rows_bit_for_bit(ops, isa, rows, ty
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("rows", [15, 16, 33])
+def test_stored_q6k_prompt_rows_through_the_group_kernel_are_the_stored_kernel_s_floats(ops, isa, rows):
+    """Where Q6_K rows stay as stored (a Zen 4's AVX-512), 16 or more activation rows run on
+    the interleaved kernel, each 64 weight rows interleaved into a buffer as they go
+    (quant_matmul.inc, q6k_rows_through_groups): the outputs equal the interleaved layout's bit
+    for bit, in a matrix of two segments (the second's rows start at 70) with rows left over
+    after the last group of 16."""
+    rng = np.random.default_rng(80 + rows)
+    cols = 512
+    matrix = QuantizedMatrix(cols, (random_blocks(rng, "Q6_K", 70, cols), random_blocks(rng, "Q6_K", 37, cols)))
+    x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+    outputs = []
+    for interleave in (True, False):
+        data, layout = layout_array(matrix, interleave_k=interleave)
+        got = ops.specdec_q_matmul(paddle.to_tensor(x), paddle.empty([0], dtype="float32"), paddle.to_tensor(data),
+                                   paddle.to_tensor(layout), paddle.empty([0], dtype="float32"), 0.0, False).numpy()
+        _close(got, reference.q_matmul(x, np.zeros(0), data, layout, np.zeros((0,)), 0.0, False))
+        outputs.append(got)
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
 @pytest.mark.parametrize("type_name,cols", [("Q5_0", 96), ("Q5_1", 64)])
 def test_interleaved_q5_rows_move_bits_only(type_name, cols):
     """Q5 groups: nibbles, d and m moved as Q4's bytes, each row's 32 fifth bits reordered (bit t
