@@ -134,9 +134,9 @@ def interleave_k_here(type_name: str = "Q4_K") -> bool:
     AVX2 its interleaved kernel, 256-bit, was not faster than the stored rows; on a Zen 4, which
     runs 512-bit instructions in two halves (:func:`specdec.kernels.cpu.avx512_in_halves`), its
     512-bit kernel read Qwen2.5-Coder-1.5B's 191 MB Q6_K LM head from memory at 12-15 GB/s against
-    the stored rows' 26-29, and the model's 1-row pass took 1.3x as long (a 512-token prompt
-    ran 1.14x faster with it: docs/benchmarks/llamacpp.md). Both layouts give the same outputs
-    bit for bit on every path."""
+    the stored rows' 26-29, and the model's 1-row pass took 1.3x as long; prompt rows over
+    stored Q6_K rows still run on the group kernel there, interleaved on the fly
+    (docs/benchmarks/llamacpp.md). Both layouts give the same outputs bit for bit on every path."""
     from specdec.kernels.cpu import avx512_in_halves, has_amx, has_avx512_vnni
 
     forced = os.environ.get("SPECDEC_CPU_ISA")
