@@ -130,20 +130,18 @@ def interleave_k_here(type_name: str = "Q4_K") -> bool:
     kernel path this process runs (the CPU's best, or the one ``SPECDEC_CPU_ISA`` forces): the
     interleaved kernels compute several activation rows without the stored-row kernels'
     horizontal sums. Never where AMX tiles run the prompt rows (they read the stored rows).
-    Q4_K on AVX2 and AVX-512 VNNI; Q6_K on AVX-512 VNNI with full-width 512-bit units only. On
-    AVX2 its interleaved kernel, 256-bit, was not faster than the stored rows; on a Zen 4, which
-    runs 512-bit instructions in two halves (:func:`specdec.kernels.cpu.avx512_in_halves`), its
-    512-bit kernel read Qwen2.5-Coder-1.5B's 191 MB Q6_K LM head from memory at 12-15 GB/s against
-    the stored rows' 26-29, and the model's 1-row pass took 1.3x as long; prompt rows over
-    stored Q6_K rows still run on the group kernel there, interleaved on the fly
-    (docs/benchmarks/llamacpp.md). Both layouts give the same outputs bit for bit on every path."""
-    from specdec.kernels.cpu import avx512_in_halves, has_amx, has_avx512_vnni
+    Q4_K on AVX2 and AVX-512 VNNI; Q6_K on AVX-512 VNNI only: on AVX2 its interleaved kernel,
+    256-bit, was not faster than the stored rows. (On a Zen 4 Q6_K stayed stored from
+    2026-12-06 until the kernels prefetched into L2 there: with non-temporal prefetches its
+    interleaved kernel read memory at half the stored rows' rate, docs/benchmarks/llamacpp.md.)
+    Both layouts give the same outputs bit for bit on every path."""
+    from specdec.kernels.cpu import has_amx, has_avx512_vnni
 
     forced = os.environ.get("SPECDEC_CPU_ISA")
     vnni = has_avx512_vnni() and forced != "avx2"
     if vnni and has_amx() and forced != "avx512":
         return False
-    return type_name == "Q4_K" or (vnni and not avx512_in_halves())
+    return type_name == "Q4_K" or vnni
 
 
 def kernel_parts(segment: Segment, cols: int, interleave_k: bool | None = None) -> list[tuple[int, np.ndarray]]:

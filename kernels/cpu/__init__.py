@@ -65,12 +65,22 @@ def has_avx512_vnni() -> bool:
     return {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
 
 
-def runs_512_bits_in_halves(cpuinfo: str) -> bool:
-    """Whether the CPU that ``cpuinfo`` (the text of ``/proc/cpuinfo``) describes runs 512-bit
-    vector instructions as two 256-bit halves: AMD's Zen 4, the only AMD family 0x19 (25) part
-    with AVX-512. Its AVX-512 kernels do the work of two 256-bit ones per instruction at half
-    the rate, which changes which weight layout pays (:func:`specdec.model.quant.interleave_k_here`).
-    Zen 5 (family 0x1A) and Intel's AVX-512 parts have full-width units."""
+#: The environment variable the kernels read, once, for where they prefetch weights.
+PREFETCH_ENV = "SPECDEC_PREFETCH"
+
+
+def prefetch_hint_for(cpuinfo: str) -> str:
+    """Where the quantized kernels prefetch the weights they stream, on the CPU that
+    ``cpuinfo`` (the text of ``/proc/cpuinfo``) describes: ``"l2"`` on AMD's Zen 4 (family 0x19,
+    25, with AVX-512), ``"nta"`` (non-temporal) everywhere else.
+
+    Non-temporal prefetches keep streamed weights out of the last-level cache, which then keeps
+    what the next step reads again (the KV cache, a draft head's weights): that paid on a Zen 5.
+    On a Zen 4 they came too late for the interleaved Q4_K and Q6_K kernels, which read a
+    super-block's bytes out of order: prefetched into L2 instead, Qwen2.5-Coder-1.5B's 6-row pass
+    ran 1.35x and its prompt rows 1.1x faster, the default model's passes the same
+    (docs/benchmarks/llamacpp.md). Other CPUs were not measured with ``"l2"``: they keep what
+    they were measured with. ``SPECDEC_PREFETCH`` set by hand wins (:func:`load_cpu_ops`)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
@@ -78,17 +88,18 @@ def runs_512_bits_in_halves(cpuinfo: str) -> bool:
         key, _, value = line.partition(":")
         fields[key.strip()] = value.strip()
     flags = set(fields.get("flags", "").split())
-    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25" and "avx512f" in flags
+    zen_4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25" and "avx512f" in flags
+    return "l2" if zen_4 else "nta"
 
 
 @functools.lru_cache(maxsize=None)
-def avx512_in_halves() -> bool:
-    """:func:`runs_512_bits_in_halves` for this machine."""
+def prefetch_hint_here() -> str:
+    """:func:`prefetch_hint_for` this machine."""
     try:
         with open("/proc/cpuinfo") as f:
-            return runs_512_bits_in_halves(f.read())
+            return prefetch_hint_for(f.read())
     except OSError:
-        return False
+        return "nta"
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,6 +191,8 @@ def load_cpu_ops():
     import logging
     import warnings
 
+    # Before the library loads: the kernels read it once, then (kPrefetchToL2, simd_math.h).
+    os.environ.setdefault(PREFETCH_ENV, prefetch_hint_here())
     build_dir = kernel_build_dir()
     saved_warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the build runs in a subprocess that warns about ccache

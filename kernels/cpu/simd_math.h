@@ -16,6 +16,15 @@ inline bool isa_is(const char* name) {
   return isa != nullptr && std::strcmp(isa, name) == 0;
 }
 
+// SPECDEC_PREFETCH: "l2" prefetches the weights the quantized kernels stream into L2 (T1 hint);
+// unset or anything else, non-temporally (NTA). Read once, when the library loads:
+// specdec.kernels.cpu.load_cpu_ops sets it for the CPU before that (prefetch_hint_for says which
+// CPU gets which, and why), so inner loops test a flag that never changes.
+inline const bool kPrefetchToL2 = [] {
+  const char* hint = std::getenv("SPECDEC_PREFETCH");
+  return hint != nullptr && std::strcmp(hint, "l2") == 0;
+}();
+
 // exp for 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp on [-87, 88]).
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));

@@ -4,6 +4,8 @@ tiles for Q4_K and Q6_K matmuls of 16 rows or more)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -427,31 +429,38 @@ def test_interleaved_k_quant_rows_move_bytes_only(type_name):
 
 
 def test_k_quant_layouts_follow_the_kernel_path_the_process_runs(monkeypatch):
-    """Q4_K is interleaved on every path but AMX's; Q6_K only where the AVX-512 VNNI kernels
-    run on full-width units (its 256-bit interleaved kernel is slower than the stored rows, and
-    so is its 512-bit one on a CPU that splits 512-bit instructions in two)."""
-    from specdec.kernels.cpu import avx512_in_halves, has_avx512_vnni
+    """Q4_K is interleaved on every path but AMX's; Q6_K on the AVX-512 VNNI path only (its
+    256-bit interleaved kernel is not faster than the stored rows)."""
+    from specdec.kernels.cpu import has_avx512_vnni
     from specdec.model.quant import interleave_k_here
 
     monkeypatch.setenv("SPECDEC_CPU_ISA", "avx2")
     assert interleave_k_here("Q4_K") and not interleave_k_here("Q6_K")
     monkeypatch.setenv("SPECDEC_CPU_ISA", "avx512")
     assert interleave_k_here("Q4_K")
-    assert interleave_k_here("Q6_K") == (has_avx512_vnni() and not avx512_in_halves())
+    assert interleave_k_here("Q6_K") == has_avx512_vnni()
 
 
-def test_only_a_zen_4_is_taken_for_a_cpu_that_runs_512_bits_in_halves():
-    from specdec.kernels.cpu import runs_512_bits_in_halves
+def test_weights_are_prefetched_into_l2_on_a_zen_4_only():
+    from specdec.kernels.cpu import prefetch_hint_for
 
     def cpuinfo(vendor: str, family: int, flags: str) -> str:
         block = f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nflags\t\t: fpu {flags}\n"
         return block + "\n" + block.replace("processor\t: 0", "processor\t: 1")
 
-    assert runs_512_bits_in_halves(cpuinfo("AuthenticAMD", 25, "avx2 avx512f avx512_vnni"))  # Zen 4
-    assert not runs_512_bits_in_halves(cpuinfo("AuthenticAMD", 25, "avx2"))  # Zen 3
-    assert not runs_512_bits_in_halves(cpuinfo("AuthenticAMD", 26, "avx2 avx512f avx512_vnni"))  # Zen 5
-    assert not runs_512_bits_in_halves(cpuinfo("GenuineIntel", 6, "avx2 avx512f avx512_vnni amx_int8"))
-    assert not runs_512_bits_in_halves("")
+    assert prefetch_hint_for(cpuinfo("AuthenticAMD", 25, "avx2 avx512f avx512_vnni")) == "l2"  # Zen 4
+    assert prefetch_hint_for(cpuinfo("AuthenticAMD", 25, "avx2")) == "nta"  # Zen 3
+    assert prefetch_hint_for(cpuinfo("AuthenticAMD", 26, "avx2 avx512f avx512_vnni")) == "nta"  # Zen 5
+    assert prefetch_hint_for(cpuinfo("GenuineIntel", 6, "avx2 avx512f avx512_vnni amx_int8")) == "nta"
+    assert prefetch_hint_for("") == "nta"
+
+
+def test_the_kernels_are_told_this_cpu_s_prefetch_hint(ops):
+    """load_cpu_ops sets SPECDEC_PREFETCH before the library loads, where the kernels read it
+    (the tests leave it unset: set by hand, it would be kept)."""
+    from specdec.kernels.cpu import PREFETCH_ENV, prefetch_hint_here
+
+    assert os.environ[PREFETCH_ENV] == prefetch_hint_here()
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
