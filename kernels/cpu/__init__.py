@@ -78,7 +78,7 @@ def prefetch_hint_for(cpuinfo: str) -> str:
     what the next step reads again (the KV cache, a draft head's weights): that paid on a Zen 5.
     On a Zen 4 they came too late for the interleaved Q4_K and Q6_K kernels, which read a
     super-block's bytes out of order: prefetched into L2 instead, Qwen2.5-Coder-1.5B's 6-row pass
-    ran 1.35x and its prompt rows 1.1x faster, the default model's passes the same
+    ran 1.35x faster, its prompt rows as fast or faster, the default model's passes the same
     (docs/benchmarks/llamacpp.md). Other CPUs were not measured with ``"l2"``: they keep what
     they were measured with. ``SPECDEC_PREFETCH`` set by hand wins (:func:`load_cpu_ops`)."""
     fields: dict[str, str] = {}
