@@ -253,6 +253,19 @@ inline void prefetch_bytes(const void* p, int64_t n) {
   for (int64_t off = 0; off < n; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+// Asks for `count` regions of `bytes` each in the core's L2 (the T1 hint), all at once: a
+// chunk's keys and values (16 KB each in a float16 cache with heads of 64) at the chunk's start.
+// The level-1 prefetches below pull them on from L2 as a pass goes; from L2 the misses do not
+// queue behind the level-1 miss buffers. Measured at 1 row (2026-12-06, Zen 4), attention over
+// 300 positions took 0.32 ms of the default model's pass instead of 0.48 (AVX2 path: 0.40
+// against 0.71), over 1000 positions 1.35 ms instead of 1.73; 6 rows 1.20 against 1.38.
+template <typename T>
+inline void prefetch_to_l2(const T* const* regions, int64_t count, int64_t bytes) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t off = 0; off < bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(regions[i]) + off, _MM_HINT_T1);
+}
+
 // Prefetches `count` regions of `lines` cache lines each a few lines at a time, spread over the
 // `steps` steps of a pass (step() at each). Issued all at once before a pass over key tiles, a
 // group's keys and values (16 KB in a float16 cache with heads of 64) filled the core's miss
@@ -601,6 +614,8 @@ void attend_chunk(const float* const* queries, const int64_t* visible, int64_t n
     tiles[i] = kv.key_tile(table[pos / bs], kvh, pos);
     value_rows[i] = kv.value_page(table[pos / bs], kvh) + (pos % bs) * D;
   }
+  prefetch_to_l2(tiles, num_tiles, 8 * D * static_cast<int64_t>(sizeof(T)));
+  prefetch_to_l2(value_rows, num_tiles, 8 * D * static_cast<int64_t>(sizeof(T)));
   float scores[kQueryBlock * kChunk];
   switch (n) {
     case 1: block_scores<1>(queries, tiles, value_rows, num_tiles, D, scores, wide); break;
