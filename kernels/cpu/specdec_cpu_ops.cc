@@ -256,9 +256,10 @@ inline void prefetch_bytes(const void* p, int64_t n) {
 // Asks for `count` regions of `bytes` each in the core's L2 (the T1 hint), all at once: a
 // chunk's keys and values (16 KB each in a float16 cache with heads of 64) at the chunk's start.
 // The level-1 prefetches below pull them on from L2 as a pass goes; from L2 the misses do not
-// queue behind the level-1 miss buffers. Measured at 1 row (2026-12-06, Zen 4), attention over
-// 300 positions took 0.32 ms of the default model's pass instead of 0.48 (AVX2 path: 0.40
-// against 0.71), over 1000 positions 1.35 ms instead of 1.73; 6 rows 1.20 against 1.38.
+// queue behind the level-1 miss buffers. In the default model's 1-row pass (2026-12-06, Zen 4)
+// attention over 300 positions took 0.51 ms instead of 0.69 (AVX2 path: 0.54 against 0.87),
+// over 1000 positions 1.56 instead of 2.10 (1.90 against 2.55); at 6 rows 1.19 instead of 1.29
+// over 300 (AVX2 path: 1.21 against 1.51).
 template <typename T>
 inline void prefetch_to_l2(const T* const* regions, int64_t count, int64_t bytes) {
   for (int64_t i = 0; i < count; ++i)
