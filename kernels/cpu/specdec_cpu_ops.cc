@@ -15,6 +15,7 @@
 //       Its score, softmax and value passes run 16 floats wide where the CPU has AVX-512, with the same
 //       floats out as the AVX2 passes.
 #include "paddle/extension.h"
+#include "paged_attention.h"
 #include "simd_math.h"
 #include "work_pool.h"
 
@@ -672,7 +673,36 @@ void combine_chunks(const ChunkPart* parts, int64_t stride, int64_t chunks, int6
   }
 }
 
-// The attention of PagedAttention over a cache of T (float or half).
+// A buffer of paged_attention_impl kept by its thread between calls, its contents left as the
+// last call left them: the layers of a decode step then allocate and zero nothing (a layer's
+// queries, blocks and chunk parts took about 1.3 us of allocating and freeing, 2026-12-06,
+// Zen 4). One grown past kKeptBytes (a long prompt's queries) is freed when its call ends.
+// Slot tells apart the buffers of one element type that a call holds at once.
+constexpr size_t kKeptBytes = 1 << 20;
+
+template <typename X, int Slot>
+class KeptBuffer {
+ public:
+  explicit KeptBuffer(size_t n) : v_(storage()) { v_.resize(n); }
+  ~KeptBuffer() {
+    if (v_.capacity() * sizeof(X) > kKeptBytes) std::vector<X>().swap(v_);
+  }
+  KeptBuffer(const KeptBuffer&) = delete;
+  KeptBuffer& operator=(const KeptBuffer&) = delete;
+  X* data() { return v_.data(); }
+  X* begin() { return v_.data(); }
+  X* end() { return v_.data() + v_.size(); }
+  X& operator[](size_t i) { return v_[i]; }
+
+ private:
+  static std::vector<X>& storage() {
+    thread_local std::vector<X> kept;
+    return kept;
+  }
+  std::vector<X>& v_;
+};
+
+// The attention of attend_layer over a cache of T (float or half).
 template <typename T>
 void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, const float* sin_t,
                           const int32_t* tables, const int32_t* cu, const int32_t* ctx, int64_t T_rows,
@@ -687,8 +717,8 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   // RoPE on the new rows; keys and values into their cache slots. Rows go in parallel (not
   // requests: a verify step's or a prompt's rows all belong to one request), 8 or more a work
   // item: a verify step's few rows stay on the caller, where waking the pool cost more.
-  std::vector<float> q(T_rows * heads * D);
-  std::vector<int64_t> request_of(T_rows);
+  KeptBuffer<float, 0> q(T_rows * heads * D);
+  KeptBuffer<int64_t, 0> request_of(T_rows);
   for (int64_t b = 0; b < B; ++b) std::fill(request_of.begin() + cu[b], request_of.begin() + cu[b + 1], b);
   const int64_t rows_per_chunk = std::max<int64_t>(8, T_rows / 64);
   WorkPool::get().parallel_for((T_rows + rows_per_chunk - 1) / rows_per_chunk, [&](int64_t chunk) {
@@ -714,7 +744,8 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   // head, row-major) go in blocks of up to query_block(wide). A block's scores come out of one pass
   // over the key tiles of a chunk, so keys are read once per block (not once per query head)
   // and every loaded tile feeds several FMAs.
-  std::vector<int64_t> first_block(B + 1, 0);  // blocks of request b: [first_block[b], first_block[b+1])
+  KeptBuffer<int64_t, 1> first_block(B + 1);  // blocks of request b: [first_block[b], first_block[b+1])
+  first_block[0] = 0;
   for (int64_t b = 0; b < B; ++b)
     first_block[b + 1] = first_block[b] + kv_heads * (((cu[b + 1] - cu[b]) * group + qb - 1) / qb);
   struct Block {
@@ -762,15 +793,17 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   }
   // Few blocks (a request or two decoding): a work item is one chunk of a block, then each
   // query's chunks are combined.
-  std::vector<Block> blocks(num_blocks);
-  std::vector<int64_t> first_part(num_blocks + 1, 0), first_item(num_blocks + 1, 0);
+  KeptBuffer<Block, 0> blocks(num_blocks);
+  KeptBuffer<int64_t, 2> first_part(num_blocks + 1);
+  KeptBuffer<int64_t, 3> first_item(num_blocks + 1);
+  first_part[0] = first_item[0] = 0;
   for (int64_t index = 0; index < num_blocks; ++index) {
     blocks[index] = describe(index);
     first_item[index + 1] = first_item[index] + blocks[index].chunks;
     first_part[index + 1] = first_part[index] + blocks[index].chunks * blocks[index].n;
   }
-  std::vector<float> outs(first_part[num_blocks] * D);
-  std::vector<ChunkPart> parts(first_part[num_blocks]);
+  KeptBuffer<float, 1> outs(first_part[num_blocks] * D);
+  KeptBuffer<ChunkPart, 0> parts(first_part[num_blocks]);
   for (int64_t i = 0; i < first_part[num_blocks]; ++i) parts[i].out = outs.data() + i * D;
   WorkPool::get().parallel_for(first_item[num_blocks], [&](int64_t item) {
     const int64_t index = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
@@ -785,36 +818,31 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   }
 }
 
-// `meta` int32 [B, 2 + max_blocks]: per request its first packed row (cu_seqlens_q[b]), its
-// context length, then its block table (specdec.kernels.cpu.packing.pack_attention_metadata):
-// one tensor for the metadata, so that a step makes one host copy of it rather than three.
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
-                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
-                                           const paddle::Tensor& meta, int64_t heads, int64_t kv_heads) {
-  const int64_t T = qkv.shape()[0];
+AttentionBatch read_attention_batch(const paddle::Tensor& meta, int64_t rows, const paddle::Tensor& cache,
+                                    const paddle::Tensor& cos) {
   PD_CHECK(meta.dtype() == paddle::DataType::INT32 && meta.shape().size() == 2 && meta.shape()[1] >= 2,
            "paged_attention: metadata must be int32 [B, 2 + max_blocks]");
-  const int64_t B = meta.shape()[0];
-  const int64_t num_blocks = cache.shape()[0];
-  const int64_t bs = cache.shape()[2];
-  const int64_t D = cache.shape()[3];
-  const int64_t max_blocks = meta.shape()[1] - 2;
-  const int64_t width = (heads + 2 * kv_heads) * D;
-  PD_CHECK(qkv.numel() == T * width, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
-  PD_CHECK(cache.shape()[1] == 2 * kv_heads, "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
-  PD_CHECK(bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
-  std::vector<int32_t> table_data(B * max_blocks), cu_data(B + 1), ctx_data(B);
+  PD_CHECK(cache.shape().size() == 4, "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
+  AttentionBatch batch;
+  const int64_t B = meta.shape()[0], max_blocks = meta.shape()[1] - 2;
+  const int64_t num_blocks = cache.shape()[0], bs = cache.shape()[2];
+  batch.rows = rows;
+  batch.requests = B;
+  batch.max_blocks = max_blocks;
+  batch.tables.resize(B * max_blocks);
+  batch.cu.resize(B + 1);
+  batch.ctx.resize(B);
   const int32_t* packed = meta.data<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int32_t* row = packed + b * (2 + max_blocks);
-    cu_data[b] = row[0];
-    ctx_data[b] = row[1];
-    std::copy_n(row + 2, max_blocks, table_data.data() + b * max_blocks);
+    batch.cu[b] = row[0];
+    batch.ctx[b] = row[1];
+    std::copy_n(row + 2, max_blocks, batch.tables.data() + b * max_blocks);
   }
-  cu_data[B] = static_cast<int32_t>(T);
-  const int32_t* tables = table_data.data();
-  const int32_t* cu = cu_data.data();
-  const int32_t* ctx = ctx_data.data();
+  batch.cu[B] = static_cast<int32_t>(rows);
+  const int32_t* tables = batch.tables.data();
+  const int32_t* cu = batch.cu.data();
+  const int32_t* ctx = batch.ctx.data();
   PD_CHECK(cu[0] == 0, "paged_attention: the first request's rows must start at row 0");
   for (int64_t b = 0; b < B; ++b)
     PD_CHECK(cu[b] <= cu[b + 1] && ctx[b] >= 0, "paged_attention: rows must be in request order");
@@ -826,18 +854,50 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
       PD_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks,
                "paged_attention: block id out of range");
   }
+  return batch;
+}
+
+void check_attention_layer(const paddle::Tensor& cache, const paddle::Tensor& like, int64_t qkv_width,
+                           int64_t heads, int64_t kv_heads) {
+  PD_CHECK(cache.shape() == like.shape(), "paged_attention: every layer's cache must have the same shape");
+  PD_CHECK(cache.shape().size() == 4 && cache.shape()[1] == 2 * kv_heads,
+           "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
+  const int64_t bs = cache.shape()[2], D = cache.shape()[3];
+  PD_CHECK(qkv_width == (heads + 2 * kv_heads) * D, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
+  PD_CHECK(bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
   PD_CHECK(cache.dtype() == paddle::DataType::FLOAT32 || cache.dtype() == paddle::DataType::FLOAT16,
            "paged_attention: the cache must be float32 or float16");
-  auto out = paddle::empty({T, heads * D}, paddle::DataType::FLOAT32, qkv.place());
+}
+
+void attend_layer(const AttentionBatch& batch, const float* qkv, const paddle::Tensor& cache,
+                  const paddle::Tensor& cos, const paddle::Tensor& sin, int64_t heads, int64_t kv_heads, float* out) {
+  const int64_t bs = cache.shape()[2], D = cache.shape()[3];
   const auto run = [&](auto* cache_data) {
-    paged_attention_impl(qkv.data<float>(), cache_data, cos.data<float>(), sin.data<float>(), tables, cu, ctx, T,
-                         B, max_blocks, bs, D, heads, kv_heads, out.data<float>());
+    paged_attention_impl(qkv, cache_data, cos.data<float>(), sin.data<float>(), batch.tables.data(),
+                         batch.cu.data(), batch.ctx.data(), batch.rows, batch.requests, batch.max_blocks, bs, D,
+                         heads, kv_heads, out);
   };
   // The cache is updated in place: it is the backend's own buffer, never part of a graph.
   if (cache.dtype() == paddle::DataType::FLOAT16)
     run(reinterpret_cast<uint16_t*>(const_cast<paddle::float16*>(cache.data<paddle::float16>())));
   else
     run(const_cast<float*>(cache.data<float>()));
+}
+
+// `meta` int32 [B, 2 + max_blocks]: per request its first packed row (cu_seqlens_q[b]), its
+// context length, then its block table (specdec.kernels.cpu.packing.pack_attention_metadata):
+// one tensor for the metadata, so that a step makes one host copy of it rather than three.
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
+                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                           const paddle::Tensor& meta, int64_t heads, int64_t kv_heads) {
+  const int64_t T = qkv.shape()[0];
+  PD_CHECK(cache.shape().size() == 4, "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
+  const int64_t width = (heads + 2 * kv_heads) * cache.shape()[3];
+  PD_CHECK(qkv.numel() == T * width, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
+  check_attention_layer(cache, cache, width, heads, kv_heads);
+  const AttentionBatch batch = read_attention_batch(meta, T, cache, cos);
+  auto out = paddle::empty({T, heads * cache.shape()[3]}, paddle::DataType::FLOAT32, qkv.place());
+  attend_layer(batch, qkv.data<float>(), cache, cos, sin, heads, kv_heads, out.data<float>());
   return {out};
 }
 

@@ -32,6 +32,7 @@
 //       handle, ids, rows, ...) -> (out, logits): q_draft_input, attention, q_layer_tail_head
 //   q_release(handle): forgets a handle's weights
 #include "paddle/extension.h"
+#include "paged_attention.h"
 #include "quant_formats.h"
 #include "simd_math.h"
 #include "work_pool.h"
@@ -769,7 +770,8 @@ std::vector<paddle::Tensor> QLayerTailQkv(const paddle::Tensor& attn, const padd
   return {out, q_matmul(out, next_gain, wqkv, lqkv, epilogue, eps, true)};
 }
 
-// specdec_cpu_ops.cc's paged attention, which this file's stack of layers calls between them.
+// specdec_cpu_ops.cc's paged attention (a draft head's one layer calls it as the op does; a
+// stack of layers through paged_attention.h).
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
                                            const paddle::Tensor& cos, const paddle::Tensor& sin,
                                            const paddle::Tensor& meta, int64_t heads, int64_t kv_heads);
@@ -866,24 +868,38 @@ paddle::Tensor run_layers(const std::vector<StackLayer>& stack, const paddle::Te
   const size_t L = caches.size();
   PD_CHECK(L == stack.size(), what, ": one cache per layer");
   check_rows(x, what);
+  if (L == 0) return x;
   const int64_t M = x.shape()[0], H = x.shape()[1];
-  paddle::Tensor h = x, q = qkv;
+  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && qkv.shape().size() == 2 && qkv.shape()[0] == M, what,
+           ": qkv must be float32 [M, width], M as x's rows");
+  // Checked once for every layer: the metadata, each cache, each layer's widths.
+  const AttentionBatch batch = read_attention_batch(meta, M, caches.front(), cos);
+  int64_t widest_qkv = 0;
   for (size_t i = 0; i < L; ++i) {
-    const StackLayer& layer = stack[i];
-    const paddle::Tensor attn = PagedAttention(q, caches[i], cos, sin, meta, heads, kv_heads)[0];
-    check_rows(attn, what);
-    PD_CHECK(attn.shape()[0] == M && layer.tail.o.rows == H, what, ": shapes");
-    auto out = paddle::empty({M, H}, paddle::DataType::FLOAT32, x.place());
-    layer_tail(attn.data<float>(), h.data<float>(), M, attn.shape()[1], H, layer.tail, eps, out.data<float>());
-    if (i + 1 == L) return out;
-    const StackLayer& next = stack[i + 1];
-    auto next_qkv = paddle::empty({M, next.qkv.weight.rows}, paddle::DataType::FLOAT32, x.place());
-    project(out.data<float>(), M, H, next.qkv.weight, next.qkv.epi, next.attn_gain, true, eps,
-            next_qkv.data<float>());
-    h = out;
-    q = next_qkv;
+    const int64_t width = i == 0 ? qkv.shape()[1] : stack[i].qkv.weight.rows;
+    check_attention_layer(caches[i], caches.front(), width, heads, kv_heads);
+    PD_CHECK(stack[i].tail.o.rows == H, what, ": shapes");
+    widest_qkv = std::max(widest_qkv, width);
   }
-  return h;
+  const int64_t A = heads * caches.front().shape()[3];
+  // Buffers for every layer: its attention, its output (two, taking turns: a layer reads the
+  // one before's), the next layer's q/k/v.
+  std::vector<float> attn(M * A), next_qkv(M * widest_qkv);
+  paddle::Tensor outs[2] = {paddle::empty({M, H}, paddle::DataType::FLOAT32, x.place()),
+                            paddle::empty({M, H}, paddle::DataType::FLOAT32, x.place())};
+  const float* h = x.data<float>();
+  const float* q = qkv.data<float>();
+  for (size_t i = 0;; ++i) {
+    const StackLayer& layer = stack[i];
+    attend_layer(batch, q, caches[i], cos, sin, heads, kv_heads, attn.data());
+    float* out = outs[i % 2].data<float>();
+    layer_tail(attn.data(), h, M, A, H, layer.tail, eps, out);
+    if (i + 1 == L) return outs[i % 2];
+    const StackLayer& next = stack[i + 1];
+    project(out, M, H, next.qkv.weight, next.qkv.epi, next.attn_gain, true, eps, next_qkv.data());
+    h = out;
+    q = next_qkv.data();
+  }
 }
 
 }  // namespace
