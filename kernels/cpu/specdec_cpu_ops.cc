@@ -864,7 +864,7 @@ void check_attention_layer(const paddle::Tensor& cache, const paddle::Tensor& li
            "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
   const int64_t bs = cache.shape()[2], D = cache.shape()[3];
   PD_CHECK(qkv_width == (heads + 2 * kv_heads) * D, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
-  PD_CHECK(bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
+  PD_CHECK(bs > 0 && D > 0 && bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
   PD_CHECK(cache.dtype() == paddle::DataType::FLOAT32 || cache.dtype() == paddle::DataType::FLOAT16,
            "paged_attention: the cache must be float32 or float16");
 }

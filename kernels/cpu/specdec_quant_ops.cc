@@ -872,8 +872,7 @@ paddle::Tensor run_layers(const std::vector<StackLayer>& stack, const paddle::Te
   const int64_t M = x.shape()[0], H = x.shape()[1];
   PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && qkv.shape().size() == 2 && qkv.shape()[0] == M, what,
            ": qkv must be float32 [M, width], M as x's rows");
-  // Checked once for every layer: the metadata, each cache, each layer's widths.
-  const AttentionBatch batch = read_attention_batch(meta, M, caches.front(), cos);
+  // Checked once for every layer: each cache, each layer's widths, then the metadata.
   int64_t widest_qkv = 0;
   for (size_t i = 0; i < L; ++i) {
     const int64_t width = i == 0 ? qkv.shape()[1] : stack[i].qkv.weight.rows;
@@ -881,7 +880,9 @@ paddle::Tensor run_layers(const std::vector<StackLayer>& stack, const paddle::Te
     PD_CHECK(stack[i].tail.o.rows == H, what, ": shapes");
     widest_qkv = std::max(widest_qkv, width);
   }
+  const AttentionBatch batch = read_attention_batch(meta, M, caches.front(), cos);
   const int64_t A = heads * caches.front().shape()[3];
+  PD_CHECK(A % 32 == 0, what, ": the attention's width (heads x head size) must be a multiple of 32");
   // Buffers for every layer: its attention, its output (two, taking turns: a layer reads the
   // one before's), the next layer's q/k/v.
   std::vector<float> attn(M * A), next_qkv(M * widest_qkv);
