@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import secrets
 import time
@@ -37,6 +36,7 @@ import attrs
 from .. import __version__
 from ..errors import RequestError, SpecdecError
 from ..structured.grammar import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompiler
+from ..structured.tool_calls import tag_tokens
 from ..sampling import MAX_SEED, SamplingParams
 from ..model.tokenizer import TooManyTokens
 from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
@@ -58,7 +58,7 @@ from .protocol import (
     ServedSpeculation,
 )
 from .responses import ChatShape, CompletionShape, Shape, StreamGroup, event_stream, sse_events
-from .structured import CompiledGrammar, Structured, plan_chat, response_format_grammar
+from .structured import CompiledGrammar, Structured, chat_prompt_chars, plan_chat, response_format_grammar
 from .tenant import tenant_of
 from .tokenization import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize
 
@@ -249,6 +249,9 @@ class _Handlers:
         self.created = int(time.time())
         self._tokenizing = 0  # requests between the capacity check and submit
         self._big_prompts = asyncio.Semaphore(_BIG_PROMPTS)
+        tokenizer = engine_loop.tokenizer
+        #: The call tags the tokenizer has as one token each (what tool-call grammars allow).
+        self._tool_tags = tag_tokens(lambda text: tokenizer.encode(text, add_special_tokens=False))
 
     def model_list(self) -> ModelList:
         speculative = ServedSpeculation(method=self.engine_loop.method,
@@ -284,18 +287,15 @@ class _Handlers:
         tokenizer = self.engine_loop.tokenizer
         messages, extra, structured = _checked(lambda: plan_chat(
             [message.to_template() for message in body.messages], body.tools, body.tool_choice,
-            body.parallel_tool_calls, body.response_format, tokenizer.chat_template))
-        # Every string the template writes counts: a role or a name is prompt text too, and tools.
-        num_chars = sum(len(message["role"]) + len(message["content"]) + len(message.get("name") or "")
-                        + (len(json.dumps(message["tool_calls"])) if message.get("tool_calls") else 0)
-                        for message in messages) + (len(json.dumps(extra["tools"])) if "tools" in extra else 0)
+            body.parallel_tool_calls, body.response_format, tokenizer.chat_template, self._tool_tags))
         prompt_ids = await self._tokenize_prompt(functools.partial(tokenizer.encode_chat, **extra), messages,
-                                                 num_chars, "messages")
+                                                 chat_prompt_chars(messages, extra), "messages")
         # Without max_tokens the answer may run to the end of the context.
         sampling = await self._with_prediction(body, lambda: body.sampling_params(
             self._room(prompt_ids), self.engine_loop.num_speculative_tokens, self.generation_defaults))
         grammar = await self._compiled_grammar(structured)
-        shape = ChatShape(self.model_name, self.hide_speculative_usage, self._token_text, tools=structured.tools)
+        shape = ChatShape(self.model_name, self.hide_speculative_usage, self._token_text, tools=structured.tools,
+                          max_calls=structured.max_calls)
         return await self._generate(body, request, prompt_ids, sampling, shape, grammar)
 
     async def _compiled_grammar(self, structured: Structured) -> Optional[CompiledGrammar]:

@@ -3,8 +3,8 @@
 Completions and chat completions differ only in the shape of their objects
 (:class:`CompletionShape`, :class:`ChatShape`); :func:`sse_events` streams either, for every
 choice of a request (``n``) at once (:class:`StreamGroup`). A chat request that offers tools has
-each choice's output parsed for ``<tool_call>`` blocks
-(:class:`~specdec.structured.tool_calls.ToolCallParser`): streamed, each call comes as OpenAI
+each choice's output parsed for calls (``<tool_call>`` blocks, or fenced JSON ones:
+:class:`~specdec.structured.tool_calls.ToolCallParser`): streamed, each call comes as OpenAI
 streams one (a delta with its index, id, type and function name, then its arguments), and the
 finish reason is ``tool_calls``.
 """
@@ -110,15 +110,18 @@ class CompletionShape(_ResponseShape):
 
 class ChatShape(_ResponseShape):
     """``/v1/chat/completions``: ``chat.completion`` and ``chat.completion.chunk`` objects.
-    With ``tools``, calls to them are parsed out of each choice's text."""
+    With ``tools``, calls to them are parsed out of each choice's text, at most ``max_calls``
+    of them (None: any number), the text after the last one dropped."""
 
     id_prefix = "chatcmpl"
     prompt_param = "messages"
 
     def __init__(self, model_name: str, hide_speculative: bool = False,
-                 token_text: Optional[Callable[[int], str]] = None, tools: Sequence[FunctionTool] = ()):
+                 token_text: Optional[Callable[[int], str]] = None, tools: Sequence[FunctionTool] = (),
+                 max_calls: Optional[int] = None):
         super().__init__(model_name, hide_speculative, token_text)
         self.tools = list(tools)
+        self.max_calls = max_calls
         self._parsers: dict[int, ToolCallParser] = {}  # per choice, when there are tools
         self._calls_sent: dict[int, int] = {}
 
@@ -126,7 +129,7 @@ class ChatShape(_ResponseShape):
         if not self.tools:
             return None
         if index not in self._parsers:
-            self._parsers[index] = ToolCallParser(frozenset(t.name for t in self.tools))
+            self._parsers[index] = ToolCallParser(frozenset(t.name for t in self.tools), self.max_calls)
         return self._parsers[index]
 
     def _chunk(self, choices: list, usage: Optional[Usage] = None) -> ChatCompletionChunk:
@@ -192,7 +195,7 @@ class ChatShape(_ResponseShape):
 
     def _message(self, final: Finished) -> tuple[AssistantMessage, str]:
         """A choice's message, with the calls parsed out of its text, and its finish reason."""
-        content, calls = parse_output(final.text, self.tools) if self.tools else (final.text, [])
+        content, calls = parse_output(final.text, self.tools, self.max_calls) if self.tools else (final.text, [])
         finish_reason = "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
         return AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None), finish_reason
 

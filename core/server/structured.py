@@ -16,6 +16,7 @@ answers with a 400.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 import attrs
@@ -43,6 +44,9 @@ class Structured:
     grammar: Optional[Grammar] = None
     #: The tools whose calls are parsed out of the output (none: the output is all content).
     tools: list[FunctionTool] = attrs.field(factory=list)
+    #: The most calls parsed out of one choice (1 with ``parallel_tool_calls`` false: the
+    #: output after the first call is dropped; None: no limit).
+    max_calls: Optional[int] = None
 
     async def compile(self, compiler: GrammarCompiler) -> "CompiledGrammar":
         """The grammar compiled once, for every engine request of this request (one per choice,
@@ -105,9 +109,20 @@ def response_format_grammar(value: Any) -> Optional[Grammar]:
     return Grammar(json_schema_grammar(schema, param), param, {param: schema})
 
 
+def chat_prompt_chars(messages: list[dict], extra: dict) -> int:
+    """The characters a rendered chat (:func:`plan_chat`'s messages and template variables)
+    puts before the template: every string the template writes counts (a role or a name is
+    prompt text too, and past calls and the tools offered), for ``--max-prompt-chars``."""
+    return sum(len(message["role"]) + len(message["content"]) + len(message.get("name") or "")
+               + (len(json.dumps(message["tool_calls"])) if message.get("tool_calls") else 0)
+               for message in messages) + (len(json.dumps(extra["tools"])) if "tools" in extra else 0)
+
+
 def plan_chat(messages: list[dict], tools_value: Any, tool_choice_value: Any, parallel_tool_calls: Any,
-              response_format: Any, template_source: Optional[str]) -> tuple[list[dict], dict, Structured]:
-    """The messages and template variables to render, and the request's :class:`Structured`.
+              response_format: Any, template_source: Optional[str],
+              tags: Optional[dict[str, int]] = None) -> tuple[list[dict], dict, Structured]:
+    """The messages and template variables to render, and the request's :class:`Structured`
+    (``tags``: the call tags the model's tokenizer has as one token, :func:`tag_tokens`).
 
     With ``tool_choice`` ``none`` the tools are neither shown to the model nor parsed out of
     its output. ``auto`` shows them and parses what calls the model writes; ``required`` and
@@ -119,8 +134,9 @@ def plan_chat(messages: list[dict], tools_value: Any, tool_choice_value: Any, pa
         raise RequestError("parallel_tool_calls", "expected a boolean")
     offered = tools if choice.mode != "none" else []
     rendered, extra = render_chat(messages, offered, template_source)
-    structured = Structured(response_format_grammar(response_format), offered)
-    tool_grammar = tool_call_grammar(offered, choice, parallel_tool_calls is not False, JSON_OPTIONS)
+    structured = Structured(response_format_grammar(response_format), offered,
+                            1 if parallel_tool_calls is False else None)
+    tool_grammar = tool_call_grammar(offered, choice, parallel_tool_calls is not False, JSON_OPTIONS, tags)
     if tool_grammar is not None:
         if structured.grammar is not None:
             raise RequestError("response_format", f"cannot be combined with tool_choice {choice.mode!r} "

@@ -5,9 +5,12 @@ the context is left?) and turn token ids from logs back into text; with the serv
 tokenizer and chat template the counts are exact. The request and response fields are vLLM's:
 
 - ``/tokenize`` takes ``prompt`` (a string; ``add_special_tokens`` default true) or
-  ``messages`` (a chat, rendered with the chat template; ``add_generation_prompt`` default
-  true, ``add_special_tokens`` default false) and answers ``count``, ``max_model_len``,
-  ``tokens`` (and ``token_strs`` with ``return_token_strs``).
+  ``messages`` (a chat, with ``tools`` if it offers any, rendered as a chat request renders
+  them: past tool calls, tool results and the tools through the chat template or this
+  server's preamble; ``add_generation_prompt`` default true, ``add_special_tokens`` default
+  false) and answers ``count``, ``max_model_len``, ``tokens`` (and ``token_strs`` with
+  ``return_token_strs``). For a chat, ``count`` is the ``prompt_tokens`` a chat request with
+  the same messages and tools is billed.
 - ``/detokenize`` takes ``tokens`` and answers ``prompt``.
 
 They sit behind the API key and the body, prompt-size and host limits like the ``/v1/``
@@ -24,8 +27,11 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field, field_validator
 
 from ..config import describe
+from ..errors import RequestError
+from ..structured.tool_calls import parse_tools, render_chat
 from .errors import APIError
 from .protocol import ChatMessage, _Strict, check_text
+from .structured import chat_prompt_chars
 
 
 class TokenizeRequest(_Strict):
@@ -34,6 +40,8 @@ class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    #: The tools a chat offers (as in a chat request): they are part of its prompt.
+    tools: Any = None
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -48,6 +56,8 @@ class TokenizeRequest(_Strict):
         """A 400 naming the field for a combination this server does not take."""
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "prompt: give either prompt or messages", param="prompt")
+        if self.messages is None and self.tools is not None:
+            raise APIError(400, "tools: only with messages", param="tools")
         if self.messages is None and not self.add_generation_prompt:
             raise APIError(400, "add_generation_prompt: only with messages", param="add_generation_prompt")
         for i, message in enumerate(self.messages or ()):
@@ -92,8 +102,12 @@ async def tokenize(body: TokenizeRequest, tokenizer, max_model_len: int, max_pro
         param, text, num_chars = "prompt", body.prompt, len(body.prompt)
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
     else:
-        messages = [message.to_template() for message in body.messages]
-        param, num_chars = "messages", sum(len(m["role"]) + len(m["content"]) for m in messages)
+        try:
+            messages, extra = render_chat([message.to_template() for message in body.messages],
+                                          parse_tools(body.tools), tokenizer.chat_template)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+        param, num_chars = "messages", chat_prompt_chars(messages, extra)
         add_special = bool(body.add_special_tokens)
     if num_chars > max_prompt_chars:
         raise APIError(400, f"{param}: {num_chars} characters is more than this server takes ({max_prompt_chars}, "
@@ -101,7 +115,7 @@ async def tokenize(body: TokenizeRequest, tokenizer, max_model_len: int, max_pro
 
     def encode() -> list[int]:
         source = text if body.prompt is not None else \
-            tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **extra)
         return tokenizer.encode(source, add_special_tokens=add_special)
 
     async with big_prompts if num_chars > big_prompt_chars else contextlib.nullcontext():

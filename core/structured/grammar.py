@@ -108,10 +108,7 @@ class GrammarCompiler:
         RequestError naming ``param`` when llguidance cannot build it; ``schemas`` (request
         field -> the JSON schema it holds) are the schemas the grammar embeds: the error then
         names the field and the path of the subschema that fails (``...schema.properties.age``)."""
-        with self._cache_lock:
-            cached = self._cache.get(grammar)
-            if cached is not None:
-                self._cache.move_to_end(grammar)
+        cached = self._cached(grammar)
         if cached is None:
             llg = _llguidance()
             cached = llg.LLMatcher(self.ll_tokenizer(), grammar, log_level=0, limits=parser_limits())
@@ -123,10 +120,23 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         return cached.deep_copy()
 
+    def _cached(self, grammar: str):
+        """The matcher built for ``grammar`` before (marked as just used), or None."""
+        with self._cache_lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+            return cached
+
     async def compile_async(self, grammar: str, param: str, schemas: Optional[dict[str, Any]] = None):
         """:meth:`compile` in a worker thread, at most ``max_concurrent`` at once, within
         ``timeout_s`` seconds (a RequestError after that; the build then finishes in the
-        background, bounded by llguidance's own limits, and is dropped)."""
+        background, bounded by llguidance's own limits, and is dropped). A grammar already
+        built (an agent sends the same tools or schema every turn) is copied at once, without
+        waiting for a slot: slow builds of other grammars cannot hold it up."""
+        cached = self._cached(grammar)
+        if cached is not None:
+            return cached.deep_copy()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_concurrent)
         loop = asyncio.get_running_loop()

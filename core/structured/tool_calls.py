@@ -9,15 +9,18 @@ Three parts, each usable alone:
   (SmolLM2's) writes the same thing Qwen2.5's template writes, as a system-message preamble,
   ``<tool_call>`` blocks in the assistant turns and ``<tool_response>`` blocks in user turns;
 - parsing: :class:`ToolCallParser` turns the output text, as it streams, into content pieces
-  and :class:`ToolCall` objects. A block that is not a JSON object with a known ``name`` and an
-  object ``arguments`` stays content: a model's malformed call is returned as text, never an error.
+  and :class:`ToolCall` objects, from ``<tool_call>`` blocks and from fenced JSON blocks
+  holding the same object (what Qwen2.5-Coder writes when it may answer in text). A block that
+  is not a JSON object with a known ``name`` and an object ``arguments`` stays content: a
+  model's malformed call is returned as text, never an error.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import attrs
 
@@ -219,51 +222,81 @@ def render_chat(messages: list[dict], tools: list[FunctionTool], template_source
 # -- parsing --------------------------------------------------------------------------------------
 
 
+#: The blocks calls are parsed from, as ``(opening, closing)``: Hermes / Qwen2.5's tags, and a
+#: fenced JSON block holding the same object, which Qwen2.5-Coder writes instead when it may
+#: answer in text (``tool_choice`` ``auto``; llama.cpp's Hermes parser takes it too, and the
+#: bare object below).
+CALL_BLOCKS = ((TOOL_CALL_OPEN, TOOL_CALL_CLOSE), ("```json\n", "```"))
+#: The start of a bare JSON object with a key: at the start of the output, or right after a
+#: call, such an object may be a call written without its tags (Qwen2.5-Coder's second call
+#: of a conversation often is), and is held back until it is complete.
+_BARE_OBJECT = re.compile(r'\{\s*("|$)')
+_JSON = json.JSONDecoder()
+
+
 @attrs.define
 class ToolCallParser:
     """Splits output text, fed piece by piece, into content and tool calls.
 
     ``feed(text)`` and ``finish()`` return a list of events, each a ``str`` (content to show)
-    or a :class:`ToolCall`. Text that could be the start of ``<tool_call>`` is held back until
-    it is not; a block is parsed when its ``</tool_call>`` arrives. A block that does not parse
-    (not JSON, no known ``name``, ``arguments`` not an object), or that never closes, comes out
-    as content, tags included. Whitespace between calls is dropped. Feeding the whole text at
-    once gives the same events, joined, as feeding it in pieces.
+    or a :class:`ToolCall`. Text that could be the start of a call block (:data:`CALL_BLOCKS`)
+    is held back until it is not; a block is parsed when it closes. A block that does not
+    parse (not JSON, no known ``name``, ``arguments`` not an object), or that never closes,
+    comes out as content, tags included: a fenced JSON block that is not a call is content as
+    written, only later. Whitespace between calls is dropped. After ``max_calls`` calls (None:
+    no limit; 1 with ``parallel_tool_calls`` false) the rest of the output is dropped. Feeding
+    the whole text at once gives the same events, joined, as feeding it in pieces.
     """
 
     tool_names: frozenset
+    max_calls: Optional[int] = None
     _buffer: str = ""
-    _in_call: bool = False
+    _block: Optional[tuple[str, str]] = None  # the (opening, closing) of the block being read
     _pending_space: str = ""
+    _content_since_call: bool = False  # content came out since the last call (or the start)
     num_calls: int = 0
     id_factory: Any = new_call_id
 
     def feed(self, text: str) -> list[Union[str, ToolCall]]:
-        self._buffer += text
         events: list[Union[str, ToolCall]] = []
+        if self._done():
+            return events
+        self._buffer += text
         while True:
-            if self._in_call:
-                end = self._buffer.find(TOOL_CALL_CLOSE)
+            if self._block is not None:
+                opening, closing = self._block
+                end = self._buffer.find(closing, len(opening))
                 if end < 0:
                     return events
-                block = self._buffer[: end + len(TOOL_CALL_CLOSE)]
+                block = self._buffer[: end + len(closing)]
                 self._buffer = self._buffer[len(block):]
-                self._in_call = False
-                call = self._parse_block(block)
+                self._block = None
+                call = self._parse_block(block[len(opening): -len(closing)])
                 if call is None:
                     self._content(events, block)
-                else:
-                    self._pending_space = ""
-                    self.num_calls += 1
-                    events.append(call)
+                elif self._call(events, call):
+                    return events
                 continue
-            start = self._buffer.find(TOOL_CALL_OPEN)
-            if start >= 0:
+            if not self._content_since_call and _BARE_OBJECT.match(self._buffer.lstrip()):
+                whole = self._bare_object()
+                if whole is None:  # not complete yet
+                    return events
+                block, call = whole
+                self._buffer = self._buffer[len(block):]
+                if call is None:
+                    self._content(events, block)
+                elif self._call(events, call):
+                    return events
+                continue
+            starts = [(self._buffer.find(opening), opening, closing) for opening, closing in CALL_BLOCKS]
+            starts = [found for found in starts if found[0] >= 0]
+            if starts:
+                start, opening, closing = min(starts)
                 self._content(events, self._buffer[:start])
                 self._buffer = self._buffer[start:]
-                self._in_call = True
+                self._block = (opening, closing)
                 continue
-            keep = _partial_suffix(self._buffer, TOOL_CALL_OPEN)
+            keep = max(_partial_suffix(self._buffer, opening) for opening, _ in CALL_BLOCKS)
             self._content(events, self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return events
@@ -271,25 +304,62 @@ class ToolCallParser:
     def finish(self) -> list[Union[str, ToolCall]]:
         """The rest: an unclosed block, or held-back text, as content."""
         events: list[Union[str, ToolCall]] = []
-        rest, self._buffer, self._in_call = self._buffer, "", False
-        self._content(events, rest)
+        rest, self._buffer, self._block = self._buffer, "", None
+        if not self._done():
+            self._content(events, rest)
+        if self._pending_space and not self.num_calls:  # an output of whitespace only
+            events.append(self._pending_space)
+        self._pending_space = ""
         return events
+
+    def _done(self) -> bool:
+        return self.max_calls is not None and self.num_calls >= self.max_calls
+
+    def _call(self, events: list, call: ToolCall) -> bool:
+        """Add ``call``; True when it was the last one taken (the rest is dropped)."""
+        self._pending_space = ""
+        self._content_since_call = False
+        self.num_calls += 1
+        events.append(call)
+        if self._done():
+            self._buffer = ""
+            return True
+        return False
+
+    def _bare_object(self) -> Optional[tuple[str, Optional[ToolCall]]]:
+        """The buffer's leading JSON object, with the whitespace before it, and the call it is
+        (None: not a call); None while it does not decode (incomplete, or not JSON: then it
+        comes out as content at the end)."""
+        if "}" not in self._buffer:
+            return None
+        start = len(self._buffer) - len(self._buffer.lstrip())
+        try:
+            value, end = _JSON.raw_decode(self._buffer, start)
+        except ValueError:
+            return None
+        return self._buffer[:end], self._call_of(value)
 
     def _content(self, events: list, text: str) -> None:
         if not text:
             return
-        if self.num_calls and not text.strip():  # whitespace after a call: kept only if content follows
+        if not self._content_since_call and not text.strip():
+            # whitespace before any content (or after a call): kept only if content follows,
+            # so that it does not depend on how the text was split whether a call's leading
+            # newline is content
             self._pending_space += text
             return
         events.append(self._pending_space + text)
         self._pending_space = ""
+        self._content_since_call = True
 
-    def _parse_block(self, block: str) -> Optional[ToolCall]:
-        body = block[len(TOOL_CALL_OPEN): -len(TOOL_CALL_CLOSE)]
+    def _parse_block(self, body: str) -> Optional[ToolCall]:
         try:
-            call = json.loads(body)
+            return self._call_of(json.loads(body))
         except ValueError:
             return None
+
+    def _call_of(self, call: Any) -> Optional[ToolCall]:
+        """The call a decoded JSON value is: an object of a known ``name`` and object ``arguments``."""
         if not isinstance(call, dict) or set(call) - {"name", "arguments"}:
             return None
         name, arguments = call.get("name"), call.get("arguments", {})
@@ -298,9 +368,10 @@ class ToolCallParser:
         return ToolCall(self.id_factory(), name, json.dumps(arguments, ensure_ascii=False))
 
 
-def parse_output(text: str, tools: Iterable[FunctionTool]) -> tuple[Optional[str], list[ToolCall]]:
+def parse_output(text: str, tools: Iterable[FunctionTool],
+                 max_calls: Optional[int] = None) -> tuple[Optional[str], list[ToolCall]]:
     """The whole output's content (None when only calls) and calls (see :class:`ToolCallParser`)."""
-    parser = ToolCallParser(frozenset(t.name for t in tools))
+    parser = ToolCallParser(frozenset(t.name for t in tools), max_calls)
     events = parser.feed(text) + parser.finish()
     calls = [e for e in events if isinstance(e, ToolCall)]
     content = "".join(e for e in events if isinstance(e, str))
@@ -322,15 +393,35 @@ def _partial_suffix(text: str, tag: str) -> int:
 MAX_PARALLEL_CALLS = 8
 
 
+def tag_tokens(encode: Callable[[str], list]) -> dict[str, int]:
+    """The call tags a tokenizer has as one token each, by their text (``encode``: text to ids,
+    no special tokens added): Qwen2.5's ``<tool_call>`` and ``</tool_call>`` are added tokens,
+    which the model writes as such, and which llguidance takes for special tokens (not text)."""
+    tokens = {}
+    for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+        ids = list(encode(tag))
+        if len(ids) == 1:
+            tokens[tag] = int(ids[0])
+    return tokens
+
+
 def tool_call_grammar(tools: list[FunctionTool], choice: ToolChoice, parallel: bool,
-                      json_options: dict) -> Optional[str]:
+                      json_options: dict, tags: Optional[dict[str, int]] = None) -> Optional[str]:
     """The Lark grammar (llguidance's dialect) that ``tool_choice`` ``required`` or a named
     function imposes: the reply is one ``<tool_call>`` block (up to ``MAX_PARALLEL_CALLS``,
     newline-separated, with ``parallel``) whose JSON names one of the allowed functions and
-    whose ``arguments`` follow that function's ``parameters`` schema. None for ``auto`` and
-    ``none``, which leave the model free (a call it writes is parsed all the same)."""
+    whose ``arguments`` follow that function's ``parameters`` schema. A tag the tokenizer has
+    as one token (``tags``: :func:`tag_tokens`) may be written as that token or spelled out.
+    None for ``auto`` and ``none``, which leave the model free (a call it writes is parsed all
+    the same)."""
     if choice.mode not in ("required", "named"):
         return None
+    tags = tags or {}
+
+    def tag(text: str) -> str:
+        spelled = json.dumps(text)
+        return f"{spelled} | <[{tags[text]}]>" if text in tags else spelled
+
     allowed = [t for t in tools if choice.mode == "required" or t.name == choice.name]
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
               "required": ["name", "arguments"], "additionalProperties": False} for t in allowed]
@@ -338,4 +429,6 @@ def tool_call_grammar(tools: list[FunctionTool], choice: ToolChoice, parallel: b
     schema = {**schema, "x-guidance": json_options}
     repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
     return (f"start: call{repeat}\n"
-            f'call: "{TOOL_CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{TOOL_CALL_CLOSE}"\n')
+            f'call: open "\\n" %json {json.dumps(schema)} "\\n" close\n'
+            f"open: {tag(TOOL_CALL_OPEN)}\n"
+            f"close: {tag(TOOL_CALL_CLOSE)}\n")

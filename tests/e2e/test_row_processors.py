@@ -24,6 +24,10 @@ METHODS = {
     "suffix": {"method": "suffix", "adaptive_draft_length": False},
     "mtp": {"method": "mtp", "adaptive_draft_length": False},
     "hybrid": {"method": "hybrid", "adaptive_draft_length": False},
+    # tests/e2e/test_draft_model.py's: the default model drafting for itself through int4
+    # kernels (most of its drafts are accepted, some rejected)
+    "draft_model": {"method": "draft_model", "model": "smollm2-135m-instruct", "quantization": "wint4",
+                    "num_speculative_tokens": 4, "adaptive_draft_length": False},
 }
 
 

@@ -89,10 +89,12 @@ class RunningServer:
 
 @contextlib.contextmanager
 def running_server(speculative: dict, *, max_num_seqs: int = MAX_NUM_SEQS, max_pending: int = MAX_PENDING,
-                   api_key: str = API_KEY) -> Iterator[RunningServer]:
-    """The real default model behind a real HTTP server (uvicorn in a background thread) on a
-    free loopback port, with ``speculative`` as its ``--speculative-config``."""
-    require_model()
+                   api_key: str = API_KEY, model: Optional[str] = None) -> Iterator[RunningServer]:
+    """A real model (``model``, as ``--model`` takes it; None: the default model) behind a real
+    HTTP server (uvicorn in a background thread) on a free loopback port, with ``speculative``
+    as its ``--speculative-config``."""
+    if model is None:
+        require_model()
     from specdec.config import build_engine_config
     from specdec.engine import Engine
     from specdec.plugin_manager import get_plugins
@@ -101,7 +103,8 @@ def running_server(speculative: dict, *, max_num_seqs: int = MAX_NUM_SEQS, max_p
     from specdec.server.serve import Server, bind_socket, uvicorn_config
 
     plugins = get_plugins()
-    config = build_engine_config(None, {"max_num_seqs": max_num_seqs}, speculative, plugins)
+    config = build_engine_config(None, {"max_num_seqs": max_num_seqs, **({"model": model} if model else {})},
+                                 speculative, plugins)
     engine = Engine(config, plugins=plugins, progress=False)
     engine_loop = EngineLoop(engine, max_pending=max_pending)
     app = build_app(engine_loop, served_model_name=MODEL_NAME, api_key=api_key,
@@ -126,6 +129,23 @@ def running_server(speculative: dict, *, max_num_seqs: int = MAX_NUM_SEQS, max_p
         thread.join(30)
     assert not thread.is_alive(), "the test server did not shut down"
     assert not engine_loop.running, "the engine loop outlived the server"
+
+
+@contextlib.contextmanager
+def speculative_method(server: RunningServer, method: str, **keys) -> Iterator[None]:
+    """The server's engine switched to ``method`` (and ``keys``; defaults otherwise) while no
+    request is in flight, then back to its own config."""
+    from specdec.api import _speculative
+
+    engine = server.engine_loop.engine
+    original = engine.spec
+    server.wait_idle()
+    engine.set_speculative_config(_speculative({"method": method, **keys}, engine.plugins))
+    try:
+        yield
+    finally:
+        server.wait_idle()
+        engine.set_speculative_config(original)
 
 
 # -- more servers over the session's engine loop --------------------------------------------------

@@ -157,6 +157,30 @@ def test_tokenize_counts_what_a_chat_request_is_billed(server, task, plain_chat)
     assert without["count"] < body["count"] and body["tokens"][:without["count"]] == without["tokens"]
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "What is the weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Rain, 4 degrees."},
+]
+
+
+def test_tokenize_counts_a_tool_conversation_as_a_chat_request_is_billed(server):
+    """Past calls, tool results and the tools offered are prompt text: /tokenize renders them
+    as the chat endpoint does, with the same ``tools``."""
+    billed = {}
+    for name, extra in (("with tools", {"tools": [WEATHER_TOOL]}), ("without", {})):
+        usage = server.openai().chat.completions.create(model=MODEL_NAME, messages=TOOL_CONVERSATION, max_tokens=1,
+                                                        temperature=0, **extra).usage
+        body = server.http.post("/tokenize", json={"model": MODEL_NAME, "messages": TOOL_CONVERSATION, **extra}).json()
+        assert body["count"] == len(body["tokens"]) == usage.prompt_tokens, (name, body["count"], usage)
+        billed[name] = body["count"]
+    assert billed["with tools"] > billed["without"]
+
+
 def test_tokenize_and_detokenize_round_trip(server):
     text = "def f(x):\n    return x + 1  # héllo"
     body = server.http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
@@ -178,6 +202,8 @@ def test_tokenize_and_detokenize_round_trip(server):
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
      "continue_final_message"),
     ("/tokenize", {"prompt": "a", "promt": "b"}, "promt"),
+    ("/tokenize", {"prompt": "a", "tools": [WEATHER_TOOL]}, "tools"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "web"}]}, "tools[0].type"),
 ])
 def test_bad_tokenizer_requests_are_400s_naming_the_field(server, path, body, param):
     response = server.http.post(path, json=body)

@@ -5,7 +5,10 @@ Bad flags end with one ``error:`` line and exit code 2 before the model loads; a
 ``SPECDEC_API_KEY``, ``--enable-docs``, ``--metrics-require-key``, a bound of one request in
 flight, batch of one) answers the openai client, refuses a request without the key (401), one
 beyond its bound (503) and one naming another host (421, DNS rebinding), serves its docs, keeps /metrics behind the key, and on SIGTERM ends
-the stream in flight with its last chunk and exits 0 within seconds.
+the stream in flight with its last chunk and exits 0 within seconds. Another (``--generation-config
+PATH`` with ``--override-generation-config``, ngram under the default lossless verify strategy)
+shows the merged sampling defaults and applies them to the fields a request leaves out, and
+gives the ``n`` choices of a sampled request each its own seed's text.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from server_harness import MAX_TOKENS, PROMPT, require_model
+
+from specdec.workloads import code_edit_prompts
 
 CLI = [sys.executable, "-m", "specdec.cli", "serve"]
 #: A usage error comes back in less than this; loading the model alone takes longer.
@@ -58,6 +63,11 @@ def test_serve_flag_errors_are_one_line_and_fast():
         (["--allowed-hosts", "localhost,*evil"],
          "--allowed-hosts: '*evil' is not a host name, an address, '*.domain' or '*'"),
         (["--metrics-require-key"], "--metrics-require-key: needs an API key (--api-key, or $SPECDEC_API_KEY)"),
+        (["--override-generation-config", "{temperature: 0.5}"],
+         "--override-generation-config: not valid JSON: Expecting property name enclosed in double quotes"),
+        (["--generation-config", "/nonexistent/generation_config.json"],
+         "--generation-config: /nonexistent/generation_config.json does not exist (auto, none, or a "
+         "generation_config.json file or folder)"),
     ]
 
     def run(args):
@@ -94,32 +104,37 @@ def test_an_api_key_on_the_command_line_is_warned_about():
     assert KEY not in result.stderr
 
 
+def _start(log, args: list, env: dict) -> tuple:
+    """``specdec serve ARGS`` on a free port, stderr to ``log``; ``(process, url)`` once it listens."""
+    with open(log, "w") as stderr:
+        process = subprocess.Popen([*CLI, "--port", "0", *args], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+    deadline = time.monotonic() + 300
+    while True:
+        match = re.search(r"listening on (http://\S+)", log.read_text())
+        if match:
+            return process, match.group(1)
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"specdec serve did not start: {log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def _stop(process) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``specdec serve`` on a free port, its key in ``SPECDEC_API_KEY``; yields ``(process, url, log path)``."""
     require_model()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(
-            [*CLI, "--port", "0", "--served-model-name", "tiny", "--max-num-seqs", "1", "--enable-docs",
-             "--metrics-require-key", "--max-pending-requests", "1", "--shutdown-timeout", "1", "--no-progress",
-             "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=stderr, env={**_env(), "SPECDEC_API_KEY": KEY})
-    deadline = time.monotonic() + 300
-    url = None
-    while url is None:
-        match = re.search(r"listening on (http://\S+)", log.read_text())
-        if match:
-            url = match.group(1)
-        elif process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"specdec serve did not start: {log.read_text()[-3000:]}")
-        else:
-            time.sleep(0.2)
+    process, url = _start(log, ["--served-model-name", "tiny", "--max-num-seqs", "1", "--enable-docs",
+                                "--metrics-require-key", "--max-pending-requests", "1", "--shutdown-timeout", "1",
+                                "--no-progress", "--log-level", "warning"], {**_env(), "SPECDEC_API_KEY": KEY})
     yield process, url, log
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    _stop(process)
 
 
 #: What ``--generation-config auto`` gives the default model (a GGUF): llama.cpp's defaults.
@@ -153,6 +168,78 @@ def test_fields_left_out_get_the_models_generation_defaults(served, tmp_path):
                             capture_output=True, text=True, timeout=300, env=env, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Paris" in result.stdout, result.stdout
+
+
+#: A checkpoint's generation_config.json (keys specdec does not read are left alone), and the
+#: --override-generation-config over it.
+GENERATION_CONFIG = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "do_sample": True, "max_new_tokens": 64}
+OVERRIDE = {"top_p": 0.8, "repetition_penalty": 1.1}
+MERGED = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory):
+    """``specdec serve`` with ``--generation-config PATH`` and ``--override-generation-config``,
+    ngram under the default (lossless, rejection-sampling) verify strategy, two requests a
+    batch; yields ``(url, log path, config path)``."""
+    require_model()
+    folder = tmp_path_factory.mktemp("configured")
+    config = folder / "generation_config.json"
+    config.write_text(json.dumps(GENERATION_CONFIG))
+    log = folder / "serve.log"
+    process, url = _start(log, ["--served-model-name", "tiny", "--max-num-seqs", "2", "--generation-config",
+                                str(config), "--override-generation-config", json.dumps(OVERRIDE),
+                                "--speculative-config", '{"method": "ngram"}', "--no-progress",
+                                "--log-level", "warning"], _env())
+    yield url, log, config
+    _stop(process)
+
+
+@pytest.mark.slow
+def test_a_generation_config_file_and_its_override_fill_the_fields_left_out(configured):
+    import openai
+
+    url, log, config = configured
+    ready = next(line for line in log.read_text().splitlines() if "listening on" in line)
+    assert ("sampling defaults temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1 "
+            f"({config} + --override-generation-config)") in ready, ready
+    assert httpx.get(url + "/v1/models").json()["data"][0]["generation_defaults"] == MERGED
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def text(**fields):
+        return client.completions.create(model="tiny", prompt="My favourite animal is", max_tokens=12, seed=11,
+                                         **fields).choices[0].text
+
+    explicit = {"temperature": 0.7, "top_p": 0.8, "extra_body": {"top_k": 20, "repetition_penalty": 1.1}}
+    left_out = text()
+    assert left_out == text(**explicit)
+    # the comparison can tell: the API's own defaults (no generation config) sample another text
+    assert left_out != text(temperature=1.0, top_p=1.0, extra_body={"top_k": 0, "repetition_penalty": 1.0})
+
+
+@pytest.mark.slow
+def test_n_choices_sample_from_their_own_seeds(configured):
+    """Under a lossless verify strategy (the default) a sampled ``n`` = 2 request gives two
+    different choices, the same ones again for the same seed, each the text of ``n`` = 1 with
+    its own seed (``seed + i``): batched with its sibling or alone, drafts accepted or not."""
+    import openai
+
+    url, _, _ = configured
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    # A code edit, whose answer re-emits the prompt's code (ngram's drafts): without the
+    # server's default repetition penalty, which keeps the answer off the prompt's tokens.
+    messages = [{"role": "user", "content": code_edit_prompts(1)[0]}]
+
+    def run(seed, n):
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=1.0,
+                                              seed=seed, n=n, extra_body={"repetition_penalty": 1.0})
+
+    pair = run(21, 2)
+    texts = [c.message.content for c in pair.choices]
+    assert [c.index for c in pair.choices] == [0, 1] and texts[0] != texts[1]
+    assert [c.message.content for c in run(21, 2).choices] == texts
+    assert [run(21 + i, 1).choices[0].message.content for i in range(2)] == texts
+    assert pair.usage.model_extra["speculative"]["num_accepted_tokens"] > 0  # sampled through accepted drafts
 
 
 @pytest.mark.slow

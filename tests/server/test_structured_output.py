@@ -6,8 +6,11 @@
   parses and validates (``jsonschema``), with naive, ngram, suffix, mtp and hybrid, sent at
   once; the texts are the same with every method (the mask applies at every verified
   position, and drafts were accepted under it).
-- An agent loop of 6 tool-call turns (call, result, next call) and a last answer, with a
-  named tool choice, streamed and not in turns: the same transcript with every method.
+- An agent loop of 6 tool-call turns (call, result, next call; ``tool_choice`` ``required``:
+  the model picks the tool and its arguments) and a last turn it may answer (``auto``),
+  streamed and not in turns: the same transcript with every method, drafts accepted in it.
+  (tests/server/test_tools_qwen.py runs one with ``auto`` throughout on Qwen2.5-Coder, which
+  writes its calls itself: ``make test-qwen``.)
 - Bad input is a 400 naming the field (a schema llguidance cannot compile names the path of
   the subschema), and a grammar that takes long to compile is refused in bounded time while
   other requests go on.
@@ -16,19 +19,24 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from pathlib import Path
 
 import jsonschema
 import pytest
-from server_harness import MODEL_NAME
+from agent_loop import run_agent_loop
+from server_harness import MODEL_NAME, speculative_method
 
 pytestmark = pytest.mark.slow
 
 SCHEMAS = json.loads((Path(__file__).parents[1] / "fixtures" / "json_schemas.json").read_text())
-METHODS = ("naive", "ngram", "suffix", "mtp", "hybrid")
+#: Each method and the keys it needs besides its defaults: the draft model is the default model
+#: drafting for itself through int4 kernels (tests/e2e/test_draft_model.py's).
+METHODS = {"naive": {}, "ngram": {}, "suffix": {}, "mtp": {}, "hybrid": {},
+           "draft_model": {"model": "smollm2-135m-instruct", "quantization": "wint4"}}
+#: Every draft verified (no adaptive draft length), so that drafts meet the grammar's mask.
+EVERY_DRAFT = {"adaptive_draft_length": False, "num_speculative_tokens": 3}
 SCHEMA_MAX_TOKENS = 48
 
 ADD_TOOL = {"type": "function", "function": {
@@ -40,23 +48,8 @@ NOTE_TOOL = {"type": "function", "function": {
     "name": "note", "description": "Write a short note.",
     "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 20}},
                    "required": ["text"], "additionalProperties": False}}}
+TOOLS = {"add": ADD_TOOL, "note": NOTE_TOOL}
 AGENT_TURNS = 6
-
-
-@contextlib.contextmanager
-def speculative_method(server, method: str, **keys):
-    """The session server's engine switched to ``method`` (and ``keys``; defaults otherwise), then back."""
-    from specdec.api import _speculative
-
-    engine = server.engine_loop.engine
-    original = engine.spec
-    server.wait_idle()
-    engine.set_speculative_config(_speculative({"method": method, **keys}, engine.plugins))
-    try:
-        yield
-    finally:
-        server.wait_idle()
-        engine.set_speculative_config(original)
 
 
 def _response_format(entry: dict) -> dict:
@@ -80,8 +73,7 @@ def test_every_schema_validates_with_every_method(server):
     assert len(SCHEMAS) >= 20
     texts = {}
     for method in METHODS:
-        # Every draft verified (no adaptive draft length), so that drafts meet the mask.
-        with speculative_method(server, method, adaptive_draft_length=False, num_speculative_tokens=3):
+        with speculative_method(server, method, **METHODS[method], **EVERY_DRAFT):
             outputs = asyncio.run(_schema_outputs(server))
         problems = []
         for entry, (text, finish_reason, _) in zip(SCHEMAS, outputs):
@@ -93,7 +85,7 @@ def test_every_schema_validates_with_every_method(server):
         if method != "naive":
             assert sum(accepted for *_, accepted in outputs) > 0, f"{method}: no draft accepted under the grammar"
         texts[method] = [text for text, *_ in outputs]
-    for method in METHODS[1:]:
+    for method in list(METHODS)[1:]:
         assert texts[method] == texts["naive"], f"{method} differs from naive at temperature 0"
 
 
@@ -109,62 +101,29 @@ def test_completions_stream_a_schema(server):
 # -- tools --------------------------------------------------------------------------------------
 
 
-def _streamed_message(stream) -> tuple[dict, str]:
-    """The assistant message a stream of chunks makes, assembled as a client does, and the
-    finish reason. Checks the deltas' shape: the first delta of each call has its id, type and
-    name, the later ones only arguments."""
-    content, calls, finish_reason = "", {}, None
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for delta in choice.delta.tool_calls or ():
-            if delta.index not in calls:
-                assert delta.id and delta.type == "function" and delta.function.name, delta
-                calls[delta.index] = {"id": delta.id, "type": "function",
-                                      "function": {"name": delta.function.name, "arguments": ""}}
-            else:
-                assert delta.id is None and delta.function.name is None, delta
-            calls[delta.index]["function"]["arguments"] += delta.function.arguments or ""
-        finish_reason = choice.finish_reason or finish_reason
-    message = {"role": "assistant", "content": content or None, "tool_calls": [calls[i] for i in sorted(calls)]}
-    return message, finish_reason
-
-
-def _agent_transcript(server) -> list:
-    """Six turns of: the model calls ``add``, the tool result goes back. Odd turns stream.
-    Returns the arguments of each call."""
-    client = server.openai()
-    messages = [{"role": "user", "content": "Start at 5. Add 7, then keep adding 7 to the last result."}]
-    transcript = []
-    for turn in range(AGENT_TURNS):
-        options = dict(model=MODEL_NAME, messages=messages, tools=[ADD_TOOL], max_tokens=40, temperature=0,
-                       tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False)
-        if turn % 2:
-            message, finish_reason = _streamed_message(client.chat.completions.create(stream=True, **options))
-        else:
-            choice = client.chat.completions.create(**options).choices[0]
-            message = choice.message.model_dump(include={"role", "content", "tool_calls"})
-            message["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in message["tool_calls"] or ()]
-            finish_reason = choice.finish_reason
-        assert finish_reason == "tool_calls", (turn, message)
-        [call] = message["tool_calls"]
-        assert call["function"]["name"] == "add" and call["id"].startswith("call_")
-        arguments = json.loads(call["function"]["arguments"])
-        jsonschema.validate(arguments, ADD_TOOL["function"]["parameters"])
-        transcript.append(arguments)
-        messages.append(message)
-        messages.append({"role": "tool", "tool_call_id": call["id"], "content": str(arguments["a"] + arguments["b"])})
-    return transcript
+def _run_tool(name: str, arguments: dict) -> str:
+    jsonschema.validate(arguments, TOOLS[name]["function"]["parameters"])
+    return str(arguments["a"] + arguments["b"]) if name == "add" else "noted"
 
 
 def test_agent_loop_is_the_same_with_every_method(server):
+    """Six turns in which the model must call a tool (it picks which, and the arguments), each
+    result going back, then a turn in which it may answer; streamed and whole in turns."""
+    messages = [{"role": "user", "content": "Start at 5. Add 7, then keep adding 7 to the last result. "
+                                            "Note the result when it passes 40."}]
+    choices = ["required"] * AGENT_TURNS + ["auto"]
     transcripts = {}
     for method in METHODS:
-        with speculative_method(server, method):
-            transcripts[method] = _agent_transcript(server)
-    for method in METHODS[1:]:
+        with speculative_method(server, method, **METHODS[method], **EVERY_DRAFT):
+            transcript, accepted = run_agent_loop(server.openai(), messages, choices, _run_tool, model=MODEL_NAME,
+                                                  tools=list(TOOLS.values()), max_tokens=40, temperature=0,
+                                                  parallel_tool_calls=False)
+        assert len(transcript) == AGENT_TURNS + 1 and all(len(calls) == 1 for _, calls, _ in transcript[:-1]), \
+            (method, transcript)
+        if method != "naive":
+            assert accepted > 0, f"{method}: no draft accepted in the loop"
+        transcripts[method] = transcript
+    for method in list(METHODS)[1:]:
         assert transcripts[method] == transcripts["naive"], f"{method}: {transcripts[method]} != {transcripts['naive']}"
 
 

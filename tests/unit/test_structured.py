@@ -23,7 +23,8 @@ from specdec.server.responses import ChatShape
 from specdec.structured.grammar import JSON_OPTIONS, GrammarCompiler, json_schema_grammar, lark_grammar
 from specdec.structured.processor import GrammarProcessor
 from specdec.structured.tool_calls import (FunctionTool, ToolCall, ToolCallParser, ToolChoice, parse_output,
-                                           parse_tool_choice, parse_tools, render_chat, tool_call_grammar)
+                                           parse_tool_choice, parse_tools, render_chat, tag_tokens,
+                                           tool_call_grammar)
 
 QWEN_TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "qwen2_5_chat_template.jinja").read_text()
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
@@ -135,6 +136,28 @@ def test_a_slow_compile_is_refused_within_the_bound(tokenizer):
     assert error.code == "grammar_too_complex" and seconds < 0.25
 
 
+def test_a_grammar_built_before_does_not_wait_for_a_slow_build(tokenizer):
+    """An agent's tools or schema, built at its first turn, are copied at once at the next,
+    even while the only build slot is taken by a slow grammar."""
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, timeout_s=30, max_concurrent=1)
+    person = json_schema_grammar(PERSON, "s")
+    compiler.compile(person, "s")
+    slow = json_schema_grammar({"enum": [f"value_{i}_{'x' * (i % 13)}" for i in range(50_000)]}, "s")
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        building = asyncio.ensure_future(compiler.compile_async(slow, "s"))
+        await asyncio.sleep(0)  # the slow build has the slot
+        started = loop.time()
+        await compiler.compile_async(person, "s")
+        seconds = loop.time() - started
+        await building
+        return seconds, building.done()
+
+    seconds, slow_done = asyncio.run(run())
+    assert seconds < 0.02 and slow_done
+
+
 def test_the_tool_grammar_takes_a_qwen_style_call_and_nothing_else(tokenizer, compiler):
     tools = parse_tools([ADD])
     grammar = tool_call_grammar(tools, ToolChoice("named", "add"), False, JSON_OPTIONS)
@@ -145,6 +168,19 @@ def test_the_tool_grammar_takes_a_qwen_style_call_and_nothing_else(tokenizer, co
     wrong = _ids(tokenizer, '<tool_call>\n{"name": "sub", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
     assert matcher.validate_tokens(wrong) < len(wrong)
     assert tool_call_grammar(tools, ToolChoice("auto"), True, JSON_OPTIONS) is None
+
+
+def test_a_tag_the_tokenizer_has_as_one_token_may_be_written_as_that_token(tokenizer, compiler):
+    """Qwen2.5's ``<tool_call>`` is one added token, which llguidance takes for a special token:
+    the grammar allows it besides the spelled-out tag (the default model spells it out)."""
+    assert tag_tokens(lambda text: _ids(tokenizer, text)) == {}
+    tools = parse_tools([ADD])
+    [token] = _ids(tokenizer, "<|im_start|>")  # a special token stands in for a one-token tag
+    grammar = tool_call_grammar(tools, ToolChoice("required"), False, JSON_OPTIONS, {"<tool_call>": token})
+    body = _ids(tokenizer, '\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    for opening in ([token], _ids(tokenizer, "<tool_call>")):
+        matcher = compiler.compile(lark_grammar(grammar), "tools")
+        assert matcher.validate_tokens(opening + body) == len(opening + body), opening
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -171,7 +207,45 @@ def test_calls_are_parsed_the_same_whole_or_streamed_in_any_pieces():
         assert content == "Let me add.\n" and [e for e in events if isinstance(e, ToolCall)] == expected[1:]
 
 
+FENCED = 'Sure.\n```json\n{\n  "name": "add",\n  "arguments": {\n    "a": 12,\n    "b": 30\n  }\n}\n```'
+
+
+def test_a_fenced_json_call_is_a_call_whole_or_streamed():
+    """Qwen2.5-Coder writes its calls as fenced JSON when it may answer in text: the same call."""
+    expected = ["Sure.\n", ToolCall("call_0", "add", '{"a": 12, "b": 30}')]
+    for size in (1, 3, len(FENCED)):
+        parser = ToolCallParser(frozenset({"add"}), id_factory=_ids_counter())
+        events = [e for i in range(0, len(FENCED), size) for e in parser.feed(FENCED[i: i + size])] + parser.finish()
+        assert ["".join(e for e in events if isinstance(e, str))] + [e for e in events if isinstance(e, ToolCall)] \
+            == expected, size
+
+
+def test_bare_json_calls_are_calls_and_other_json_is_content():
+    """Qwen2.5-Coder writes a later call of a conversation as a bare object: at the start of
+    the output or right after a call, a complete object that is a call is one."""
+    text = '{"name": "add", "arguments": {"a": 12, "b": 7}}\n{"name": "add", "arguments": {"a": 19, "b": 7}}\n'
+    for size in (1, 4, len(text)):
+        parser = ToolCallParser(frozenset({"add"}), id_factory=_ids_counter())
+        events = [e for i in range(0, len(text), size) for e in parser.feed(text[i: i + size])] + parser.finish()
+        assert events == [ToolCall("call_0", "add", '{"a": 12, "b": 7}'), ToolCall("call_1", "add", '{"a": 19, "b": 7}')]
+    for content in ('{"answer": 42} is the object.', '{"name": "add", "arguments": {"a": 1', 'I got {"name": "add"}',
+                    '{not json} here'):
+        assert parse_output(content, parse_tools([ADD])) == (content, []), content
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_and_drops_the_rest():
+    content, calls = parse_output(TEXT + "\nDone.", parse_tools([ADD]), max_calls=1)
+    assert content == "Let me add." and [json.loads(c.arguments) for c in calls] == [{"a": 1, "b": 2}]
+    parser = ToolCallParser(frozenset({"add"}), max_calls=1, id_factory=_ids_counter())
+    events = [e for i in range(0, len(TEXT), 4) for e in parser.feed(TEXT[i: i + 4])] + parser.feed("Done.") \
+        + parser.finish()
+    assert "".join(e for e in events if isinstance(e, str)) == "Let me add.\n"
+    assert [e for e in events if isinstance(e, ToolCall)] == [ToolCall("call_0", "add", '{"a": 1, "b": 2}')]
+
+
 @pytest.mark.parametrize("text", [
+    '```json\n{"name": "multiply", "arguments": {}}\n```',  # a fenced block, not a call of a tool
+    '```json\n{"a": 1}\n```\nThat is the data.',  # fenced JSON data
     '<tool_call>\n{"name": "add", "arguments": {"a": 1,\n</tool_call>',  # not JSON
     '<tool_call>\n{"name": "multiply", "arguments": {}}\n</tool_call>',  # not a tool
     '<tool_call>\n{"name": "add", "arguments": "a=1"}\n</tool_call>',  # arguments not an object
