@@ -2,9 +2,9 @@
 (the session's, default model), with every speculative method.
 
 - ``response_format`` ``json_schema``: every output of the schemas of
-  ``tests/fixtures/json_schemas.json`` (nested objects, arrays, enums, numbers, anyOf, $ref)
-  parses and validates (``jsonschema``), with naive, ngram, suffix, mtp and hybrid, sent at
-  once; the texts are the same with every method (the mask applies at every verified
+  ``tests/fixtures/json_schemas.json`` (nested objects, arrays, enums, numbers, anyOf, $ref),
+  and a ``json_object`` one, parses and validates (``jsonschema``), with naive, ngram, suffix,
+  mtp, hybrid and the draft model, sent at once; the texts are the same with every method (the mask applies at every verified
   position, and drafts were accepted under it).
 - An agent loop of 6 tool-call turns (call, result, next call; ``tool_choice`` ``required``:
   the model picks the tool and its arguments) and a last turn it may answer (``auto``),
@@ -56,27 +56,34 @@ def _response_format(entry: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": entry["name"], "schema": entry["schema"], "strict": True}}
 
 
-async def _schema_outputs(server) -> list[tuple[str, str, int]]:
+#: ``response_format`` ``json_object``, sent along with the schemas: any JSON object.
+JSON_OBJECT = {"name": "json_object", "prompt": "Give the point x 1, y 2.", "schema": {"type": "object"},
+               "response_format": {"type": "json_object"}}
+
+
+async def _schema_outputs(server, entries) -> list[tuple[str, str, int]]:
     client = server.async_openai()
     async with client:
         async def one(entry):
             response = await client.chat.completions.create(
                 model=MODEL_NAME, messages=[{"role": "user", "content": entry["prompt"] + " Answer in JSON."}],
-                max_tokens=SCHEMA_MAX_TOKENS, temperature=0, response_format=_response_format(entry))
+                max_tokens=SCHEMA_MAX_TOKENS, temperature=0,
+                response_format=entry.get("response_format") or _response_format(entry))
             accepted = response.usage.model_extra.get("speculative", {}).get("num_accepted_tokens", 0)
             return response.choices[0].message.content, response.choices[0].finish_reason, accepted
 
-        return await asyncio.gather(*(one(entry) for entry in SCHEMAS))
+        return await asyncio.gather(*(one(entry) for entry in entries))
 
 
 def test_every_schema_validates_with_every_method(server):
     assert len(SCHEMAS) >= 20
+    entries = [*SCHEMAS, JSON_OBJECT]
     texts = {}
     for method in METHODS:
         with speculative_method(server, method, **METHODS[method], **EVERY_DRAFT):
-            outputs = asyncio.run(_schema_outputs(server))
+            outputs = asyncio.run(_schema_outputs(server, entries))
         problems = []
-        for entry, (text, finish_reason, _) in zip(SCHEMAS, outputs):
+        for entry, (text, finish_reason, _) in zip(entries, outputs):
             try:
                 jsonschema.validate(json.loads(text), entry["schema"])
             except (ValueError, jsonschema.ValidationError) as exc:
@@ -89,13 +96,20 @@ def test_every_schema_validates_with_every_method(server):
         assert texts[method] == texts["naive"], f"{method} differs from naive at temperature 0"
 
 
-def test_completions_stream_a_schema(server):
+def test_completions_and_chat_stream_a_schema(server):
     entry = SCHEMAS[0]
     chunks = server.openai().completions.create(
         model=MODEL_NAME, prompt="A person, as JSON: ", max_tokens=SCHEMA_MAX_TOKENS, temperature=0, stream=True,
         extra_body={"response_format": _response_format(entry)})
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     jsonschema.validate(json.loads(text), entry["schema"])
+    options = dict(model=MODEL_NAME, messages=[{"role": "user", "content": entry["prompt"] + " Answer in JSON."}],
+                   max_tokens=SCHEMA_MAX_TOKENS, temperature=0, response_format=_response_format(entry))
+    whole = server.openai().chat.completions.create(**options).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in server.openai().chat.completions.create(
+        stream=True, **options) if c.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(streamed), entry["schema"])
 
 
 # -- tools --------------------------------------------------------------------------------------
