@@ -9,10 +9,11 @@ Three parts, each usable alone:
   (SmolLM2's) writes the same thing Qwen2.5's template writes, as a system-message preamble,
   ``<tool_call>`` blocks in the assistant turns and ``<tool_response>`` blocks in user turns;
 - parsing: :class:`ToolCallParser` turns the output text, as it streams, into content pieces
-  and :class:`ToolCall` objects, from ``<tool_call>`` blocks and from fenced JSON blocks
-  holding the same object (what Qwen2.5-Coder writes when it may answer in text). A block that
-  is not a JSON object with a known ``name`` and an object ``arguments`` stays content: a
-  model's malformed call is returned as text, never an error.
+  and :class:`ToolCall` objects, from ``<tool_call>`` blocks, and from fenced JSON blocks and
+  bare JSON objects (at the output's start or right after a call) holding the same object:
+  what Qwen2.5-Coder writes when it may answer in text. A block that is not a JSON object with
+  a known ``name`` and an object ``arguments`` stays content: a model's malformed call is
+  returned as text, never an error.
 """
 
 from __future__ import annotations
@@ -239,8 +240,9 @@ class ToolCallParser:
     """Splits output text, fed piece by piece, into content and tool calls.
 
     ``feed(text)`` and ``finish()`` return a list of events, each a ``str`` (content to show)
-    or a :class:`ToolCall`. Text that could be the start of a call block (:data:`CALL_BLOCKS`)
-    is held back until it is not; a block is parsed when it closes. A block that does not
+    or a :class:`ToolCall`. Text that could be the start of a call block (:data:`CALL_BLOCKS`,
+    or a bare object where one may be a call) is held back until it is not; a block is parsed
+    when it closes (a bare object, when it is complete JSON). A block that does not
     parse (not JSON, no known ``name``, ``arguments`` not an object), or that never closes,
     comes out as content, tags included: a fenced JSON block that is not a call is content as
     written, only later. Whitespace between calls is dropped. After ``max_calls`` calls (None:
