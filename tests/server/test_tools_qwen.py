@@ -6,15 +6,14 @@ The default model cannot follow a tool template on its own (it answers in text u
 this one decides by itself. Its calls come as ``<tool_call>`` blocks, as fenced JSON or as bare
 objects (Qwen2.5-Coder writes all three): each is parsed as a call.
 
-``make test-qwen`` fetches the model (1 GB, ``benchmarks/fetch_qwen_coder.py``) and runs these
-tests; ``make test`` (CI) leaves them out (marker ``qwen``), as the download and the model's
-speed would add minutes to every run.
+``make test-qwen`` fetches the model and its draft model, Qwen2.5-Coder-0.5B-Instruct (1.6 GB
+in all, ``benchmarks/fetch_qwen_coder.py``), and runs these tests; ``make test`` (CI) leaves them
+out (marker ``qwen``), as the download and the model's speed would add minutes to every run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import jsonschema
@@ -24,12 +23,13 @@ from server_harness import MODEL_NAME, SPECULATIVE, running_server, speculative_
 
 pytestmark = [pytest.mark.qwen, pytest.mark.slow]
 
-#: Where benchmarks/fetch_qwen_coder.py puts the model (SPECDEC_QWEN_MODEL: another path).
-QWEN = Path(os.environ.get("SPECDEC_QWEN_MODEL",
-                           Path.home() / ".cache" / "specdec" / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
-#: The methods that run on this target with what ships (no MTP head or draft model for it), every
-#: draft verified so that drafts meet every turn.
-METHODS = ("naive", "ngram", "suffix")
+#: Where benchmarks/fetch_qwen_coder.py puts the model and its draft model.
+MODELS = Path.home() / ".cache" / "specdec" / "models"
+QWEN = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct.gguf"
+#: The methods that run on this target (no MTP head is trained for it), each with the keys it
+#: needs besides its defaults; every draft verified so that drafts meet every turn.
+METHODS = {"naive": {}, "ngram": {}, "suffix": {}, "draft_model": {"model": str(QWEN_DRAFT)}}
 EVERY_DRAFT = {"adaptive_draft_length": False, "num_speculative_tokens": 3}
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in one city.",
@@ -41,8 +41,9 @@ TASK = ("I need the weather in six cities: Oslo, Paris, Rome, Tokyo, Lima, Cairo
 
 @pytest.fixture(scope="module")
 def qwen_server():
-    if not QWEN.is_file():
-        pytest.fail(f"{QWEN} is missing: `make test-qwen` fetches it (python benchmarks/fetch_qwen_coder.py)")
+    for path in (QWEN, QWEN_DRAFT):
+        if not path.is_file():
+            pytest.fail(f"{path} is missing: `make test-qwen` fetches it (benchmarks/fetch_qwen_coder.py [--draft])")
     with running_server(SPECULATIVE, model=str(QWEN), max_num_seqs=4) as server:
         yield server
 
@@ -56,7 +57,7 @@ def _weather(name: str, arguments: dict) -> str:
 def test_an_auto_agent_loop_calls_six_times_answers_and_is_the_same_with_every_method(qwen_server):
     transcripts = {}
     for method in METHODS:
-        with speculative_method(qwen_server, method, **EVERY_DRAFT):
+        with speculative_method(qwen_server, method, **METHODS[method], **EVERY_DRAFT):
             transcript, accepted = run_agent_loop(
                 qwen_server.openai(), [{"role": "user", "content": TASK}], ["auto"] * 9, _weather, model=MODEL_NAME,
                 tools=[WEATHER_TOOL], max_tokens=100, temperature=0, parallel_tool_calls=False)
@@ -67,7 +68,7 @@ def test_an_auto_agent_loop_calls_six_times_answers_and_is_the_same_with_every_m
         if method != "naive":
             assert accepted > 0, f"{method}: no draft accepted in the loop"
         transcripts[method] = transcript
-    for method in METHODS[1:]:
+    for method in list(METHODS)[1:]:
         assert transcripts[method] == transcripts["naive"], method
 
 
