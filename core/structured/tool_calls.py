@@ -155,15 +155,36 @@ def template_knows_tools(template_source: Optional[str]) -> bool:
     return bool(template_source) and "tools" in template_source
 
 
+#: The deepest arguments a history call's JSON is read as an object: deeper ones stay text (the
+#: template and the preamble write them back with recursive encoders, which a client could
+#: otherwise run out of stack).
+MAX_ARGUMENTS_DEPTH = 64
+
+
 def arguments_object(arguments: Any) -> Any:
     """A history tool call's ``arguments`` as an object: OpenAI sends a JSON string, chat
-    templates (Qwen2.5's ``arguments | tojson``) expect the object. Text that is no JSON is kept."""
+    templates (Qwen2.5's ``arguments | tojson``) expect the object. Text that is no JSON, or
+    JSON nested deeper than :data:`MAX_ARGUMENTS_DEPTH`, is kept as it is."""
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except ValueError:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
             return arguments
+        return value if _depth(value) <= MAX_ARGUMENTS_DEPTH else arguments
     return arguments
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and dicts nest in a decoded JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def call_block(name: str, arguments: Any) -> str:
@@ -337,7 +358,7 @@ class ToolCallParser:
         start = len(self._buffer) - len(self._buffer.lstrip())
         try:
             value, end = _JSON.raw_decode(self._buffer, start)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
             return None
         return self._buffer[:end], self._call_of(value)
 
@@ -357,7 +378,7 @@ class ToolCallParser:
     def _parse_block(self, body: str) -> Optional[ToolCall]:
         try:
             return self._call_of(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
             return None
 
     def _call_of(self, call: Any) -> Optional[ToolCall]:

@@ -181,6 +181,20 @@ def test_tokenize_counts_a_tool_conversation_as_a_chat_request_is_billed(server)
     assert billed["with tools"] > billed["without"]
 
 
+def test_history_arguments_nested_deeper_than_json_decodes_are_no_server_error(server):
+    """A past call's ``arguments`` that nest deeper than the JSON decoder goes (a RecursionError,
+    a 500 before) are rendered as the text the client sent."""
+    arguments = "[" * 1200 + "]" * 1200  # past the decoder's depth, in few tokens
+    messages = [TOOL_CONVERSATION[0], {**TOOL_CONVERSATION[1], "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": arguments}}]},
+        TOOL_CONVERSATION[2]]
+    body = {"model": MODEL_NAME, "messages": messages, "tools": [WEATHER_TOOL]}
+    counted = server.http.post("/tokenize", json=body)
+    chat = server.http.post("/v1/chat/completions", json={**body, "max_tokens": 1, "temperature": 0})
+    assert counted.status_code == chat.status_code == 200, (counted.text[:200], chat.text[:200])
+    assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+
+
 def test_tokenize_and_detokenize_round_trip(server):
     text = "def f(x):\n    return x + 1  # héllo"
     body = server.http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()

@@ -244,6 +244,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call_and_drops_the_rest():
 
 
 @pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "add", "arguments": ' + '{"a": ' * 5000 + '1' + '}' * 5001 + '\n</tool_call>',  # too deep
+    '{"name": "add", "arguments": ' + '{"a": ' * 5000 + '1' + '}' * 5001,  # a bare object too deep to decode
     '```json\n{"name": "multiply", "arguments": {}}\n```',  # a fenced block, not a call of a tool
     '```json\n{"a": 1}\n```\nThat is the data.',  # fenced JSON data
     '<tool_call>\n{"name": "add", "arguments": {"a": 1,\n</tool_call>',  # not JSON
@@ -312,6 +314,18 @@ def test_a_template_without_tools_gets_the_qwen25_rendering(tokenizer):
     plain messages render to exactly the text Qwen2.5's own template writes."""
     assert "tools" not in tokenizer.chat_template
     assert _render(tokenizer.chat_template, HISTORY, [ADD]) == _render(QWEN_TEMPLATE, HISTORY, [ADD])
+
+
+@pytest.mark.parametrize("depth", [100, 5000])
+def test_history_arguments_nested_too_deep_stay_text(tokenizer, depth):
+    """A client's history call whose arguments nest deeper than MAX_ARGUMENTS_DEPTH (or than
+    the JSON decoder goes) is rendered as the text it sent, with either template, never an error."""
+    arguments = '{"a": ' * depth + "1" + "}" * depth
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_a", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]
+    for template in (QWEN_TEMPLATE, tokenizer.chat_template):
+        assert json.dumps(arguments) in _render(template, history, [ADD])  # the text, as a JSON string
 
 
 def test_a_call_qwen25_renders_parses_back():
