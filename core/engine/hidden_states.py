@@ -16,30 +16,35 @@ from ..errors import SpecdecError
 
 
 class PendingHiddenStates:
-    """Hidden-state rows per request, waiting for the request's next proposal."""
+    """Hidden-state rows per request, waiting for the request's next proposal.
+
+    A step's rows are kept as a reference to the step's tensor and where the request's rows lie
+    in it, and sliced out when taken: a slice is a paddle op (several microseconds), and a large
+    batch whose proposer is off for most requests (the drafting controller's doing) would pay one
+    per request and step for rows most of which are taken much later, or never. A slice is a view
+    of the step's tensor either way, so what is kept alive is the same."""
 
     def __init__(self, paddle: Any, hidden_size: int):
         self.paddle = paddle
         self.hidden_size = hidden_size
-        self._parts: dict[int, list[tuple[np.ndarray, Any]]] = {}
+        # per request: (first position, the step's [T, H] tensor, first row, count) per step kept
+        self._parts: dict[int, list[tuple[int, Any, int, int]]] = {}
 
     def keep(self, request: Any, hidden: Any, first_row: int, first_position: int, count: int) -> None:
         """Keep rows ``first_row .. first_row + count - 1`` of the step's ``[T, H]`` ``hidden``,
         the states at positions ``first_position ..`` of ``request``."""
         if count <= 0:
             return
-        positions = np.arange(first_position, first_position + count, dtype=np.int64)
-        self._parts.setdefault(id(request), []).append((positions, hidden[first_row: first_row + count]))
+        self._parts.setdefault(id(request), []).append((first_position, hidden, first_row, count))
 
     def take(self, request: Any) -> tuple[Any, np.ndarray]:
         """``([n, H] paddle tensor, [n] positions)`` kept for ``request`` since the last call."""
         parts = self._parts.pop(id(request), [])
         if not parts:
             return self.paddle.zeros([0, self.hidden_size], dtype="float32"), np.zeros(0, dtype=np.int64)
-        if len(parts) == 1:
-            return parts[0][1], parts[0][0]
-        return (self.paddle.concat([states for _, states in parts], axis=0),
-                np.concatenate([positions for positions, _ in parts]))
+        positions = np.concatenate([np.arange(first, first + count, dtype=np.int64) for first, _, _, count in parts])
+        states = [hidden[row: row + count] for _, hidden, row, count in parts]
+        return (states[0] if len(states) == 1 else self.paddle.concat(states, axis=0)), positions
 
     def drop(self, request: Any) -> None:
         """Forget ``request``'s rows (it finished, or was preempted and will recompute them)."""
