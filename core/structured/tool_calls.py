@@ -161,16 +161,26 @@ def template_knows_tools(template_source: Optional[str]) -> bool:
 MAX_ARGUMENTS_DEPTH = 64
 
 
+#: What :func:`_decoded` gives for text that is no JSON.
+_NOT_JSON = object()
+
+
+def _decoded(text: str) -> Any:
+    """``json.loads(text)``, or :data:`_NOT_JSON` for text that is no JSON or nests deeper than
+    the decoder goes (a RecursionError, which text from a client or a model must not raise)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+
+
 def arguments_object(arguments: Any) -> Any:
     """A history tool call's ``arguments`` as an object: OpenAI sends a JSON string, chat
     templates (Qwen2.5's ``arguments | tojson``) expect the object. Text that is no JSON, or
     JSON nested deeper than :data:`MAX_ARGUMENTS_DEPTH`, is kept as it is."""
     if isinstance(arguments, str):
-        try:
-            value = json.loads(arguments)
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
-            return arguments
-        return value if _depth(value) <= MAX_ARGUMENTS_DEPTH else arguments
+        value = _decoded(arguments)
+        return value if value is not _NOT_JSON and _depth(value) <= MAX_ARGUMENTS_DEPTH else arguments
     return arguments
 
 
@@ -292,23 +302,15 @@ class ToolCallParser:
                 if end < 0:
                     return events
                 block = self._buffer[: end + len(closing)]
-                self._buffer = self._buffer[len(block):]
                 self._block = None
-                call = self._parse_block(block[len(opening): -len(closing)])
-                if call is None:
-                    self._content(events, block)
-                elif self._call(events, call):
+                if self._took(events, block, self._call_of(_decoded(block[len(opening): -len(closing)]))):
                     return events
                 continue
             if not self._content_since_call and _BARE_OBJECT.match(self._buffer.lstrip()):
                 whole = self._bare_object()
                 if whole is None:  # not complete yet
                     return events
-                block, call = whole
-                self._buffer = self._buffer[len(block):]
-                if call is None:
-                    self._content(events, block)
-                elif self._call(events, call):
+                if self._took(events, *whole):
                     return events
                 continue
             starts = [(self._buffer.find(opening), opening, closing) for opening, closing in CALL_BLOCKS]
@@ -337,6 +339,15 @@ class ToolCallParser:
 
     def _done(self) -> bool:
         return self.max_calls is not None and self.num_calls >= self.max_calls
+
+    def _took(self, events: list, block: str, call: Optional[ToolCall]) -> bool:
+        """Take ``block`` off the buffer's start, as ``call`` or, when it is no call, as content;
+        True when that call was the last one taken (the rest is dropped)."""
+        self._buffer = self._buffer[len(block):]
+        if call is None:
+            self._content(events, block)
+            return False
+        return self._call(events, call)
 
     def _call(self, events: list, call: ToolCall) -> bool:
         """Add ``call``; True when it was the last one taken (the rest is dropped)."""
@@ -375,14 +386,9 @@ class ToolCallParser:
         self._pending_space = ""
         self._content_since_call = True
 
-    def _parse_block(self, body: str) -> Optional[ToolCall]:
-        try:
-            return self._call_of(json.loads(body))
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
-            return None
-
     def _call_of(self, call: Any) -> Optional[ToolCall]:
-        """The call a decoded JSON value is: an object of a known ``name`` and object ``arguments``."""
+        """The call a decoded JSON value is (an object of a known ``name`` and object
+        ``arguments``), else None (:data:`_NOT_JSON` too)."""
         if not isinstance(call, dict) or set(call) - {"name", "arguments"}:
             return None
         name, arguments = call.get("name"), call.get("arguments", {})

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from agent_loop import run_agent_loop
+from agent_loop import accepted_drafts, run_agent_loop
 from server_harness import MODEL_NAME, speculative_method
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ async def _schema_outputs(server, entries) -> list[tuple[str, str, int]]:
                 model=MODEL_NAME, messages=[{"role": "user", "content": entry["prompt"] + " Answer in JSON."}],
                 max_tokens=SCHEMA_MAX_TOKENS, temperature=0,
                 response_format=entry.get("response_format") or _response_format(entry))
-            accepted = response.usage.model_extra.get("speculative", {}).get("num_accepted_tokens", 0)
+            accepted = accepted_drafts(response.usage)
             return response.choices[0].message.content, response.choices[0].finish_reason, accepted
 
         return await asyncio.gather(*(one(entry) for entry in entries))
