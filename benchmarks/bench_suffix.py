@@ -1,11 +1,13 @@
 """Suffix tree speed: speculate and append with a global tree of many cached responses.
 
     python benchmarks/bench_suffix.py [--responses 1000] [--tokens 1000] [--depth 64] [--source stdlib]
+                                      [--trees compiled|python]
 
 Fills the global tree of a ``suffix`` proposer with ``--responses`` responses of ``--tokens``
-tokens each, then runs requests through the proposer's own code path and prints a table:
-append (one generated token: the request's tree plus its match in the global tree), speculate
-(one request's draft, both trees) and the global tree's insert / evict cost.
+tokens each, then runs requests through the proposer's lifecycle (a batch of one) and prints a
+table: append (``on_step`` with one accepted token: the request's tree plus its match in the
+global tree), speculate (``propose``: one request's draft, both trees) and the global tree's
+insert / evict cost. ``--trees python`` runs the Python twin of the compiled trees.
 
 Text: ``stdlib`` (default) is the Python standard library's source tokenized with the default
 model's tokenizer: real code, with the repetition real code has. ``zipf`` draws phrases of a
@@ -75,27 +77,38 @@ def micros(samples_ns: list[int]) -> tuple[float, float]:
 
 
 def run_requests(proposer: SuffixProposer, texts: list[list[int]], steps: int, caps: tuple[int, ...]):
-    """Generate ``steps`` tokens of each text through the proposer's lifecycle; time each
-    append and each speculate. Returns ({'append': ns...}, {cap: ns...}, drafted tokens by cap)."""
+    """Generate ``steps`` tokens of each text through the proposer's lifecycle, one request at a
+    time; time each ``on_step`` of one accepted token (the request's tree plus its match in the
+    global tree) and each ``propose`` (its draft, both trees). Returns ({'append': ns...},
+    {cap: ns...}, drafted tokens by cap)."""
     append_ns: list[int] = []
     speculate_ns: dict[int, list[int]] = {cap: [] for cap in caps}
     drafted = {cap: 0 for cap in caps}
     clock = time.perf_counter_ns
     for number, text in enumerate(texts):
         request_id = f"bench-{number}"
-        prompt = np.asarray(text[:PROMPT_TOKENS], dtype=np.int64)
-        proposer.on_request_start(specdec.ProposalRequest(request_id, prompt, PROMPT_TOKENS, 0))
-        state = proposer.requests[request_id]
+        tokens = list(text[:PROMPT_TOKENS])
+        proposer.on_request_start(specdec.ProposalRequest(request_id, np.asarray(tokens, dtype=np.int64),
+                                                          PROMPT_TOKENS, 0))
         for token in text[PROMPT_TOKENS: PROMPT_TOKENS + steps]:
+            context = np.asarray(tokens, dtype=np.int64)
             for cap in caps:
+                batch = specdec.ProposalBatch([specdec.ProposalRequest(request_id, context, PROMPT_TOKENS, cap)])
                 start = clock()
-                draft = proposer.speculate(state, cap)
+                drafts = proposer.propose(batch)
                 speculate_ns[cap].append(clock() - start)
-                drafted[cap] += len(draft.token_ids)
+                drafted[cap] += int(drafts.lengths[0])
+            batch = specdec.ProposalBatch([specdec.ProposalRequest(request_id, context, PROMPT_TOKENS, 0)])
+            accepted = [np.array([token], dtype=np.int64)]
             start = clock()
-            state.append([token])
+            proposer.on_step(batch, accepted)
             append_ns.append(clock() - start)
-        proposer.requests.pop(request_id)  # finish without caching: keep the global tree as built
+            tokens.append(token)
+        # Finish without caching: keep the global tree as built.
+        if proposer.native is not None:
+            proposer.native.finish(request_id)
+        else:
+            proposer.requests.pop(request_id)
     return append_ns, speculate_ns, drafted
 
 
@@ -108,6 +121,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20, help="requests per kind")
     parser.add_argument("--steps", type=int, default=200, help="generated tokens per request")
     parser.add_argument("--caps", default="5,32", help="num_speculative_tokens values to time")
+    parser.add_argument("--trees", choices=("compiled", "python"), default="compiled",
+                        help="the compiled trees (suffix_trees.cc) or their Python twin (tree.py)")
     args = parser.parse_args()
     caps = tuple(int(c) for c in args.caps.split(","))
 
@@ -117,7 +132,10 @@ def main() -> None:
     held_out = [tokens[(args.responses + i) * args.tokens:(args.responses + i + 1) * args.tokens]
                 for i in range(args.requests)]
 
-    proposer = SuffixProposer(SuffixConfig(suffix_decoding_max_tree_depth=args.depth))
+    proposer = SuffixProposer(SuffixConfig(suffix_decoding_max_tree_depth=args.depth),
+                              native=args.trees == "compiled")
+    if args.trees == "compiled" and proposer.native is None:
+        raise SystemExit("the compiled suffix trees are not available here (no C++ compiler?)")
     gc.collect()
     rss_before = rss_mb()
     start = time.perf_counter()
@@ -146,7 +164,7 @@ def main() -> None:
         tree.remove(f"cached-{number}")
         evict_ns.append(time.perf_counter_ns() - start)
 
-    print(f"global tree: {args.responses} responses x {args.tokens} tokens ({args.source}), depth {args.depth}: "
+    print(f"{args.trees} trees; global tree: {args.responses} responses x {args.tokens} tokens ({args.source}), depth {args.depth}: "
           f"{nodes:,} nodes+leaves, ~{rss_after - rss_before:,.0f} MB, "
           f"insert {build_s / (args.responses * args.tokens) * 1e6:.1f} us/token, "
           f"evict {statistics.median(evict_ns) / args.tokens / 1e3:.1f} us/token (median of {len(evict_ns)})")

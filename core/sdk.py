@@ -24,6 +24,7 @@ from .errors import ConfigError, PluginError, SpecdecError, require_paddle
 from .hookspecs import hookimpl
 from .kernels.cpu import KernelUnavailable, kernel_build_dir, load_cpu_ops
 from .kernels.cpu.packing import pack_attention_metadata
+from .kernels.cpu.shared_library import load_shared_library
 from .kernels.triton import load_triton_kernels
 from .model.quant import QuantizedLinear
 from .model.quant_layer import QuantizedDecoderLayer, QuantizedDraftHead, QuantizedDraftInput
@@ -49,7 +50,7 @@ __all__ = [
     "prefix_match_result", "verify_on_device",
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
-    "load_cpu_ops", "kernel_build_dir", "KernelUnavailable", "pack_attention_metadata", "load_triton_kernels", "QuantizedLinear",
+    "load_cpu_ops", "kernel_build_dir", "load_shared_library", "KernelUnavailable", "pack_attention_metadata", "load_triton_kernels", "QuantizedLinear",
     "QuantizedDecoderLayer", "QuantizedDraftHead", "QuantizedDraftInput", "resolve_model_path",
     "DeviceVerifyKernel",
 ]

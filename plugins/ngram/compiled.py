@@ -1,8 +1,8 @@
 """The ngram proposer's index, compiled (``ngram_index.cc``), loaded with ctypes.
 
 ``load_ngram_library()`` builds the C++ source with the system compiler once per source
-version (in :func:`specdec.sdk.kernel_build_dir`, next to the engine's kernels) and returns
-the library, or raises :class:`specdec.sdk.KernelUnavailable` with the reason. :class:`CompiledNgramIndexes`
+version (:func:`specdec.sdk.load_shared_library`) and returns the library, or raises
+:class:`specdec.sdk.KernelUnavailable` with the reason. :class:`CompiledNgramIndexes`
 holds one index per request and drafts for a whole batch in one call; the Python
 ``NgramIndex`` of the ngram plugin is its reference twin.
 """
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from specdec.sdk import KernelUnavailable, kernel_build_dir
+from specdec.sdk import load_shared_library
 
 SOURCE = Path(__file__).with_name("ngram_index.cc")
 _INT64_P = ctypes.POINTER(ctypes.c_int64)
@@ -29,28 +25,7 @@ _INT64_P = ctypes.POINTER(ctypes.c_int64)
 @functools.lru_cache(maxsize=1)
 def load_ngram_library() -> ctypes.CDLL:
     """Compile (once per source version) and load the index library."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise KernelUnavailable("no C++ compiler found (set CXX)")
-    target = kernel_build_dir(SOURCE) / "specdec_ngram_index.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent builds never load a half-written file.
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            try:
-                result = subprocess.run([compiler, "-O2", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o",
-                                         str(built)], capture_output=True, text=True)
-            except OSError as exc:
-                raise KernelUnavailable(f"running the C++ compiler failed: {exc}") from exc
-            if result.returncode != 0:
-                first = (result.stderr.strip().splitlines() or ["(no output)"])[0]
-                raise KernelUnavailable(f"building the ngram index failed: {first}")
-            os.replace(built, target)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        raise KernelUnavailable(f"loading the ngram index failed: {exc}") from exc
+    lib = load_shared_library(SOURCE, "specdec_ngram_index")
     lib.specdec_ngram_new.restype = ctypes.c_void_p
     lib.specdec_ngram_new.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.specdec_ngram_free.restype = None

@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 
 import specdec
-from specdec.sdk import above, in_range, one_of
+from specdec.sdk import KernelUnavailable, above, in_range, one_of
 
 from .tree import Draft, Matcher, SuffixTree, best_node_draft
 
@@ -74,8 +74,22 @@ class RequestState:
                 matcher.push(token)
 
 
+def _compiled_requests(depth: int, trees: dict, cache_key):
+    """The compiled trees' running requests (``compiled.py``), or ``None`` without a compiler."""
+    from .compiled import CompiledRequests
+
+    try:
+        return CompiledRequests(depth, trees, cache_key)
+    except KernelUnavailable:
+        return None
+
+
 class SuffixProposer(specdec.Proposer):
     """``suffix``: draft from suffix trees over the request itself and over earlier responses.
+
+    The trees are compiled (``suffix_trees.cc``: one native call a step for the whole batch)
+    where a C++ compiler is found; otherwise, or with ``native=False``, they are the Python
+    trees of ``tree.py``, their reference twin: the same drafts either way.
 
     The lifecycle keeps the trees in step: ``on_request_start`` builds the request's tree from
     its tokens, ``on_step`` appends what each request accepted, ``on_request_finish`` moves the
@@ -91,7 +105,7 @@ class SuffixProposer(specdec.Proposer):
     DEMO_CONFIG = {"num_speculative_tokens": 5}
     Config = SuffixConfig
 
-    def __init__(self, config: SuffixConfig | None = None, spec_config=None):
+    def __init__(self, config: SuffixConfig | None = None, spec_config=None, *, native: bool = True):
         super().__init__(config or SuffixConfig(), spec_config)
         cfg = self.config
         self.depth = cfg.suffix_decoding_max_tree_depth
@@ -102,10 +116,18 @@ class SuffixProposer(specdec.Proposer):
         #: The responses of finished requests, keyed by request id, per cache key (the tenant
         #: in ``tenant`` scope, else None); empty when the global tree is off.
         self.response_trees: dict[Hashable, SuffixTree] = {}
+        #: The running requests' compiled trees, or None: the Python ones (``requests``).
+        self.native = _compiled_requests(self.depth, self.response_trees, self.cache_key) if native else None
+        if self.native is not None:
+            from .compiled import CompiledSuffixTree
+
+            self._new_tree = CompiledSuffixTree
+        else:
+            self._new_tree = SuffixTree
         if self.max_cached != 0 and not self.per_tenant:
-            self.response_trees[None] = SuffixTree(self.depth)
+            self.response_trees[None] = self._new_tree(self.depth)
         self._cached_ids: deque = deque()  # (cache key, request id) in the trees, oldest first
-        #: request id -> its state (own tree, global matches), while the request runs.
+        #: request id -> its state (own tree, global matches), while the request runs (Python trees).
         self.requests: dict[str, RequestState] = {}
 
     @property
@@ -123,6 +145,10 @@ class SuffixProposer(specdec.Proposer):
     def propose(self, batch: specdec.ProposalBatch) -> specdec.Drafts:
         """Each request's best draft, labelled with the length of the match it came from
         (capped at :data:`MAX_DRAFT_CLASS`) for the adaptive draft length."""
+        if self.native is not None:
+            token_ids, lengths, matched = self.native.propose(batch.requests, self.max_spec_factor,
+                                                              self.min_token_prob)
+            return specdec.Drafts(token_ids=token_ids, lengths=lengths, classes=np.minimum(matched, MAX_DRAFT_CLASS))
         drafts, classes = [], []
         for request in batch.requests:
             if request.max_draft_len <= 0:
@@ -155,9 +181,16 @@ class SuffixProposer(specdec.Proposer):
     # -- keeping the trees in step ---------------------------------------------------------------
 
     def on_request_start(self, request: specdec.ProposalRequest) -> None:
+        if self.native is not None:
+            self.native.extend([request])
+            return
         self._sync(request.request_id, request.token_ids, request.num_prompt_tokens, request.tenant)
 
     def on_step(self, batch: specdec.ProposalBatch, accepted: list[np.ndarray]) -> None:
+        if self.native is not None:
+            rows = [i for i, tokens in enumerate(accepted) if len(tokens)]
+            self.native.extend([batch.requests[i] for i in rows], [accepted[i] for i in rows])
+            return
         for request, tokens in zip(batch.requests, accepted):
             if len(tokens):
                 # request.token_ids is the context the step proposed for, before ``tokens``.
@@ -165,6 +198,13 @@ class SuffixProposer(specdec.Proposer):
                 state.append(tokens.tolist())
 
     def on_request_finish(self, request_id: str) -> None:
+        if self.native is not None:
+            finished = self.native.finish(request_id)
+            if finished is not None and self.max_cached != 0:
+                key, response = finished
+                if response:
+                    self._cache(key, request_id, response)
+            return
         state = self.requests.pop(request_id, None)
         if state is None or self.max_cached == 0:
             return
@@ -196,7 +236,7 @@ class SuffixProposer(specdec.Proposer):
     def _cache(self, key: Hashable, request_id: str, response: list) -> None:
         tree = self.response_trees.get(key)
         if tree is None:
-            tree = self.response_trees[key] = SuffixTree(self.depth)
+            tree = self.response_trees[key] = self._new_tree(self.depth)
         if request_id in tree:
             tree.remove(request_id)
             self._cached_ids.remove((key, request_id))

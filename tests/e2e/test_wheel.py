@@ -103,7 +103,7 @@ def test_the_wheel_holds_every_package_file_and_entry_point(wheel):
     # the native sources and the head by name, whatever the mapping above says
     for name in ("specdec/kernels/cpu/specdec_cpu_ops.cc", "specdec/kernels/cpu/specdec_quant_ops.cc",
                  "specdec/kernels/cpu/quant_matmul.inc", "specdec/kernels/cpu/simd_math.h",
-                 "specdec/plugins/ngram/ngram_index.cc",
+                 "specdec/plugins/ngram/ngram_index.cc", "specdec/plugins/suffix/suffix_trees.cc",
                  "specdec/plugins/mtp/heads/smollm2-135m-instruct.safetensors"):
         assert name in names
     assert dict(entry_points["console_scripts"]) == pyproject["project"]["scripts"]

@@ -1,5 +1,9 @@
 """The ``suffix`` proposer: its config keys, the lifecycle that keeps its trees in step, the
-global tree's cache of responses, and drafting over both trees."""
+global tree's cache of responses, and drafting over both trees.
+
+Tests that look inside (a request's tree, the global tree's counts) run on the Python trees
+(``native=False``); those that only propose run on both, and a random lifecycle holds the
+compiled trees to the Python ones draft for draft."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from specdec.config import build_speculative_config
 from specdec.errors import ConfigError
 from specdec.plugin_manager import get_plugins
 from specdec.plugins.suffix import SuffixConfig, SuffixProposer
+from specdec.sampling import SamplingParams
 from specdec.testing import check_proposer
 
 
@@ -36,8 +41,13 @@ def run_request(proposer, request_id, prompt, generated, tenant=None):
     proposer.on_request_finish(request_id)
 
 
-def make(**keys) -> SuffixProposer:
-    return SuffixProposer(SuffixConfig(**keys))
+def make(native: bool = False, **keys) -> SuffixProposer:
+    proposer = SuffixProposer(SuffixConfig(**keys), native=native)
+    assert (proposer.native is not None) == native  # this machine has a C++ compiler: the compiled trees load
+    return proposer
+
+
+both_trees = pytest.mark.parametrize("native", [False, True], ids=["python", "compiled"])
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -103,11 +113,12 @@ def test_drafts_from_the_prompt():
     assert propose(make(suffix_decoding_min_token_prob=0.6), request("a", prompt)) == [[]]
 
 
-def test_drafts_are_labelled_with_their_match_length():
+@both_trees
+def test_drafts_are_labelled_with_their_match_length(native):
     """``Drafts.classes``: the match length, capped at MAX_DRAFT_CLASS; 0 without a draft."""
     from specdec.plugins.suffix.proposer import MAX_DRAFT_CLASS
 
-    proposer = make()
+    proposer = make(native)
     loop = list(range(20)) * 2  # the second pass matches the whole first one
     drafts = proposer.propose(specdec.ProposalBatch([
         request("short", [1, 2, 3, 4, 9, 1, 2]), request("long", loop, 20), request("none", [7, 8, 9]),
@@ -151,8 +162,9 @@ def test_preempted_request_resumes_with_its_tree():
     assert proposer.requests["a"].tokens == [7, 8]
 
 
-def test_max_draft_len_per_request():
-    proposer = make()
+@both_trees
+def test_max_draft_len_per_request(native):
+    proposer = make(native)
     loop = [1, 2, 3, 4] * 4
     drafts = proposer.propose(specdec.ProposalBatch([
         request("a", loop, 4, 5), request("b", [9, 8, 7], 3, 5), request("c", loop, 4, 2),
@@ -248,12 +260,13 @@ def test_the_bound_holds_over_many_requests_and_eviction_leaves_the_kept_respons
                 assert not draft.token_ids or tree.count(drafted) == fresh.count(drafted) > 0
 
 
-def test_tenant_scope_keeps_one_tenants_responses_from_drafting_for_another():
+@both_trees
+def test_tenant_scope_keeps_one_tenants_responses_from_drafting_for_another(native):
     response = list(range(200, 230))  # no token repeats: the request's own tree drafts nothing
     prompt_b = [7] + response[:10]  # B writes the very text of A's response
     drafts = {}
     for scope in ("global", "tenant"):
-        proposer = make(suffix_decoding_cache_scope=scope)
+        proposer = make(native, suffix_decoding_cache_scope=scope)
         run_request(proposer, "a1", [5], response, tenant="key-a")
         drafts[scope, "B"] = propose(proposer, request("b1", prompt_b, tenant="key-b"))
         drafts[scope, "A"] = propose(proposer, request("a2", prompt_b, tenant="key-a"))
@@ -263,8 +276,9 @@ def test_tenant_scope_keeps_one_tenants_responses_from_drafting_for_another():
     assert drafts["tenant", "A"] == [response[10:15]]  # a tenant still learns from itself
 
 
-def test_tenant_trees_are_bounded_together():
-    proposer = make(suffix_decoding_cache_scope="tenant", suffix_decoding_max_cached_requests=3)
+@both_trees
+def test_tenant_trees_are_bounded_together(native):
+    proposer = make(native, suffix_decoding_cache_scope="tenant", suffix_decoding_max_cached_requests=3)
     for number in range(6):
         run_request(proposer, f"r{number}", [0], [number, number + 1, 9], tenant=f"key-{number % 2}")
     assert sorted(proposer.response_trees) == ["key-0", "key-1"]
@@ -302,3 +316,66 @@ def test_equal_scores_go_to_the_requests_own_tree():
     assert proposer.global_tree.speculate([3, 4, 8, 9, 3, 4], 5, 1.0, 0.1)[:3] == ([7], [1.0], 1.0)
     draft = proposer.speculate(proposer.requests["y"], 5)
     assert (draft.token_ids, draft.probs, draft.match_len) == ([8, 9], [0.5, 0.5], 2)
+
+
+@pytest.mark.parametrize("scope, max_cached", [("global", 4), ("tenant", 3), ("global", 0)])
+def test_the_compiled_trees_draft_as_the_python_trees(scope, max_cached):
+    """A random lifecycle through both proposers: requests of a few tenants start (some
+    after a preemption with a new history), step with 0-3 accepted tokens, skip steps, turn
+    reproducible, and finish into a small cache that evicts. Every proposal is the same: the
+    tokens, the lengths and the match-length classes."""
+    rng = np.random.default_rng(len(scope) + max_cached)
+    keys = dict(suffix_decoding_max_tree_depth=int(rng.choice([3, 8, 64])), suffix_decoding_cache_scope=scope,
+                suffix_decoding_max_cached_requests=max_cached)
+    python, compiled = make(False, **keys), make(True, **keys)
+    phrases = [rng.integers(0, 12, size=rng.integers(2, 9)).tolist() for _ in range(6)]
+    running: dict[str, list] = {}
+    for step in range(400):
+        if len(running) < 4 and rng.random() < 0.3:
+            request_id = f"r{rng.integers(0, 12)}"
+            prompt = [token for _ in range(rng.integers(1, 4)) for token in phrases[rng.integers(0, 6)]]
+            running.setdefault(request_id, [prompt, len(prompt), f"key-{rng.integers(0, 2)}", False])
+            if rng.random() < 0.2:  # preempted: admitted again with another history
+                running[request_id][:2] = [prompt, len(prompt)]
+            for proposer in (python, compiled):
+                proposer.on_request_start(request(request_id, running[request_id][0], running[request_id][1],
+                                                  tenant=running[request_id][2]))
+        if not running:
+            continue
+        batch = []
+        for request_id, (tokens, prompt_len, tenant, reproducible) in running.items():
+            proposal = request(request_id, tokens, prompt_len, int(rng.integers(0, 7)), tenant=tenant)
+            batch.append(attrs_evolve(proposal, sampling=SEEDED) if reproducible else proposal)
+        drafts = [proposer.propose(specdec.ProposalBatch(batch)) for proposer in (python, compiled)]
+        assert drafts[0].to_lists() == drafts[1].to_lists(), step
+        assert drafts[0].classes.tolist() == drafts[1].classes.tolist(), step
+        accepted = []
+        for request_id, entry in running.items():
+            phrase = phrases[rng.integers(0, 6)]
+            grown = phrase[: rng.integers(0, 4)] if rng.random() < 0.8 else [int(rng.integers(0, 12))]
+            accepted.append(np.array(grown, dtype=np.int64))
+            entry[3] = entry[3] or rng.random() < 0.05
+        if rng.random() < 0.9:  # sometimes the engine skips on_step: propose catches up
+            for proposer in (python, compiled):
+                proposer.on_step(specdec.ProposalBatch(batch), accepted)
+        for (request_id, entry), grown in zip(running.items(), accepted):
+            entry[0] = entry[0] + grown.tolist()
+        if rng.random() < 0.15:
+            request_id = list(running)[rng.integers(0, len(running))]
+            del running[request_id]
+            for proposer in (python, compiled):
+                proposer.on_request_finish(request_id)
+    assert sorted(map(str, python.response_trees)) == sorted(map(str, compiled.response_trees))
+    for key, tree in python.response_trees.items():
+        assert list(tree) == list(compiled.response_trees[key])
+        assert tree.num_nodes() == compiled.response_trees[key].num_nodes()
+
+
+#: A seeded sampled request's settings: its drafts come from its own tree alone.
+SEEDED = SamplingParams(temperature=0.8, seed=7)
+
+
+def attrs_evolve(instance, **changes):
+    import attrs
+
+    return attrs.evolve(instance, **changes)

@@ -234,3 +234,46 @@ def test_best_node_draft_beat():
     assert best_node_draft(nodes, 8, 1.0, 0.1).score == 1.25
     assert best_node_draft(nodes, 8, 1.0, 0.1, beat=1.25).token_ids == []  # must be strictly better
     assert best_node_draft(nodes, 8, 1.0, 0.1, beat=1.0).token_ids == [3, 5]
+
+
+@pytest.mark.parametrize("seed", range(0, 160, 20))
+def test_the_compiled_tree_is_the_python_trees_twin(seed):
+    """Random sequences added (in two pieces), partly copied from each other so that suffixes
+    share paths, and removed, over alphabets small enough for ties between equally frequent
+    children: after every change the compiled tree (``suffix_trees.cc``) holds as many nodes
+    and gives the same drafts as this module's tree, for random contexts and for contexts
+    taken from the stored text, over depths, draft lengths, spec factors and probabilities."""
+    from specdec.plugins.suffix.compiled import CompiledSuffixTree
+
+    for case in range(seed, seed + 20):
+        rng = random.Random(case)
+        depth = rng.choice([1, 2, 3, 5, 8, 64])
+        vocab = rng.choice([2, 3, 5, 20])
+        python, compiled = SuffixTree(depth), CompiledSuffixTree(depth)
+        live = []
+        for step in range(40):
+            if rng.random() < 0.5 or not live:
+                tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+                if live and rng.random() < 0.5 and python.sequence(live[-1]):
+                    source = python.sequence(rng.choice(live)) or [0]
+                    start = rng.randrange(len(source))
+                    tokens = source[start: start + rng.randint(1, 30)] + tokens[:5]
+                cut = rng.randint(0, len(tokens))
+                for tree in (python, compiled):
+                    tree.extend(f"s{step}", tokens[:cut])
+                    tree.extend(f"s{step}", tokens[cut:])
+                live.append(f"s{step}")
+            elif rng.random() < 0.6:
+                gone = live.pop(rng.randrange(len(live)))
+                python.remove(gone)
+                compiled.remove(gone)
+            assert python.num_nodes() == compiled.num_nodes(), (case, step)
+            assert list(python) == list(compiled)
+            for _ in range(4):
+                context = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+                if live and rng.random() < 0.5 and python.sequence(live[-1]):
+                    source = python.sequence(live[-1])
+                    end = rng.randrange(len(source))
+                    context = source[max(0, end - rng.randint(0, 20)): end + 1]
+                settings = (rng.randint(0, 12), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.4]))
+                assert python.speculate(context, *settings) == compiled.speculate(context, *settings), (case, step)
