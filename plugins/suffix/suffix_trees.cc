@@ -35,6 +35,78 @@ struct Node {
   std::vector<int32_t> children;  // inner nodes but the root: child ids in insertion order
 };
 
+// (parent, token) -> child: open addressing with linear probing and backward-shift deletion,
+// one cache miss a lookup in the common case where std::unordered_map pays two (bucket, then
+// node); an append looks up one edge per active suffix, up to max_depth.
+class EdgeTable {
+ public:
+  EdgeTable() : slots_(16) {}
+
+  static uint64_t key_of(int32_t node, int32_t token) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(node)) << 32) | static_cast<uint32_t>(token);
+  }
+
+  int32_t find(uint64_t key) const {
+    for (size_t i = home(key);; i = (i + 1) & mask()) {
+      const Slot& slot = slots_[i];
+      if (slot.value == kNone) return kNone;
+      if (slot.key == key) return slot.value;
+    }
+  }
+
+  void put(uint64_t key, int32_t value) {
+    if (2 * (count_ + 1) > slots_.size()) grow();
+    size_t i = home(key);
+    while (slots_[i].value != kNone && slots_[i].key != key) i = (i + 1) & mask();
+    if (slots_[i].value == kNone) ++count_;
+    slots_[i] = {key, value};
+  }
+
+  void erase(uint64_t key) {
+    size_t i = home(key);
+    while (slots_[i].key != key || slots_[i].value == kNone) {
+      if (slots_[i].value == kNone) return;
+      i = (i + 1) & mask();
+    }
+    slots_[i].value = kNone;
+    --count_;
+    // Pull back every entry after the hole that may not sit beyond it (its home is not in (i, j]).
+    for (size_t j = (i + 1) & mask(); slots_[j].value != kNone; j = (j + 1) & mask()) {
+      const size_t k = home(slots_[j].key);
+      const bool stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+      if (stays) continue;
+      slots_[i] = slots_[j];
+      slots_[j].value = kNone;
+      i = j;
+    }
+  }
+
+ private:
+  struct Slot {
+    uint64_t key = 0;
+    int32_t value = kNone;
+  };
+
+  size_t mask() const { return slots_.size() - 1; }
+  size_t home(uint64_t key) const {
+    key ^= key >> 31;
+    key *= 0xbf58476d1ce4e5b9ULL;
+    key ^= key >> 29;
+    return static_cast<size_t>(key) & mask();
+  }
+
+  void grow() {
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    count_ = 0;
+    for (const Slot& slot : old)
+      if (slot.value != kNone) put(slot.key, slot.value);
+  }
+
+  std::vector<Slot> slots_;
+  size_t count_ = 0;
+};
+
 struct Draft {
   std::vector<int64_t> tokens;
   std::vector<double> probs;
@@ -124,10 +196,7 @@ class Tree {
 
   // -- reading (the matcher's and the drafts' primitives) --
 
-  int32_t find(int32_t node, int32_t token) const {
-    auto found = edges_.find(edge_key(node, token));
-    return found == edges_.end() ? kNone : found->second;
-  }
+  int32_t find(int32_t node, int32_t token) const { return edges_.find(EdgeTable::key_of(node, token)); }
   const Node& at(int32_t id) const { return nodes_[id]; }
   const std::vector<int32_t>& seq_tokens(int32_t slot) const { return seqs_[slot]; }
   int32_t leaf_end(const Node& leaf) const {
@@ -147,10 +216,6 @@ class Tree {
   }
 
  private:
-  static uint64_t edge_key(int32_t node, int32_t token) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(node)) << 32) | static_cast<uint32_t>(token);
-  }
-
   int32_t new_node() {
     if (!free_nodes_.empty()) {
       int32_t id = free_nodes_.back();
@@ -188,12 +253,12 @@ class Tree {
   }
 
   void add_child(int32_t parent, int32_t token, int32_t child) {
-    edges_[edge_key(parent, token)] = child;
+    edges_.put(EdgeTable::key_of(parent, token), child);
     if (parent != kRoot) nodes_[parent].children.push_back(child);
   }
 
   void replace_child(int32_t parent, int32_t token, int32_t old_child, int32_t new_child) {
-    edges_[edge_key(parent, token)] = new_child;
+    edges_.put(EdgeTable::key_of(parent, token), new_child);
     if (parent == kRoot) return;
     for (int32_t& child : nodes_[parent].children)
       if (child == old_child) {
@@ -203,7 +268,7 @@ class Tree {
   }
 
   void erase_child(int32_t parent, int32_t token, int32_t child) {
-    edges_.erase(edge_key(parent, token));
+    edges_.erase(EdgeTable::key_of(parent, token));
     if (parent == kRoot) return;
     std::vector<int32_t>& children = nodes_[parent].children;
     children.erase(std::find(children.begin(), children.end(), child));
@@ -217,8 +282,8 @@ class Tree {
       Node& n = nodes_[node];
       if (!n.leaf) {
         for (int32_t child : n.children) {
-          edges_.erase(edge_key(node, nodes_[child].leaf ? seqs_[nodes_[child].seq][nodes_[child].pos]
-                                                          : nodes_[child].token));
+          const Node& c = nodes_[child];
+          edges_.erase(EdgeTable::key_of(node, c.leaf ? seqs_[c.seq][c.pos] : c.token));
           stack.push_back(child);
         }
         n.children.clear();
@@ -236,7 +301,7 @@ class Tree {
     bool keep = l.pos < leaf_end(l);
     if (keep) {
       nodes_[node].children.push_back(leaf);
-      edges_[edge_key(node, seqs_[l.seq][l.pos])] = leaf;
+      edges_.put(EdgeTable::key_of(node, seqs_[l.seq][l.pos]), leaf);
       nodes_[node].best = leaf;
     }
     replace_child(parent, token, leaf, node);
@@ -290,7 +355,7 @@ class Tree {
   uint64_t version_;
   std::vector<Node> nodes_;  // nodes_[0] is the root
   std::vector<int32_t> free_nodes_;
-  std::unordered_map<uint64_t, int32_t> edges_;  // (parent, token) -> child
+  EdgeTable edges_;  // (parent, token) -> child
   std::vector<std::vector<int32_t>> seqs_;
   std::vector<int32_t> free_seqs_;
   std::unordered_map<int64_t, int32_t> slot_of_;  // sequence key -> slot in seqs_
