@@ -10,6 +10,7 @@
 // keeps its place, a deleted one leaves it), so a stale best child is recomputed as the first
 // child of the highest count, as Python's max() finds it.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <unordered_map>
 #include <vector>
@@ -21,8 +22,9 @@ constexpr int32_t kStale = -2;  // the best child lost count: recompute when rea
 constexpr int32_t kRoot = 0;
 
 // Unique across every tree of the process: a matcher made on one tree can never take another
-// tree (one made later at the same address) for the tree it matched against.
-uint64_t g_version = 0;
+// tree (one made later at the same address) for the tree it matched against. Atomic: ctypes
+// lets go of the GIL, and two engines in one process may each run their proposer at once.
+std::atomic<uint64_t> g_version{0};
 
 struct Node {
   int32_t token = 0;
