@@ -379,3 +379,20 @@ def attrs_evolve(instance, **changes):
     import attrs
 
     return attrs.evolve(instance, **changes)
+
+
+def test_the_compiled_requests_catch_up_start_over_and_free():
+    """The compiled path's bookkeeping, as the Python one's above: on_step appends, propose
+    catches up from token_ids, fewer tokens than it holds starts the request over, finish
+    frees it and hands its response to the global tree."""
+    proposer = make(True)
+    proposer.on_request_start(request("a", [5, 6, 7]))
+    proposer.on_step(specdec.ProposalBatch([request("a", [5, 6, 7])]), [np.array([5, 6], dtype=np.int64)])
+    assert proposer.native.tokens("a") == [5, 6, 7, 5, 6]
+    assert propose(proposer, request("a", [5, 6, 7, 5, 6, 7, 5], 3)) == [[6, 7, 5]]
+    assert proposer.native.tokens("a") == [5, 6, 7, 5, 6, 7, 5]
+    proposer.on_request_start(request("a", [7, 8], 1))  # another history: start over
+    assert proposer.native.tokens("a") == [7, 8]
+    proposer.on_request_finish("a")
+    assert "a" not in proposer.native and len(proposer.native) == 0
+    assert list(proposer.global_tree) == ["a"] and proposer.global_tree.sequence("a") == [8]
