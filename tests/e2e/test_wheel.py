@@ -11,7 +11,8 @@ print nothing on stderr, and give the editable install's tokens.
 
 Its speed is the editable install's because everything that sets it is checked equal, not
 timed: the engine's resolved settings (kernels, attention backend, dtypes, quantization), the
-kernels' build inputs byte for byte and their compiler flags, the versions of paddle and numpy,
+kernels' build inputs (and the ngram and suffix proposers' C++ files) byte for byte and their
+compiler flags, the versions of paddle and numpy,
 and the kernels' thread count (``SPECDEC_NUM_THREADS`` reaches both runs). A timed comparison
 here failed CI on noise (0.88x with the editable install's own runs spread 147-186 tokens/s on
 two busy workers); the regressions it was after are each one of those differences: the paddle
@@ -142,15 +143,19 @@ def _generate(command: list, env: dict, prompts_file: Path) -> tuple[dict, str]:
     return json.loads(result.stdout), result.stderr
 
 
-#: Printed by each install's own interpreter: what its kernels are built from and with, and the
-#: versions of the libraries that do the arithmetic.
+#: Printed by each install's own interpreter: what its kernels (and the ngram and suffix
+#: proposers' native code) are built from and with, and the versions of the libraries that do
+#: the arithmetic.
 BUILD_REPORT = """
 import hashlib, json
 from importlib.metadata import version
 import specdec.kernels.cpu as kernels
+from specdec.plugins.ngram import compiled as ngram
+from specdec.plugins.suffix import compiled as suffix
+sources = (*kernels.BUILD_INPUTS, ngram.SOURCE, suffix.SOURCE)
 print(json.dumps({
     "flags": list(kernels.CXX_FLAGS),
-    "inputs": {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in kernels.BUILD_INPUTS},
+    "inputs": {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sources},
     "versions": {name: version(name) for name in ("paddlepaddle", "numpy")},
     "kernel_dir": str(kernels.KERNEL_DIR),
 }))
