@@ -40,7 +40,7 @@ from ..structured.tool_calls import tag_tokens
 from ..sampling import MAX_SEED, SamplingParams
 from ..model.tokenizer import TooManyTokens
 from .engine_loop import EngineLoop, EngineStopped, Finished, QueueFull, RequestRejected, RequestStream
-from .errors import APIError, validation_error
+from .errors import APIError, as_400, validation_error
 from .generation_defaults import GenerationDefaults
 from .hosts import AllowedHostsMiddleware
 from .limits import BodyLimitMiddleware, ServerLimits, default_max_prompt_chars
@@ -274,7 +274,7 @@ class _Handlers:
         default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, self._room(prompt_ids))
         sampling = await self._with_prediction(body, lambda: body.sampling_params(
             default_max_tokens, self.engine_loop.num_speculative_tokens, self.generation_defaults))
-        structured = _checked(lambda: Structured(response_format_grammar(body.response_format)))
+        structured = as_400(lambda: Structured(response_format_grammar(body.response_format)))
         grammar = await self._compiled_grammar(structured)
         shape = CompletionShape(self.model_name, self.hide_speculative_usage, self._token_text)
         return await self._generate(body, request, prompt_ids, sampling, shape, grammar)
@@ -285,7 +285,7 @@ class _Handlers:
         body.resolve_max_tokens()
         self._check_num_messages(len(body.messages))
         tokenizer = self.engine_loop.tokenizer
-        messages, extra, structured = _checked(lambda: plan_chat(
+        messages, extra, structured = as_400(lambda: plan_chat(
             [message.to_template() for message in body.messages], body.tools, body.tool_choice,
             body.parallel_tool_calls, body.response_format, tokenizer.chat_template, self._tool_tags))
         prompt_ids = await self._tokenize_prompt(functools.partial(tokenizer.encode_chat, **extra), messages,
@@ -455,14 +455,6 @@ def choice_samplings(sampling: SamplingParams, n: int) -> list[SamplingParams]:
     if n == 1 or sampling.seed is None:
         return [sampling] * n
     return [attrs.evolve(sampling, seed=(sampling.seed + i) % (MAX_SEED + 1)) for i in range(n)]
-
-
-def _checked(build):
-    """``build()``, with a RequestError (a bad tools or response_format field) as its 400."""
-    try:
-        return build()
-    except RequestError as exc:
-        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 def _rejected(exc: RequestRejected, prompt_param: str) -> APIError:

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Optional, Sequence
 from fastapi.responses import JSONResponse
 
 from ..config import describe
-from ..errors import did_you_mean
+from ..errors import RequestError, did_you_mean
 
 #: The ``type`` of an error, by HTTP status.
 ERROR_TYPES = {
@@ -104,3 +104,12 @@ def validation_error(errors: Sequence[dict], field_names: Iterable[str]) -> APIE
                             code="invalid_type")
         return APIError(400, f"the request body: {problem}", code=code)
     return APIError(400, f"{param}: {problem}", param=param, code=code)
+
+
+def as_400(build):
+    """``build()``, with a :class:`~specdec.errors.RequestError` (a bad field the server's own
+    parsing found: tools, response_format, ...) as its 400 naming the field."""
+    try:
+        return build()
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None

@@ -27,9 +27,8 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field, field_validator
 
 from ..config import describe
-from ..errors import RequestError
 from ..structured.tool_calls import parse_tools, render_chat
-from .errors import APIError
+from .errors import APIError, as_400
 from .protocol import ChatMessage, _Strict, check_text
 from .structured import chat_prompt_chars
 
@@ -102,11 +101,8 @@ async def tokenize(body: TokenizeRequest, tokenizer, max_model_len: int, max_pro
         param, text, num_chars = "prompt", body.prompt, len(body.prompt)
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
     else:
-        try:
-            messages, extra = render_chat([message.to_template() for message in body.messages],
-                                          parse_tools(body.tools), tokenizer.chat_template)
-        except RequestError as exc:
-            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+        messages, extra = as_400(lambda: render_chat([message.to_template() for message in body.messages],
+                                                     parse_tools(body.tools), tokenizer.chat_template))
         param, num_chars = "messages", chat_prompt_chars(messages, extra)
         add_special = bool(body.add_special_tokens)
     if num_chars > max_prompt_chars:

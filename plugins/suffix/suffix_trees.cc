@@ -27,7 +27,7 @@ constexpr int32_t kRoot = 0;
 std::atomic<uint64_t> g_version{0};
 
 struct Node {
-  int32_t token = 0;
+  int32_t token = 0;     // inner nodes: the path's last token (a leaf's first is seqs[seq][pos])
   int32_t count = 0;     // a leaf's is 1
   int32_t best = kNone;  // inner nodes (not kept for the root)
   bool leaf = false;
@@ -218,40 +218,33 @@ class Tree {
   }
 
  private:
-  int32_t new_node() {
-    if (!free_nodes_.empty()) {
-      int32_t id = free_nodes_.back();
-      free_nodes_.pop_back();
-      return id;
+  // A node in a free slot (or a new one) holding `fields`.
+  int32_t new_node(Node fields) {
+    if (free_nodes_.empty()) {
+      nodes_.push_back(std::move(fields));
+      return static_cast<int32_t>(nodes_.size() - 1);
     }
-    nodes_.emplace_back();
-    return static_cast<int32_t>(nodes_.size() - 1);
+    const int32_t id = free_nodes_.back();
+    free_nodes_.pop_back();
+    nodes_[id] = std::move(fields);
+    return id;
   }
 
-  int32_t new_leaf(int32_t token, int32_t seq, int32_t pos, int32_t limit) {
-    const int32_t id = new_node();
-    Node& n = nodes_[id];
-    n.token = token;
-    n.count = 1;
-    n.best = kNone;
-    n.leaf = true;
-    n.seq = seq;
-    n.pos = pos;
-    n.limit = limit;
-    n.children.clear();
-    return id;
+  int32_t new_leaf(int32_t seq, int32_t pos, int32_t limit) {
+    Node leaf;
+    leaf.count = 1;
+    leaf.leaf = true;
+    leaf.seq = seq;
+    leaf.pos = pos;
+    leaf.limit = limit;
+    return new_node(std::move(leaf));
   }
 
   int32_t new_inner(int32_t token, int32_t count) {
-    const int32_t id = new_node();
-    Node& n = nodes_[id];
-    n.token = token;
-    n.count = count;
-    n.best = kNone;
-    n.leaf = false;
-    n.seq = -1;
-    n.children.clear();
-    return id;
+    Node inner;
+    inner.token = token;
+    inner.count = count;
+    return new_node(std::move(inner));
   }
 
   void add_child(int32_t parent, int32_t token, int32_t child) {
@@ -322,7 +315,7 @@ class Tree {
     next_active_.clear();
     int32_t child = find(kRoot, token);
     if (child == kNone) {
-      add_child(kRoot, token, new_leaf(token, growing_slot_, pos, pos + depth_));
+      add_child(kRoot, token, new_leaf(growing_slot_, pos, pos + depth_));
     } else {
       if (nodes_[child].leaf)
         child = split(kRoot, token, child);
@@ -336,7 +329,7 @@ class Tree {
       if (depth >= depth_) break;  // cut at max_depth: this suffix is complete
       child = find(node, token);
       if (child == kNone) {
-        const int32_t leaf = new_leaf(token, growing_slot_, pos, pos - depth + depth_);
+        const int32_t leaf = new_leaf(growing_slot_, pos, pos - depth + depth_);
         add_child(node, token, leaf);
         if (nodes_[node].best == kNone) nodes_[node].best = leaf;
         continue;
