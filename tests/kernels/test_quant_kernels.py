@@ -169,6 +169,29 @@ def test_a_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monke
     np.testing.assert_array_equal(alone, together)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_values_sum_exactly_on_every_isa(ops, monkeypatch, type_name, sign):
+    """Every weight at its largest value (nibbles of 15, Q5's fifth bits set: 31; Q8_0's bytes
+    of 0x80, -128) against activations at +-127: the AVX2 kernels add up 16-bit pair sums
+    (eight of 4-bit values, four of 5-bit ones) before widening them, and a sum that wrapped
+    would be off by 65536 steps. 6 rows (one AVX2 tile) and one row."""
+    cols = 576
+    _, elems, size = BLOCK_FORMATS[type_name]
+    blocks = np.full((19, cols // elems, size), 0x80 if type_name == "Q8_0" else 0xFF, dtype=np.uint8)
+    for offset in HALF_FIELDS[type_name]:
+        blocks[:, :, offset:offset + 2] = np.float16(0.01).reshape(1).view(np.uint8)
+    matrix = QuantizedMatrix(cols, (Segment(type_name, blocks.reshape(19, -1)),))
+    data, layout, data_t, layout_t = tensors(matrix)
+    for rows in (6, 1):
+        x = np.full((rows, cols), sign, dtype=np.float32)
+        results = [_run_on(monkeypatch, isa, ops.specdec_q_matmul, paddle.to_tensor(x), paddle.empty([0]), data_t,
+                           layout_t, paddle.empty([0]), 1e-5, False)[0] for isa in ISAS]
+        _close(results[0], reference.q_matmul(x, [], data, layout, [], 1e-5, False))
+        for isa, got in zip(ISAS[1:], results[1:]):
+            np.testing.assert_array_equal(got, results[0], err_msg=isa)
+
+
 @pytest.mark.parametrize("rows", [5, 20])
 def test_a_k_quant_layer_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, rows):
     """The same for q_layer_tail_qkv on a Q4_K_M-like layer (o, gate/up Q4_K; down Q6_K; qkv
