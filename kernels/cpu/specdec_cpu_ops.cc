@@ -247,6 +247,21 @@ inline void store_row(uint16_t* out, const float* in, int64_t n) {
   for (; i < n; ++i) store_elem(out + i, in[i]);
 }
 
+// A key's D elements into its slot of a transposed tile (element d at slot[8 d]), rounded to half
+// floats when T is uint16_t: rounded 8 at a time (one instruction), then stored one by one.
+inline void store_key(float* slot, const float* k, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) slot[d * 8] = k[d];
+}
+inline void store_key(uint16_t* slot, const float* k, int64_t D) {
+  alignas(16) uint16_t half[8];
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    _mm_store_si128(reinterpret_cast<__m128i*>(half), _mm256_cvtps_ph(_mm256_loadu_ps(k + d), _MM_FROUND_TO_NEAREST_INT));
+    for (int i = 0; i < 8; ++i) slot[(d + i) * 8] = half[i];
+  }
+  for (; d < D; ++d) store_elem(slot + d * 8, k[d]);
+}
+
 // Asks for bytes [p, p + n) in cache ahead of use: the cache's pages are scattered blocks, whose
 // starts the hardware prefetcher cannot guess.
 // Hint: _MM_HINT_T0 (level 1) unless told otherwise.
@@ -298,13 +313,14 @@ class SpreadPrefetch {
 // blocks of 9 (one key tile at a time) were 11% slower for 16 rows and more.
 constexpr int kQueryBlock = 9;      // AVX-512's, the largest block
 constexpr int kQueryBlockAvx2 = 6;
+constexpr int64_t kMaxHeadDim = 256;  // the largest head the attention takes (check_attention_layer)
 inline int64_t query_block(bool wide) { return wide ? kQueryBlock : kQueryBlockAvx2; }
 
 // scores[m * ld + 8 * i + j] = q_m . key_j for the N queries and TT key tiles from tile i (8
 // positions each, transposed: element d of position j at tile[d * 8 + j % 8]). N * TT
 // accumulators stay in registers; every loaded tile feeds N FMAs.
 template <int N, int TT, typename T>
-inline void score_tiles(const float* const* queries, const T* const* tiles, int64_t i, int64_t D, float* scores,
+inline void score_tiles(const float* qt, const T* const* tiles, int64_t i, int64_t D, float* scores,
                         int64_t ld) {
   __m256 acc[N][TT];
 #pragma GCC unroll 9
@@ -317,7 +333,7 @@ inline void score_tiles(const float* const* queries, const T* const* tiles, int6
     for (int t = 0; t < TT; ++t) k[t] = load8(tiles[i + t] + d * 8);
 #pragma GCC unroll 9
     for (int m = 0; m < N; ++m) {
-      const __m256 qd = _mm256_broadcast_ss(queries[m] + d);
+      const __m256 qd = _mm256_broadcast_ss(qt + d * N + m);
 #pragma GCC unroll 8
       for (int t = 0; t < TT; ++t) acc[m][t] = _mm256_fmadd_ps(qd, k[t], acc[m][t]);
     }
@@ -352,7 +368,7 @@ inline __m512 load16(const uint16_t* p) {
 // score_tiles for TP pairs of key tiles from tile i: N * TP 16-wide accumulators. `ahead`:
 // what to prefetch meanwhile, a step of it at each d.
 template <int N, int TP, typename T>
-void score_tile_pairs_zmm(const float* const* queries, const T* const* tiles, int64_t i, int64_t D, float* scores,
+void score_tile_pairs_zmm(const float* qt, const T* const* tiles, int64_t i, int64_t D, float* scores,
                           int64_t ld, SpreadPrefetch ahead = {}) {
   __m512 acc[N][TP];
 #pragma GCC unroll 9
@@ -366,7 +382,7 @@ void score_tile_pairs_zmm(const float* const* queries, const T* const* tiles, in
     for (int t = 0; t < TP; ++t) k[t] = load_tile_pair(tiles[i + 2 * t] + d * 8, tiles[i + 2 * t + 1] + d * 8);
 #pragma GCC unroll 9
     for (int m = 0; m < N; ++m) {
-      const __m512 qd = _mm512_set1_ps(queries[m][d]);
+      const __m512 qd = _mm512_set1_ps(qt[d * N + m]);
 #pragma GCC unroll 4
       for (int t = 0; t < TP; ++t) acc[m][t] = _mm512_fmadd_ps(qd, k[t], acc[m][t]);
     }
@@ -454,6 +470,12 @@ inline bool attention_uses_zmm() {
 template <int N, typename T>
 void block_scores(const float* const* queries, const T* const* tiles, const T* const* value_rows,
                   int64_t num_tiles, int64_t D, float* scores, bool wide) {
+  // The queries transposed, element d of query m at qt[d * N + m]: the kernels' broadcasts then
+  // address one array (nine query pointers took the general registers, and the tile pointers
+  // went through vector registers at every step).
+  float qt[kQueryBlock * kMaxHeadDim];
+  for (int m = 0; m < N; ++m)
+    for (int64_t d = 0; d < D; ++d) qt[d * N + m] = queries[m][d];
   constexpr int TT = N == 1 ? 8 : (N == 2 ? 4 : (N == 3 ? 3 : (N <= 6 ? 2 : 1)));
   constexpr int TP = N <= 6 ? 4 : 2;
   const int64_t ld = num_tiles * 8, tile_bytes = 8 * D * sizeof(T);
@@ -470,19 +492,19 @@ void block_scores(const float* const* queries, const T* const* tiles, const T* c
         next_group[count++] = reinterpret_cast<const char*>(tiles[t]);
         next_group[count++] = reinterpret_cast<const char*>(value_rows[t]);
       }
-      score_tile_pairs_zmm<N, TP>(queries, tiles, i, D, scores, ld,
+      score_tile_pairs_zmm<N, TP>(qt, tiles, i, D, scores, ld,
                                   SpreadPrefetch(next_group, count, tile_bytes / 64, D));
     }
-    for (; i + 2 <= num_tiles; i += 2) score_tile_pairs_zmm<N, 1>(queries, tiles, i, D, scores, ld);
+    for (; i + 2 <= num_tiles; i += 2) score_tile_pairs_zmm<N, 1>(qt, tiles, i, D, scores, ld);
   }
   for (; i + TT <= num_tiles; i += TT) {
     for (int64_t t = i + 2 * TT; t < std::min(num_tiles, i + 3 * TT); ++t) {
       prefetch_bytes(tiles[t], tile_bytes);
       prefetch_bytes(value_rows[t], tile_bytes);
     }
-    score_tiles<N, TT>(queries, tiles, i, D, scores, ld);
+    score_tiles<N, TT>(qt, tiles, i, D, scores, ld);
   }
-  for (; i < num_tiles; ++i) score_tiles<N, 1>(queries, tiles, i, D, scores, ld);
+  for (; i < num_tiles; ++i) score_tiles<N, 1>(qt, tiles, i, D, scores, ld);
 }
 
 inline float hmax8(__m256 v) {
@@ -734,7 +756,7 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
       for (int64_t h = 0; h < kv_heads; ++h) {
         rope(row + (heads + h) * D, c, s, D, k.data());
         T* slot = kv.key_slot(block, h, pos);
-        for (int64_t d = 0; d < D; ++d) store_elem(slot + d * 8, k[d]);
+        store_key(slot, k.data(), D);
         store_row(kv.value_page(block, h) + (pos % bs) * D, row + (heads + kv_heads + h) * D, D);
       }
     }
@@ -865,6 +887,7 @@ void check_attention_layer(const paddle::Tensor& cache, const paddle::Tensor& li
   const int64_t bs = cache.shape()[2], D = cache.shape()[3];
   PD_CHECK(qkv_width == (heads + 2 * kv_heads) * D, "paged_attention: qkv must be [T, (heads + 2*kv_heads) * D]");
   PD_CHECK(bs > 0 && D > 0 && bs % 8 == 0 && D % 8 == 0, "paged_attention: block_size and D must be multiples of 8");
+  PD_CHECK(D <= kMaxHeadDim, "paged_attention: heads of more than ", kMaxHeadDim, " elements are not supported");
   PD_CHECK(cache.dtype() == paddle::DataType::FLOAT32 || cache.dtype() == paddle::DataType::FLOAT16,
            "paged_attention: the cache must be float32 or float16");
 }

@@ -23,6 +23,11 @@ from specdec.sdk import (AttentionMetadata, KernelUnavailable, SpecdecError, loa
 MAX_METADATA_SHAPES = 32
 
 
+#: The largest head the kernel takes (kMaxHeadDim in specdec_cpu_ops.cc: its score passes copy a
+#: block's queries into a buffer on the stack).
+MAX_HEAD_DIM = 256
+
+
 class CpuAttention(specdec.AttentionBackend):
     NAME = "cpu"
 
@@ -32,6 +37,9 @@ class CpuAttention(specdec.AttentionBackend):
             self.ops = load_cpu_ops()
         except KernelUnavailable as exc:
             raise SpecdecError(f"attention_backend 'cpu': {exc}; use 'paddle'") from None
+        if head_dim > MAX_HEAD_DIM:
+            raise SpecdecError(f"attention_backend 'cpu': heads of at most {MAX_HEAD_DIM} elements, this model's have "
+                               f"{head_dim}; use 'paddle'")
         if dtype not in ("float32", "float16"):
             raise SpecdecError(f"kv_cache_dtype: attention_backend 'cpu' keeps float32 or float16, got {dtype}")
         super().setup(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

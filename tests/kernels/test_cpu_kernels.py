@@ -135,6 +135,25 @@ def test_paged_attention_rejects_bad_block_ids(ops):
                                     heads, kv_heads)
 
 
+def test_heads_longer_than_the_kernel_takes_are_a_clear_error(ops):
+    """A head of more than 256 elements: the kernel refuses it, and the backend says so at setup
+    (naming the backend to use instead) rather than at the first step."""
+    from specdec.errors import SpecdecError
+    from specdec.plugins.attention.cpu_backend import CpuAttention
+
+    heads, kv_heads, dim = 2, 1, 264
+    cos, sin = _rope_tables(32, dim)
+    qkv = paddle.zeros([1, (heads + 2 * kv_heads) * dim])
+    meta = pack_attention_metadata(np.array([[0]], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32))
+    with pytest.raises(Exception, match="heads of more than 256 elements"):
+        ops.specdec_paged_attention(qkv, paddle.zeros([1, 2 * kv_heads, 8, dim]), paddle.to_tensor(cos),
+                                    paddle.to_tensor(sin), paddle.to_tensor(meta), heads, kv_heads)
+    backend = CpuAttention()
+    with pytest.raises(SpecdecError, match="heads of at most 256 elements, this model's have 264; use 'paddle'"):
+        backend.setup(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype="float32",
+                      rope_cos=cos, rope_sin=sin)
+
+
 def test_cpu_attention_backend_equals_paddle_backend(ops):
     """The two registered backends agree over a prefill, then a mixed prefill + verify step."""
     from specdec.attention import AttentionMetadata

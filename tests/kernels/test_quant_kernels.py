@@ -192,6 +192,30 @@ def test_the_largest_values_sum_exactly_on_every_isa(ops, monkeypatch, type_name
             np.testing.assert_array_equal(got, results[0], err_msg=isa)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_activation_blocks_quantize_alike_on_every_isa(ops, monkeypatch, type_name):
+    """The AVX-512 path quantizes an activation row's blocks of 32 sixteen at a time (their
+    maxima, scales and int8 sums as vectors) and the rest one by one; AVX2 one by one. 33 blocks
+    (two groups of 16 and one left over) with all-zero blocks (scale 0) in and out of the
+    groups, a block of one tiny value and one of huge ones: the same floats on every path."""
+    rng = np.random.default_rng(33)
+    cols = 33 * 32
+    matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 21, cols),))
+    data, layout, data_t, layout_t = tensors(matrix)
+    for rows in (1, 6):
+        x = (rng.standard_normal((rows, cols)) * 2).astype(np.float32)
+        for zero_block in (3, 17, 32):
+            x[:, 32 * zero_block: 32 * zero_block + 32] = 0
+        x[:, 32 * 20: 32 * 21] = 0
+        x[:, 32 * 20 + 7] = 1e-30
+        x[:, 32 * 25: 32 * 26] *= 1e30
+        results = [_run_on(monkeypatch, isa, ops.specdec_q_matmul, paddle.to_tensor(x), paddle.empty([0]), data_t,
+                           layout_t, paddle.empty([0]), 1e-5, False)[0] for isa in ISAS]
+        for isa, got in zip(ISAS[1:], results[1:]):
+            np.testing.assert_array_equal(got, results[0], err_msg=isa)
+        assert np.isfinite(results[0]).all()
+
+
 @pytest.mark.parametrize("rows", [5, 20])
 def test_a_k_quant_layer_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, rows):
     """The same for q_layer_tail_qkv on a Q4_K_M-like layer (o, gate/up Q4_K; down Q6_K; qkv
