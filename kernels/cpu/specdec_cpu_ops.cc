@@ -26,6 +26,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -803,13 +804,14 @@ void paged_attention_impl(const float* in, T* cache_data, const float* cos_t, co
   if (num_blocks >= 2 * WorkPool::get().threads()) {  // enough blocks: a work item is a block
     WorkPool::get().parallel_for(num_blocks, [&](int64_t index) {
       const Block blk = describe(index);
-      std::vector<float> outs(blk.chunks * blk.n * D);
-      std::vector<ChunkPart> parts(blk.chunks * blk.n);
+      // Not zeroed: the values pass writes every column of every part.
+      const std::unique_ptr<float[]> outs(new float[blk.chunks * blk.n * D]);
+      const std::unique_ptr<ChunkPart[]> parts(new ChunkPart[blk.chunks * blk.n]);
       for (int64_t c = 0; c < blk.chunks; ++c) {
-        for (int64_t i = 0; i < blk.n; ++i) parts[c * blk.n + i].out = outs.data() + (c * blk.n + i) * D;
-        attend(blk, c, parts.data() + c * blk.n);
+        for (int64_t i = 0; i < blk.n; ++i) parts[c * blk.n + i].out = outs.get() + (c * blk.n + i) * D;
+        attend(blk, c, parts.get() + c * blk.n);
       }
-      for (int64_t i = 0; i < blk.n; ++i) combine_chunks(parts.data() + i, blk.n, blk.chunks, D, blk.outs[i]);
+      for (int64_t i = 0; i < blk.n; ++i) combine_chunks(parts.get() + i, blk.n, blk.chunks, D, blk.outs[i]);
     });
     return;
   }

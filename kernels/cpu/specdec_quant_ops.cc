@@ -93,6 +93,16 @@ struct CacheLineAllocator {
   CacheLineAllocator(const CacheLineAllocator<U>&) {}
   T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
   void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  // resize(n) leaves new elements uninitialized (every buffer of these kernels is written whole
+  // before it is read): zeroing a verify step's activation buffers cost about 1% of its pass.
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
   template <typename U>
   bool operator==(const CacheLineAllocator<U>&) const { return true; }
   template <typename U>
@@ -668,8 +678,8 @@ inline double sum_of_squares(const float* x, int64_t K) {
 }
 
 // rms_norm(x) * gain, row by row.
-std::vector<float> normalized(const float* x, int64_t M, int64_t K, const float* gain, float eps) {
-  std::vector<float> h(M * K);
+AlignedVector<float> normalized(const float* x, int64_t M, int64_t K, const float* gain, float eps) {
+  AlignedVector<float> h(M * K);
   for_each_row(M, [&](int64_t m) {
     const float* row = x + m * K;
     const float scale = 1.0f / std::sqrt(static_cast<float>(sum_of_squares(row, K) / K) + eps);
@@ -716,11 +726,11 @@ LayerTailWeights parse_layer_tail(const paddle::Tensor& wo, const paddle::Tensor
 void layer_tail(const float* attn, const float* x, int64_t M, int64_t A, int64_t H, const LayerTailWeights& w,
                 float eps, float* out) {
   const int64_t I = w.I;
-  std::vector<float> x1(M * H);
+  AlignedVector<float> x1(M * H);  // the o matmul writes it whole
   Epilogue residual;
   residual.residual = x;
   matmul(attn, M, A, w.o, residual, x1.data());
-  const std::vector<float> h = normalized(x1.data(), M, H, w.gain, eps);
+  const AlignedVector<float> h = normalized(x1.data(), M, H, w.gain, eps);
   // The MLP in chunks of rows whose [rows, 2I] gate/up output stays below the heap's mmap
   // threshold (kHeapReuse): a long prompt's would otherwise be fresh pages, faulted in and
   // zeroed at every layer. Rows are independent: the chunks give the same floats.
@@ -779,7 +789,7 @@ Projection parse_projection(const paddle::Tensor& w, const paddle::Tensor& layou
 void project(const float* x, int64_t M, int64_t K, const QuantWeight& w, const Epilogue& epi, const float* gain,
              bool normalize, float eps, float* out) {
   if (normalize) {
-    const std::vector<float> h = normalized(x, M, K, gain, eps);
+    const AlignedVector<float> h = normalized(x, M, K, gain, eps);
     matmul(h.data(), M, K, w, epi, out);
   } else {
     matmul(x, M, K, w, epi, out);
