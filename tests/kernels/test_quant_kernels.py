@@ -194,10 +194,10 @@ def test_the_largest_values_sum_exactly_on_every_isa(ops, monkeypatch, type_name
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_activation_blocks_quantize_alike_on_every_isa(ops, monkeypatch, type_name):
-    """The AVX-512 path quantizes an activation row's blocks of 32 sixteen at a time (their
-    maxima, scales and int8 sums as vectors) and the rest one by one; AVX2 one by one. 33 blocks
-    (two groups of 16 and one left over) with all-zero blocks (scale 0) in and out of the
-    groups, a block of one tiny value and one of huge ones: the same floats on every path."""
+    """An activation row's blocks of 32 are quantized sixteen at a time on AVX-512 and eight at
+    a time on AVX2 (their maxima, scales and int8 sums as vectors), the rest one by one. 33
+    blocks (groups of 16 or 8 and one left over) with all-zero blocks (scale 0) in and out of
+    the groups, a block of one tiny value and one of huge ones: the same floats on every path."""
     rng = np.random.default_rng(33)
     cols = 33 * 32
     matrix = QuantizedMatrix(cols, (random_blocks(rng, type_name, 21, cols),))
