@@ -183,8 +183,8 @@ inline __m256 reduce_each8(const __m256* v, Op op) {
 // One row's blocks of 32 quantized as quantize_blocks does it, 8 blocks at a time: their
 // maxima and int8 sums reduced together (reduce_each8), their scales divided as one vector;
 // the same int8s, scales and sums (a division lane by lane rounds as the scalar one does; the
-// sums are of integers). A row of 18 blocks took 210 cycles instead of 340, one of 48 blocks
-// 535 instead of 900 (2026-12-07, Zen 4).
+// sums are of integers). A row of 18 blocks took 210 time-stamp cycles instead of 340, one of
+// 48 blocks 535 instead of 900 (2026-12-07, Zen 4).
 void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* sum) {
   const auto max = [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); };
   const auto add = [](__m256 a, __m256 b) {
@@ -226,28 +226,10 @@ bool wide_activations() {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-// The blocks [first, last) of one row quantized one at a time, as abs_max and quantize32 do it
-// (for finite activations the same int8s, scales and sums at any width: a maximum, a product
-// and its rounding, and the saturation to int8): the scale of block j into d[j], the sum of its
-// dequantized values into sum[j].
-void quantize_blocks_zmm(const float* x, int64_t first, int64_t last, int8_t* q, float* d, float* sum) {
-  for (int64_t j = first; j < last; ++j) {
-    const __m512 a = _mm512_loadu_ps(x + 32 * j), b = _mm512_loadu_ps(x + 32 * j + 16);
-    const float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.f;
-    const __m512 inverse = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
-    const __m128i low = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)));
-    const __m128i high = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse)));
-    const __m256i q8 = _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j), q8);
-    d[j] = scale;
-    sum[j] = scale * static_cast<float>(sum_of_int8s(q8));
-  }
-}
-
 // Lane i of the result: op over the 16 lanes of v[(i % 4) * 4 + i / 4] (a transposed
 // reduction of 16 vectors in 15 shuffle pairs, against 4 shuffles a vector reduced alone).
 template <typename Op>
-inline __m512 reduce_each(const __m512* v, Op op) {
+inline __m512 reduce_each16(const __m512* v, Op op) {
   __m512 halves[8], quarters[4];
   for (int i = 0; i < 8; ++i)
     halves[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
@@ -260,12 +242,13 @@ inline __m512 reduce_each(const __m512* v, Op op) {
             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))));
 }
 
-// One row's blocks of 32 quantized as quantize_blocks_zmm does it, 16 blocks at a time: their
-// maxima and int8 sums reduced together (reduce_each), their scales divided as one vector. The
-// same int8s, scales and sums (a division lane by lane rounds as the scalar one does; the sums
-// are of integers, the int8s saturated as the packing saturates them). A verify step quantizes
-// its few rows on one thread, between the matmuls: a row of 18 blocks took 220 cycles instead of
-// 340, one of 48 blocks 560 instead of 890 (2026-12-07, Zen 4).
+// One row's blocks of 32 quantized as quantize_blocks does it (for finite activations the same
+// int8s, scales and sums at any width: a maximum, a product and its rounding, the saturation to
+// int8, a division lane by lane, integer sums), 16 blocks at a time: their maxima and int8 sums
+// reduced together (reduce_each16), their scales divided as one vector; the blocks left over
+// one by one. A verify step quantizes its few rows on one thread, between the matmuls: a row of
+// 18 blocks took 220 time-stamp cycles instead of 340, one of 48 blocks 560 instead of 890
+// (2026-12-07, Zen 4).
 __attribute__((noinline)) void quantize_row_zmm(const float* x, int64_t blocks, int8_t* q, float* d, float* sum) {
   const auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
   const auto add = [](__m512 a, __m512 b) {
@@ -274,12 +257,12 @@ __attribute__((noinline)) void quantize_row_zmm(const float* x, int64_t blocks, 
   const __m512i low8 = _mm512_set1_epi32(-128), high8 = _mm512_set1_epi32(127);
   int64_t j0 = 0;
   for (; j0 + 16 <= blocks; j0 += 16) {
-    __m512 v[16];  // block b's values at v[(b % 4) * 4 + b / 4], so that reduce_each puts it in lane b
+    __m512 v[16];  // block b's values at v[(b % 4) * 4 + b / 4], so that reduce_each16 puts it in lane b
     for (int b = 0; b < 16; ++b) {
       const float* in = x + 32 * (j0 + b);
       v[(b % 4) * 4 + b / 4] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(in)), _mm512_abs_ps(_mm512_loadu_ps(in + 16)));
     }
-    const __m512 scale = _mm512_div_ps(reduce_each(v, max), _mm512_set1_ps(127.f));
+    const __m512 scale = _mm512_div_ps(reduce_each16(v, max), _mm512_set1_ps(127.f));
     const __m512 inverse =
         _mm512_maskz_div_ps(_mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.f), scale);
     alignas(64) float inverses[16];
@@ -297,10 +280,10 @@ __attribute__((noinline)) void quantize_row_zmm(const float* x, int64_t blocks, 
                                                  _mm512_min_epi32(_mm512_max_epi32(hi, low8), high8));
       v[(b % 4) * 4 + b / 4] = _mm512_castsi512_ps(saturated);
     }
-    const __m512i totals = _mm512_castps_si512(reduce_each(v, add));
+    const __m512i totals = _mm512_castps_si512(reduce_each16(v, add));
     _mm512_storeu_ps(sum + j0, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(totals)));
   }
-  quantize_blocks_zmm(x, j0, blocks, q, d, sum);
+  quantize_blocks(x, j0, blocks, q, d, sum);
 }
 
 // a[0:n] = silu(g) * u as swiglu8 computes it, 16 lanes at a time (n: a multiple of 16).
