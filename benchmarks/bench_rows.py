@@ -14,8 +14,9 @@ ratio to the 1-row pass, and two floors:
   measured here by every core reading its part of a 1 GiB array (an integer OR of its words);
 - compute: the pass's multiply-adds (every weight once per row, plus attention over the
   context) over the best multiply-add rate the quantized kernels reach on the model's layer
-  matrices with their weights in cache (a second tile of 6 or 8 rows, the call's fixed cost left
-  out; the best of the four matrices; the rate this ISA path gives, not the chip's paper peak).
+  matrices with their weights in cache (three tiles of 6 or 8 rows more than one, the call's
+  fixed cost left out; the best of the four matrices; the rate this ISA path gives, not the
+  chip's paper peak).
 
 The floor of a row count is the larger of the two. Prints the CPU it ran on.
 
