@@ -59,7 +59,7 @@ class StepCostModel:
 
     def __init__(self, decay: float = 0.97):
         self.decay = decay
-        self._sums = np.zeros(5)  # weight, rows, seconds, rows^2, rows*seconds
+        self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows*seconds (floats: see ProposerCostModel)
         #: costs() until the next observe(): the controller asks for it many times a step.
         self._costs: tuple[float, float] | None = None
 
@@ -67,8 +67,9 @@ class StepCostModel:
         if self._sums[0] >= OUTLIER_MIN_STEPS:
             fixed, per_row = self.costs()
             seconds = min(seconds, OUTLIER_FACTOR * (fixed + per_row * rows))
-        self._sums *= self.decay
-        self._sums += (1.0, rows, seconds, rows * rows, rows * seconds)
+        rows, seconds = float(rows), float(seconds)
+        self._sums = [self.decay * total + value
+                      for total, value in zip(self._sums, (1.0, rows, seconds, rows * rows, rows * seconds))]
         self._costs = None
 
     @property
@@ -83,7 +84,7 @@ class StepCostModel:
         return self._costs
 
     def _fit(self) -> tuple[float, float]:
-        weight, rows, seconds, rows2, rows_seconds = self._sums.tolist()
+        weight, rows, seconds, rows2, rows_seconds = self._sums
         if not self.measured:
             return 1.0, PRIOR_ROW_COST
         mean_rows, mean_seconds = rows / weight, seconds / weight
@@ -176,6 +177,10 @@ class AcceptanceModel:
         # time: a step costs nothing for the requests that did not draft in it.
         self._own_step: dict[str, int] = {}
         self._step = 0
+        # class -> the shared p(1..W) as floats, until the next record(): the controller asks
+        # for chances two or three times a step, and at batch 1 each numpy call it saves is a
+        # few microseconds, ten times that on the caches a forward pass has just flushed.
+        self._shared_p_cache: dict[int, list[float]] = {}
 
     def _own_counts(self, request_id: str) -> dict[int, np.ndarray] | None:
         own = self._own.get(request_id)
@@ -196,52 +201,60 @@ class AcceptanceModel:
             counts = np.concatenate([counts, np.zeros((2, width - counts.shape[1]))], axis=1)
         return counts
 
-    def _shared_p(self, draft_class: int, width: int) -> np.ndarray:
+    def _shared_p(self, draft_class: int, width: int) -> list[float]:
+        """The shared conditional acceptance ``p(1) .. p(width)`` of ``draft_class``."""
+        cached = self._shared_p_cache.get(draft_class)
+        if cached is not None and len(cached) >= width:
+            return cached[:width]
         counts = self._shared.get(draft_class)
         if counts is None:
-            return np.full(width, PRIOR_ACCEPTANCE)
-        verified, accepted = self._grown(counts, width)[:, :width]
-        p = np.empty(width)
-        prior = PRIOR_ACCEPTANCE
-        for j in range(width):
-            p[j] = prior = (accepted[j] + PRIOR_WEIGHT * prior) / (verified[j] + PRIOR_WEIGHT)
+            p = [PRIOR_ACCEPTANCE] * width
+        else:
+            verified, accepted = counts.tolist()
+            p, prior = [], PRIOR_ACCEPTANCE
+            for j in range(width):
+                seen, took = (verified[j], accepted[j]) if j < len(verified) else (0.0, 0.0)
+                prior = (took + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
+                p.append(prior)
+        self._shared_p_cache[draft_class] = p
         return p
 
     def shared_first_chance(self, draft_class: int = 0) -> float:
         """The chance that a first draft of ``draft_class`` is accepted, over all requests."""
-        return float(self._shared_p(draft_class, 1)[0])
+        return self._shared_p(draft_class, 1)[0]
 
     def chances(self, request_ids: list[str], classes: np.ndarray | None, width: int) -> np.ndarray:
         """``[B, width]``: the chance that draft ``j + 1`` of request ``b`` (of class
         ``classes[b]``; ``None``: all of class 0) is accepted along with every draft before it."""
-        classes = _labels(classes, len(request_ids))
-        out = np.empty((len(request_ids), width))
-        shared: dict[int, np.ndarray] = {}
-        for b, (request_id, draft_class) in enumerate(zip(request_ids, classes.tolist())):
-            prior = shared.get(draft_class)
-            if prior is None:
-                prior = shared[draft_class] = self._shared_p(draft_class, width)
+        labels = [0] * len(request_ids) if classes is None else classes.tolist()
+        rows = []
+        for request_id, draft_class in zip(request_ids, labels):
+            prior = self._shared_p(draft_class, width)
             own = (self._own_counts(request_id) or {}).get(draft_class)
             if own is None:
                 p = prior
             else:
-                own = self._grown(own, width)[:, :width]
-                p = (own[1] + REQUEST_PRIOR_WEIGHT * prior) / (own[0] + REQUEST_PRIOR_WEIGHT)
-            out[b] = np.cumprod(p)
-        return out
+                verified, accepted = own.tolist()
+                p = [(accepted[j] + REQUEST_PRIOR_WEIGHT * prior[j]) / (verified[j] + REQUEST_PRIOR_WEIGHT)
+                     if j < len(verified) else prior[j] for j in range(width)]
+            chance, row = 1.0, []
+            for value in p:
+                chance *= value
+                row.append(chance)
+            rows.append(row)
+        return np.array(rows, dtype=np.float64).reshape(len(request_ids), width)
 
     def record(self, request_ids: list[str], classes: np.ndarray | None, draft_lengths: np.ndarray,
                accepted: np.ndarray) -> None:
         """Fold in one step: request ``b`` verified ``draft_lengths[b]`` drafts of class
         ``classes[b]`` and accepted the first ``accepted[b]`` of them."""
-        classes = _labels(classes, len(request_ids))
-        width = int(draft_lengths.max()) if len(draft_lengths) else 0
-        positions = np.arange(width)
+        labels = [0] * len(request_ids) if classes is None else classes.tolist()
         self._step += 1
         for counts in self._shared.values():
             counts *= SHARED_DECAY
-        for request_id, draft_class, drafted, kept in zip(
-                request_ids, classes.tolist(), draft_lengths.tolist(), accepted.tolist()):
+        self._shared_p_cache.clear()
+        for request_id, draft_class, drafted, kept in zip(request_ids, labels, draft_lengths.tolist(),
+                                                          accepted.tolist()):
             if drafted == 0:
                 continue
             own = self._own_counts(request_id)
@@ -250,17 +263,13 @@ class AcceptanceModel:
                 self._own_step[request_id] = self._step
             # Positions 0 .. kept were verified with all before them accepted (position
             # `kept` only if it exists: it is the first rejected one); 0 .. kept-1 accepted.
-            verified = positions < min(kept + 1, drafted)
-            took = positions < kept
             for table in (self._shared, own):
-                counts = table[draft_class] = self._grown(table.get(draft_class), width)
-                counts[0, :width] += verified
-                counts[1, :width] += took
+                counts = table.get(draft_class)
+                if counts is None or counts.shape[1] < drafted:
+                    counts = table[draft_class] = self._grown(counts, drafted)
+                counts[0, :min(kept + 1, drafted)] += 1.0
+                counts[1, :kept] += 1.0
 
     def forget(self, request_id: str) -> None:
         self._own.pop(request_id, None)
         self._own_step.pop(request_id, None)
-
-
-def _labels(classes: np.ndarray | None, batch_size: int) -> np.ndarray:
-    return np.zeros(batch_size, dtype=np.int64) if classes is None else classes

@@ -96,7 +96,9 @@ class ProposerCostModel:
     tells them apart."""
 
     def __init__(self):
-        self._sums = np.zeros(5)  # weight, units, seconds, units^2, units*seconds
+        # weight, units, seconds, units^2, units*seconds: floats, not an array (a few
+        # microseconds less a call, on the caches a forward pass has just flushed)
+        self._sums = [0.0] * 5
         self._costs: tuple[float, float] | None = None  # costs() until the next observe()
 
     @property
@@ -108,8 +110,9 @@ class ProposerCostModel:
         fit predicts (an interrupted call) counts as :data:`PROPOSER_OUTLIER_FACTOR` times it."""
         if self.measured:
             seconds = min(seconds, PROPOSER_OUTLIER_FACTOR * self.predicted(units))
-        self._sums *= PROPOSER_FIT_DECAY
-        self._sums += (1.0, units, seconds, units * units, units * seconds)
+        units, seconds = float(units), float(seconds)
+        self._sums = [PROPOSER_FIT_DECAY * total + value
+                      for total, value in zip(self._sums, (1.0, units, seconds, units * units, units * seconds))]
         self._costs = None
 
     def costs(self) -> tuple[float, float]:
@@ -124,7 +127,7 @@ class ProposerCostModel:
         return first + per_unit * units
 
     def _fit(self) -> tuple[float, float]:
-        weight, units, seconds, units2, units_seconds = self._sums.tolist()
+        weight, units, seconds, units2, units_seconds = self._sums
         if not self.measured:
             return 0.0, 0.0
         mean_units, mean_seconds = units / weight, seconds / weight
@@ -209,9 +212,9 @@ class DraftController:
         self._batch_requests = max(len(request_ids), 1)
         states = [self._state(request_id) for request_id in request_ids]
         due = []
-        for b, state in enumerate(states):
-            state.kept = state.probing = bool(always[b])
-            if not state.probing and state.idle_steps >= state.interval and max_draft_lens[b] > 0:
+        for b, (state, kept, most) in enumerate(zip(states, always.tolist(), max_draft_lens.tolist())):
+            state.kept = state.probing = bool(kept)
+            if not state.probing and state.idle_steps >= state.interval and most > 0:
                 due.append(b)
         if due:  # the budget's ceiling follows the probes due now (set by those it cannot pay)
             self._probe_waiting = 0.0
@@ -221,7 +224,7 @@ class DraftController:
             calls_proposer = not states[b].proposing and (without_proposer is None or not without_proposer[b])
             drafts = min(int(max_draft_lens[b]), 1) if asks_one else int(max_draft_lens[b])
             states[b].probing = self._afford_probe(drafts, calls_proposer, unseen)
-        return np.fromiter((state.proposing or state.probing for state in states), dtype=bool, count=len(states))
+        return np.array([state.proposing or state.probing for state in states], dtype=bool)
 
     def _afford_probe(self, drafts: int, calls_proposer: bool, catch_up_tokens: int) -> bool:
         """Whether the probe budget covers a probe of ``drafts`` drafts (their rows, and, when
@@ -306,7 +309,7 @@ class DraftController:
         seeded sampled request is asked for all. Call it after :meth:`proposing`.
 
         None (0) where the first draft cannot pay at this step's costs even at the better of
-        the request's own chance and the method's shared one (:meth:`_first_draft_pays`): in a
+        the request's own chance and the method's shared one (:meth:`_first_draft_bar`): in a
         large batch a verify row costs most of a token, and the engine then leaves the
         request out of the proposer call instead of cutting all its drafts after it. Such a
         request is switched off, as :meth:`record` switches off one whose drafting loses: its
@@ -329,16 +332,22 @@ class DraftController:
             _, per_draft = self.proposer_costs.costs()
             asked = choose_draft_lengths(max_draft_lens, chances, base_rows, base_tokens, fixed, per_row,
                                          draft_cost=per_draft)
-        pays = self._first_draft_pays(chances[:, 0], base_rows, base_tokens)
-        asked = np.where(pays, np.maximum(asked, 1), 0)
-        states = [self._state(r) for r in request_ids]
-        for state, worth in zip(states, pays.tolist()):
-            if not worth and not state.probing:  # off until a probe finds drafting pays again
-                state.proposing = False
-        probed = np.fromiter((s.probing and not s.kept for s in states), dtype=bool, count=len(states))
-        kept = np.fromiter((s.kept for s in states), dtype=bool, count=len(states))
-        asked = np.minimum(np.where(probed, 1, asked), max_draft_lens)
-        return np.where(kept, max_draft_lens, asked)
+        bar = self._first_draft_bar(base_rows, base_tokens)
+        shared = self.acceptance.shared_first_chance()
+        out = []
+        for request_id, chance, wanted, most in zip(request_ids, chances[:, 0].tolist(), asked.tolist(),
+                                                    max_draft_lens.tolist()):
+            state = self._state(request_id)
+            if state.kept:
+                out.append(most)
+            elif state.probing:
+                out.append(min(1, most))
+            elif max(chance, shared) <= bar:
+                state.proposing = False  # off until a probe finds drafting pays again
+                out.append(0)
+            else:
+                out.append(min(max(wanted, 1), most))
+        return np.array(out, dtype=max_draft_lens.dtype)
 
     def row_price(self, base_rows: int, base_tokens: int) -> float:
         """What verifying one more draft costs this step, in tokens of the step without drafts
@@ -354,16 +363,15 @@ class DraftController:
         fixed, per_row = self.step_costs.costs()
         return base_tokens / (fixed + per_row * base_rows)
 
-    def _first_draft_pays(self, own_chances: np.ndarray, base_rows: int, base_tokens: int) -> np.ndarray:
-        """``[B]`` bool: whether a request's first draft, at the better of its own chance and
-        the method's shared one, is worth its verify row and one proposer call per request at
-        this step's costs (the verify cut's test for a step's first draft, the most lenient).
+    def _first_draft_bar(self, base_rows: int, base_tokens: int) -> float:
+        """The chance a request's first draft must beat, at the better of its own chance and
+        the method's shared one, to be worth its verify row and one proposer call per request
+        at this step's costs (the verify cut's test for a step's first draft, the most lenient).
         The shared chance moves slowly, so a run of misses does not stop a request that pays
         on average; at batch 1 a row costs a few percent of a token and every request passes,
         at batch 32 it costs most of one and a method accepted half the time does not."""
         _, per_row = self.step_costs.costs()
-        chance = np.maximum(own_chances, self.acceptance.shared_first_chance())
-        return chance > (per_row + self._proposer_cost(1)) * self._tokens_per_second(base_rows, base_tokens)
+        return (per_row + self._proposer_cost(1)) * self._tokens_per_second(base_rows, base_tokens)
 
     def draft_lengths(self, request_ids: list[str], lengths: np.ndarray, classes, base_rows: int,
                       base_tokens: int, adaptive: bool = True) -> np.ndarray:
@@ -378,8 +386,11 @@ class DraftController:
             return lengths
         chances = self.acceptance.chances(request_ids, classes, int(lengths.max()))
         chosen = choose_draft_lengths(lengths, chances, base_rows, base_tokens, fixed, per_row)
-        probing = np.fromiter((self._state(r).probing for r in request_ids), dtype=bool, count=len(request_ids))
-        return np.where(probing, lengths, chosen)
+        probing = [b for b, request_id in enumerate(request_ids) if self._state(request_id).probing]
+        if probing:
+            chosen = chosen.copy()
+            chosen[probing] = lengths[probing]
+        return chosen
 
     def record(self, request_ids: list[str], proposed: np.ndarray, classes, verified: np.ndarray,
                accepted: np.ndarray) -> None:
@@ -392,23 +403,23 @@ class DraftController:
         # be its accepted drafts for free: it teaches nothing (a draft model's first steps would
         # otherwise keep it on for ten steps more).
         costs_known = self._bar > 0.0 and self.proposer_seconds is not None
-        for b, request_id in enumerate(request_ids):
+        for request_id, was_proposed, drafted, gained in zip(request_ids, proposed.tolist(), verified.tolist(),
+                                                             accepted.tolist()):
             state = self._state(request_id)
             state.steps_since_probe += 1
-            state.idle_steps = 0 if verified[b] else state.idle_steps + 1
-            if verified[b] and not state.probing:
+            state.idle_steps = 0 if drafted else state.idle_steps + 1
+            if drafted and not state.probing:
                 state.verified_since_probe = True
-            if not proposed[b]:
+            if not was_proposed:
                 continue
             if costs_known:
-                gained, drafted = int(accepted[b]), int(verified[b])
                 if state.probing and not state.kept and self._per_draft_costs() is not None:
                     # How many drafts a step asks for is drafts_to_ask's to choose: drafting
                     # pays if drafting one does.
                     gained, drafted = min(gained, 1), min(drafted, 1)
                 net = gained - self._bar * (per_row * drafted + self._proposer_cost(drafted))
                 self.shared_net = SHARED_DECAY * self.shared_net + (1.0 - SHARED_DECAY) * net
-                keep = REQUEST_DECAY ** max(int(verified[b]), 1)
+                keep = REQUEST_DECAY ** max(drafted, 1)
                 state.net = net if state.probing else keep * state.net + (1.0 - keep) * net
             paying = negligible or state.net >= -MIN_LOSS
             if state.probing:

@@ -42,9 +42,13 @@ class PendingHiddenStates:
         parts = self._parts.pop(id(request), [])
         if not parts:
             return self.paddle.zeros([0, self.hidden_size], dtype="float32"), np.zeros(0, dtype=np.int64)
+        if len(parts) == 1:  # one step's rows (a request proposed for every step): no concat
+            first, hidden, row, count = parts[0]
+            whole = row == 0 and count == hidden.shape[0]  # batch 1 with its drafts accepted: no slice either
+            return (hidden if whole else hidden[row: row + count]), np.arange(first, first + count, dtype=np.int64)
         positions = np.concatenate([np.arange(first, first + count, dtype=np.int64) for first, _, _, count in parts])
         states = [hidden[row: row + count] for _, hidden, row, count in parts]
-        return (states[0] if len(states) == 1 else self.paddle.concat(states, axis=0)), positions
+        return self.paddle.concat(states, axis=0), positions
 
     def drop(self, request: Any) -> None:
         """Forget ``request``'s rows (it finished, or was preempted and will recompute them)."""

@@ -70,8 +70,7 @@ def off_now_and_then(monkeypatch, period: int = 5) -> None:
         return np.full(len(request_ids), (next(steps) // period) % 2 == 0)
 
     monkeypatch.setattr(DraftController, "proposing", proposing)
-    monkeypatch.setattr(DraftController, "_first_draft_pays",
-                        lambda self, own_chances, base_rows, base_tokens: np.ones(len(own_chances), dtype=bool))
+    monkeypatch.setattr(DraftController, "_first_draft_bar", lambda self, base_rows, base_tokens: -1.0)
 
 
 @pytest.mark.parametrize("method", ["mtp", "hybrid", "ngram", "suffix"])
@@ -156,8 +155,8 @@ def test_a_request_left_out_is_not_caught_up_once_it_has_no_room_to_draft(model_
     first draft not worth its row) is not handed every row it missed at that step: the
     catch-up would buy no draft, the request ends there."""
     calls = iter(range(10 ** 9))
-    monkeypatch.setattr(DraftController, "_first_draft_pays",  # worth it for a few steps, then not
-                        lambda self, own, rows, tokens: np.full(len(own), next(calls) < 3))
+    monkeypatch.setattr(DraftController, "_first_draft_bar",  # worth it for a few steps, then not
+                        lambda self, rows, tokens: -1.0 if next(calls) < 3 else 2.0)
     handed: list[tuple[int, int]] = []  # (rows handed over, drafts it may make) per request and call
     real_propose = MtpProposer.propose
 

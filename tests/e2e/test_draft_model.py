@@ -206,8 +206,7 @@ def test_switching_the_draft_off_and_on_mid_request_changes_no_token(model_sessi
 
     monkeypatch.setattr(DraftController, "proposing", proposing)
     # nor does it leave a request out of an "on" step for a first draft not worth its row
-    monkeypatch.setattr(DraftController, "_first_draft_pays",
-                        lambda self, own_chances, base_rows, base_tokens: np.ones(len(own_chances), dtype=bool))
+    monkeypatch.setattr(DraftController, "_first_draft_bar", lambda self, base_rows, base_tokens: -1.0)
     prompts = PROMPTS[:3]
     outputs = model_session.run({**DRAFT, "adaptive_draft_length": True}, prompts, SAMPLING, max_num_seqs=3,
                                 cache=False)
