@@ -24,6 +24,8 @@ import numpy as np
 #: Cost of one extra row relative to the fixed cost of a step, before anything is measured,
 #: and for batches whose steps are all about one size: a batch-64 decode step's rows measured
 #: on a 2-core AVX2 machine (docs/benchmarks/batch.md); the fit corrects it within a few steps.
+#: Steps of fewer rows than the engine's measured row curve covers (``row_costs.py``) take
+#: the curve's instead: there a row costs what the machine's ISA makes it.
 PRIOR_ROW_COST = 0.16
 #: Conditional acceptance of a draft token assumed before anything is measured.
 PRIOR_ACCEPTANCE = 0.6
@@ -42,6 +44,9 @@ SHARED_DECAY = 0.995
 #: as this many times the prediction, so that one such step cannot tilt the line. A real change
 #: of speed still moves the fit within a few steps.
 OUTLIER_FACTOR = 2.0
+#: The least a row costs by the measured row curve, in 1-row passes: a curve flatter than this
+#: is timing noise (the fit's own least slope is 2% of a step per row too).
+MIN_ROW_SHARE = 0.02
 #: Steps the fit needs before it judges a step an outlier.
 OUTLIER_MIN_STEPS = 4.0
 #: The most a row may cost, in fixed costs of a step: a decode row's multiply-adds take less
@@ -57,8 +62,11 @@ class StepCostModel:
     (:data:`OUTLIER_FACTOR`), and a row never costs more than :data:`MAX_ROW_COST` times the
     fixed part of a step, so that one noisy slope cannot switch drafting off for good."""
 
-    def __init__(self, decay: float = 0.97):
+    def __init__(self, decay: float = 0.97, row_curve: dict[int, float] | None = None):
+        """``row_curve``: a pass's time by its rows over a 1-row pass's, measured on this
+        machine (:func:`specdec.engine.row_costs.measure_row_curve`), or None."""
         self.decay = decay
+        self.row_curve = row_curve
         self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows*seconds (floats: see ProposerCostModel)
         #: costs() until the next observe(): the controller asks for it many times a step.
         self._costs: tuple[float, float] | None = None
@@ -86,21 +94,39 @@ class StepCostModel:
     def _fit(self) -> tuple[float, float]:
         weight, rows, seconds, rows2, rows_seconds = self._sums
         if not self.measured:
-            return 1.0, PRIOR_ROW_COST
+            return 1.0, self.prior_ratio(1.0)
         mean_rows, mean_seconds = rows / weight, seconds / weight
         variance = rows2 / weight - mean_rows ** 2
         if variance < max(1.0, (0.25 * mean_rows) ** 2):
             # Steps of (nearly) one size, as in a large batch where drafts change the row count
-            # by a few percent: a fitted slope would be mostly timing noise. Split their time
-            # by the prior ratio instead.
-            fixed = mean_seconds / (1.0 + PRIOR_ROW_COST * mean_rows)
-            return fixed, PRIOR_ROW_COST * fixed
+            # by a few percent, or one request's steps at batch 1: a fitted slope would be
+            # mostly timing noise. Split their time by the prior ratio instead.
+            ratio = self.prior_ratio(mean_rows)
+            fixed = mean_seconds / (1.0 + ratio * mean_rows)
+            return fixed, ratio * fixed
         per_row = (rows_seconds / weight - mean_rows * mean_seconds) / variance
         per_row = max(per_row, 0.02 * mean_seconds / max(mean_rows, 1.0))
         # at most MAX_ROW_COST times the fixed cost (fixed = mean - per_row * mean_rows)
         per_row = min(per_row, MAX_ROW_COST * mean_seconds / (1.0 + MAX_ROW_COST * mean_rows))
         fixed = max(mean_seconds - per_row * mean_rows, 0.05 * mean_seconds)
         return fixed, per_row
+
+
+    def prior_ratio(self, mean_rows: float) -> float:
+        """A row's cost over a step's fixed part, for steps of about ``mean_rows`` rows that
+        the fit cannot tell apart: from the measured row curve where it covers one row more
+        than that (the mean cost of the rows up to there, so that the next draft's row is
+        priced too), else :data:`PRIOR_ROW_COST`."""
+        curve = self.row_curve
+        if not curve:
+            return PRIOR_ROW_COST
+        top = int(mean_rows) + 1
+        if top not in curve or 1 not in curve:
+            return PRIOR_ROW_COST
+        # A step of r rows takes F + c * r: the curve gives c over F + c (a 1-row pass); c over F is asked.
+        share = (curve[top] - curve[1]) / (curve[1] * (top - 1))
+        share = min(max(share, MIN_ROW_SHARE), MAX_ROW_COST / (1.0 + MAX_ROW_COST))
+        return share / (1.0 - share)
 
 
 def choose_draft_lengths(lengths: np.ndarray, chances: np.ndarray, base_rows: int, base_tokens: int,

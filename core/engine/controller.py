@@ -162,9 +162,11 @@ class DraftController:
     was accepted), :meth:`step_time` (what the step cost besides the proposer); and
     :meth:`forget` when a request ends."""
 
-    def __init__(self):
+    def __init__(self, row_curve: dict[int, float] | None = None):
+        """``row_curve``: what a pass of a few rows costs on this machine (``row_costs.py``),
+        the step-cost fit's prior where its steps are too alike to fit a slope."""
         self.acceptance = AcceptanceModel()
-        self.step_costs = StepCostModel()
+        self.step_costs = StepCostModel(row_curve=row_curve)
         #: A proposer call's seconds against the requests it drafted for (see proposer_seconds).
         self.proposer_calls = ProposerCostModel()
         #: Decoding requests at this step (set by proposing): what a call's fixed part is split over.

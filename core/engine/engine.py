@@ -39,6 +39,7 @@ from . import admission
 from .batch import PickedRows, SequenceRows, pack_step
 from .build import build_model, build_spec_plugins, create_cache_layers, load_draft_model, spec_plugin_classes
 from .controller import DraftController
+from .row_costs import measure_row_curve
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
 from .hidden_states import PendingHiddenStates, hidden_state_layers
 from .kv_cache import BlockPool, KVCacheManager
@@ -200,6 +201,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         #: What the drafting controller has learned, per method (see _use_spec_plugins).
         self._controllers: dict[str, DraftController] = {}
+        #: A pass's time by its rows on this machine (row_costs.py), measured when a method that
+        #: drafts first needs it; False until then.
+        self._measured_row_curve: dict[int, float] | None | bool = False
         #: Draft models proposers loaded (``ProposerContext.load_model``), by model and quantization.
         self._draft_models: dict[tuple, Any] = {}
         self._use_spec_plugins(config.speculative)
@@ -249,13 +253,27 @@ class Engine:
         # proposer says; the step-cost fit needs its multi-row steps, which another method's
         # 1-row steps would drown; the proposer's time is its own): switching methods and back
         # resumes them.
-        self.controller = self._controllers.setdefault(spec.method, DraftController())
+        if spec.method not in self._controllers:
+            self._controllers[spec.method] = DraftController(row_curve=self._row_curve(spec))
+        self.controller = self._controllers[spec.method]
         self.hidden_layers = hidden_layers
         #: Columns of the hidden states handed to the proposer (and captured for a hand-off).
         self.hidden_width = self.model_config.hidden_size * (len(hidden_layers) if hidden_layers else 1)
         self.hidden_states = PendingHiddenStates(self.model.paddle, self.hidden_width)
         #: The prompt's hidden states of requests that capture them for a hand-off.
         self.captured_hidden = PendingHiddenStates(self.model.paddle, self.hidden_width)
+
+    def _row_curve(self, spec: SpeculativeConfig) -> dict[int, float] | None:
+        """The controller's measured row costs (``row_costs.py``) for a method that drafts
+        with the adaptive draft length; None for one that does not (nothing to price). Measured
+        once per engine, before any request holds a block (100 ms for the default model)."""
+        if not spec.adaptive_draft_length or not spec.num_speculative_tokens:
+            return None
+        if self._measured_row_curve is False:
+            self._measured_row_curve = measure_row_curve(self.model, self.kv.pool, self.block_size,
+                                                         self.model_config.vocab_size)
+            logger.debug("row curve %s", self._measured_row_curve)
+        return self._measured_row_curve
 
     def _proposer_context(self, create_proposer: Callable) -> ProposerContext:
         """What a proposer's ``setup`` gets: the target, its tokenizer and the cache geometry."""
@@ -446,7 +464,7 @@ class Engine:
         taken under another load mislead it for a hundred steps). Only when idle."""
         if self.has_unfinished():
             raise SpecdecError("cannot reset the drafting controller while requests are running")
-        self.controller = self._controllers[self.spec.method] = DraftController()
+        self.controller = self._controllers[self.spec.method] = DraftController(row_curve=self._row_curve(self.spec))
 
     def _retire(self, request: Request, reason: Optional[str]) -> None:
         """Take a request out of the engine for good: blocks, proposer state, final text."""

@@ -13,6 +13,7 @@ import pytest
 import specdec
 from specdec import SamplingParams
 from specdec.engine.controller import DraftController
+from specdec.engine.row_costs import ROW_COUNTS, measure_row_curve
 from specdec.plugin_manager import load_plugins
 from specdec.plugins.mtp import MtpProposer
 from specdec.workloads import chat_prompts, code_edit_prompts
@@ -170,3 +171,22 @@ def test_a_request_left_out_is_not_caught_up_once_it_has_no_room_to_draft(model_
     # Probes catch up over the steps they missed, to draft; without room to draft, nothing
     # but the row or two of a step the proposer ran in.
     assert all(rows <= 6 for rows, room in handed if room == 0), handed
+
+
+def test_the_engine_measures_what_a_verify_row_costs_on_this_machine(llm):
+    """The row curve the controller prices rows by at batch 1: the real model's passes at 1 to
+    4 rows, measured once per engine over blocks it gives back."""
+    engine = llm.engine
+    llm.set_speculative_config({"method": "ngram"})
+    assert engine.controller.step_costs.row_curve is engine._measured_row_curve is not None
+    free = engine.kv.pool.num_free
+    curve = measure_row_curve(engine.model, engine.kv.pool, engine.block_size, engine.model_config.vocab_size)
+    assert engine.kv.pool.num_free == free
+    assert sorted(curve) == list(ROW_COUNTS) and curve[1] == 1.0
+    ratios = [curve[rows] for rows in ROW_COUNTS]
+    assert ratios == sorted(ratios) and ratios[-1] < ROW_COUNTS[-1]  # rows share one read of the weights
+    llm.set_speculative_config({"method": "ngram", "adaptive_draft_length": False})
+    engine.reset_controller()
+    assert engine.controller.step_costs.row_curve is None  # nothing to price
+    llm.set_speculative_config({"method": "ngram"})
+    engine.reset_controller()  # as the other tests expect it

@@ -182,3 +182,33 @@ def test_one_request_s_cut_is_the_batch_rule_s():
         paired = choose_draft_lengths(np.array([length, 0]), np.vstack([chances, chances]), base, base, fixed,
                                       per_row, draft_cost)
         assert alone[0] == paired[0]
+
+
+def test_steps_too_alike_to_fit_take_the_measured_row_curve():
+    """One request's steps of one or two rows: the fit's prior is the machine's row curve (a
+    second row 3% of a pass on AVX-512, 21% on AVX2: docs/benchmarks/decode.md), so the same
+    steps price a row five times higher where the ISA makes it dearer."""
+    prices = {}
+    for isa, curve in {"avx512": {1: 1.0, 2: 1.03, 3: 1.09, 4: 1.23},
+                       "avx2": {1: 1.0, 2: 1.21, 3: 1.43, 4: 1.72}}.items():
+        model = StepCostModel(row_curve=curve)
+        for step in range(40):
+            model.observe(2 if step % 10 else 1, 0.004)  # mean 1.9 rows, variance 0.09
+        fixed, per_row = model.costs()
+        # A step of r rows takes fixed + per_row * r: the rows up to the mean + 1 (two) as the curve has them.
+        assert abs(per_row / (fixed + per_row) - (curve[2] - 1.0)) < 1e-9
+        assert abs(fixed + 1.9 * per_row - 0.004) < 1e-4
+        prices[isa] = per_row
+    assert prices["avx2"] > 5 * prices["avx512"]
+
+
+def test_a_row_curve_is_not_used_beyond_its_rows_nor_below_a_floor():
+    flat = StepCostModel(row_curve={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0})
+    assert 0.02 <= flat.prior_ratio(1.0) < 0.021  # timing noise, not a free row
+    assert flat.prior_ratio(4.0) == PRIOR_ROW_COST  # a batch's rows: beyond what was measured
+    assert StepCostModel().prior_ratio(1.0) == PRIOR_ROW_COST  # no curve measured
+    batch = StepCostModel(row_curve={1: 1.0, 2: 1.2})
+    for _ in range(20):
+        batch.observe(33, 0.05)  # 32 requests and a draft: the prior measured at batch 64
+    fixed, per_row = batch.costs()
+    assert abs(per_row / fixed - PRIOR_ROW_COST) < 1e-9
