@@ -44,15 +44,15 @@ SHARED_DECAY = 0.995
 #: as this many times the prediction, so that one such step cannot tilt the line. A real change
 #: of speed still moves the fit within a few steps.
 OUTLIER_FACTOR = 2.0
-#: The least a row costs by the measured row curve, in 1-row passes: a curve flatter than this
-#: is timing noise (the fit's own least slope is 2% of a step per row too).
-MIN_ROW_SHARE = 0.02
 #: Steps the fit needs before it judges a step an outlier.
 OUTLIER_MIN_STEPS = 4.0
 #: The most a row may cost, in fixed costs of a step: a decode row's multiply-adds take less
 #: time than reading every weight once (measured 0.1-0.5 with all cores, docs/benchmarks/batch.md;
 #: about twice that on one thread), so a fitted slope above this is timing noise.
 MAX_ROW_COST = 2.0
+#: The least a row costs by the measured row curve, in 1-row passes: a curve flatter than this
+#: is timing noise (the fit's own least slope is 2% of a step per row too).
+MIN_ROW_SHARE = 0.02
 
 
 class StepCostModel:
@@ -110,7 +110,6 @@ class StepCostModel:
         per_row = min(per_row, MAX_ROW_COST * mean_seconds / (1.0 + MAX_ROW_COST * mean_rows))
         fixed = max(mean_seconds - per_row * mean_rows, 0.05 * mean_seconds)
         return fixed, per_row
-
 
     def prior_ratio(self, mean_rows: float) -> float:
         """A row's cost over a step's fixed part, for steps of about ``mean_rows`` rows that

@@ -39,7 +39,6 @@ from . import admission
 from .batch import PickedRows, SequenceRows, pack_step
 from .build import build_model, build_spec_plugins, create_cache_layers, load_draft_model, spec_plugin_classes
 from .controller import DraftController
-from .row_costs import measure_row_curve
 from .handoff import HandoffState, KVLayout, check_handoff_supported, export_request, import_request
 from .hidden_states import PendingHiddenStates, hidden_state_layers
 from .kv_cache import BlockPool, KVCacheManager
@@ -48,6 +47,7 @@ from .logprobs import emitted_logprobs, log_softmax
 from .sampling_processors import sampling_processors
 from .prediction import Predictions
 from .request import Request, RequestOutput, step_sources
+from .row_costs import measure_row_curve
 from .scheduler import ScheduledStep, Scheduler
 from .tensor_parallel import exit_after_failure
 
@@ -266,7 +266,7 @@ class Engine:
     def _row_curve(self, spec: SpeculativeConfig) -> dict[int, float] | None:
         """The controller's measured row costs (``row_costs.py``) for a method that drafts
         with the adaptive draft length; None for one that does not (nothing to price). Measured
-        once per engine, before any request holds a block (100 ms for the default model)."""
+        once per engine, before any request holds a block (0.16-0.23 s for the default model)."""
         if not spec.adaptive_draft_length or not spec.num_speculative_tokens:
             return None
         if self._measured_row_curve is False:
