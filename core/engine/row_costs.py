@@ -33,9 +33,12 @@ def measure_row_curve(model, pool, block_size: int, vocab_size: int) -> dict[int
     """``{rows: the fastest pass at rows / the fastest 1-row pass}`` for :data:`ROW_COUNTS`,
     each no less than the count before it (a ratio below is timing noise). The fastest, not
     the median: a pass is only ever slowed by what else runs (another process, the VM's
-    neighbours), and the median of a few rounds moved with it by more than a row costs. ``model`` is the engine's
-    target (its ``forward``), ``pool`` its KV block pool: the passes write blocks taken from it
-    and given back, before any request holds one. None where the pool has too few free blocks."""
+    neighbours); with a test run beside it, the median of nine rounds moved by more than a
+    row costs. On a quiet machine the two agree within a few points.
+
+    ``model`` is the engine's target (its ``forward``), ``pool`` its KV block pool: the passes
+    write blocks taken from it and given back, before any request holds one. None where the
+    pool has too few free blocks."""
     needed = -(-(CONTEXT + max(ROW_COUNTS)) // block_size)
     if pool.num_free < needed:
         return None
