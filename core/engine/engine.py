@@ -271,7 +271,7 @@ class Engine:
             return None
         if self._measured_row_curve is False:
             self._measured_row_curve = measure_row_curve(self.model, self.kv.pool, self.block_size,
-                                                         self.model_config.vocab_size)
+                                                         self.model_config.vocab_size, self.max_model_len)
             logger.debug("row curve %s", self._measured_row_curve)
         return self._measured_row_curve
 

@@ -27,9 +27,13 @@ CONTEXT = 64
 #: once the passes have taken :data:`TIME_BUDGET` seconds (a 1.5B model's pass takes 50 ms).
 MIN_ROUNDS, MAX_ROUNDS = 3, 9
 TIME_BUDGET = 0.4
+#: A model whose 1-row pass takes longer than this is not timed (its steps leave the fit
+#: time to learn, and sixteen passes would hold up its start): the Triton kernels run under
+#: Triton's interpreter on a CPU take seconds a pass.
+SLOWEST_PASS = 0.25
 
 
-def measure_row_curve(model, pool, block_size: int, vocab_size: int) -> dict[int, float] | None:
+def measure_row_curve(model, pool, block_size: int, vocab_size: int, max_model_len: int) -> dict[int, float] | None:
     """``{rows: the fastest pass at rows / the fastest 1-row pass}`` for :data:`ROW_COUNTS`,
     each no less than the count before it (a ratio below is timing noise). The fastest, not
     the median: a pass is only ever slowed by what else runs (another process, the VM's
@@ -38,17 +42,27 @@ def measure_row_curve(model, pool, block_size: int, vocab_size: int) -> dict[int
 
     ``model`` is the engine's target (its ``forward``), ``pool`` its KV block pool: the passes
     write blocks taken from it and given back, before any request holds one. None where the
-    pool has too few free blocks."""
-    needed = -(-(CONTEXT + max(ROW_COUNTS)) // block_size)
-    if pool.num_free < needed:
+    pool has too few free blocks, the context is shorter than the passes need, or a 1-row pass
+    takes more than :data:`SLOWEST_PASS`."""
+    positions = CONTEXT + max(ROW_COUNTS)
+    needed = -(-positions // block_size)
+    if pool.num_free < needed or max_model_len < positions:
         return None
     blocks = [pool.allocate() for _ in range(needed)]
     try:
-        tokens = (np.arange(CONTEXT + max(ROW_COUNTS), dtype=np.int64) * 7919 + 11) % vocab_size
+        tokens = (np.arange(positions, dtype=np.int64) * 7919 + 11) % vocab_size
+
+        def rows_at(context: int, rows: int):
+            return (tokens[context: context + rows], AttentionMetadata.build([rows], [context], [blocks], block_size),
+                    np.arange(rows, dtype=np.int64))
+
+        begun = time.perf_counter()
+        model.forward(*rows_at(0, 1))  # first, before the prompt's pass: is the model fast enough to time?
+        if time.perf_counter() - begun > SLOWEST_PASS:
+            return None
         model.forward(tokens[:CONTEXT], AttentionMetadata.build([CONTEXT], [0], [blocks], block_size),
                       np.zeros(0, dtype=np.int64))
-        cases = {rows: (tokens[CONTEXT: CONTEXT + rows], AttentionMetadata.build([rows], [CONTEXT], [blocks], block_size),
-                        np.arange(rows, dtype=np.int64)) for rows in ROW_COUNTS}
+        cases = {rows: rows_at(CONTEXT, rows) for rows in ROW_COUNTS}
         for case in cases.values():  # the first pass at a shape pays for buffers the others reuse
             model.forward(*case)
         samples: dict[int, list[float]] = {rows: [] for rows in ROW_COUNTS}

@@ -180,7 +180,8 @@ def test_the_engine_measures_what_a_verify_row_costs_on_this_machine(llm):
     llm.set_speculative_config({"method": "ngram"})
     assert engine.controller.step_costs.row_curve is engine._measured_row_curve is not None
     free = engine.kv.pool.num_free
-    curve = measure_row_curve(engine.model, engine.kv.pool, engine.block_size, engine.model_config.vocab_size)
+    curve = measure_row_curve(engine.model, engine.kv.pool, engine.block_size, engine.model_config.vocab_size,
+                              engine.max_model_len)
     assert engine.kv.pool.num_free == free
     assert sorted(curve) == list(ROW_COUNTS) and curve[1] == 1.0
     ratios = [curve[rows] for rows in ROW_COUNTS]
