@@ -269,6 +269,11 @@ class Engine:
         once per engine, before any request holds a block (0.16-0.23 s for the default model)."""
         if not spec.adaptive_draft_length or not spec.num_speculative_tokens:
             return None
+        if self.kernels == "triton":
+            from specdec.kernels.triton.runtime import interpreting
+
+            if interpreting():  # seconds a pass, in tests: not timed (the prior stays)
+                return None
         if self._measured_row_curve is False:
             self._measured_row_curve = measure_row_curve(self.model, self.kv.pool, self.block_size,
                                                          self.model_config.vocab_size, self.max_model_len)
