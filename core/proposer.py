@@ -136,12 +136,16 @@ class Drafts:
                    classes: Optional[Sequence[int]] = None) -> "Drafts":
         """Build drafts from one list of token ids per request (lists may differ in length)
         and, optionally, one class label per request."""
-        lengths = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
-        width = int(lengths.max()) if len(drafts) else 0
-        token_ids = np.full((len(drafts), width), DRAFT_PAD, dtype=np.int64)
-        for row, draft in enumerate(drafts):
-            if len(draft):
-                token_ids[row, : len(draft)] = draft
+        counts = [len(d) for d in drafts]
+        width = max(counts, default=0)
+        if all(count == width for count in counts):  # one array straight from the lists (batch 1)
+            token_ids = np.array(drafts, dtype=np.int64).reshape(len(drafts), width)
+        else:
+            token_ids = np.full((len(drafts), width), DRAFT_PAD, dtype=np.int64)
+            for row, draft in enumerate(drafts):
+                if len(draft):
+                    token_ids[row, : len(draft)] = draft
+        lengths = np.array(counts, dtype=np.int64)
         if classes is not None:
             classes = np.asarray(classes, dtype=np.int64)
         return cls(token_ids=token_ids, lengths=lengths, probs=probs, classes=classes)
