@@ -250,6 +250,11 @@ class Proposer(Plugin):
     #: no drafts longer than that), except for a request whose drafting the controller has
     #: switched off: that one's next proposal brings every state since its previous one.
     NEEDS_HIDDEN_STATES: ClassVar[bool] = False
+    #: With ``NEEDS_HIDDEN_STATES``: set to True (in :meth:`setup`, say) to be handed each
+    #: step's hidden states at the end of that step, in :meth:`catch_up`, instead of with the
+    #: next proposal, so that a model proposer can run on them while the engine finishes the
+    #: step and plans the next (``QuantizedDraftHead.start``).
+    CATCHES_UP_AFTER_STEP: ClassVar[bool] = False
 
     @classmethod
     def check_config(cls, spec_config: Any) -> None:
@@ -287,6 +292,18 @@ class Proposer(Plugin):
 
     def on_step(self, batch: ProposalBatch, accepted: list[np.ndarray]) -> None:
         """Called after every step; ``accepted[b]`` holds the tokens request ``b`` appended."""
+
+    def catch_up(self, batch: ProposalBatch) -> None:
+        """For a proposer with ``CATCHES_UP_AFTER_STEP``: called at the end of a step, after
+        :meth:`on_step`, with the requests it proposed for at that step and that go on, each
+        with ``token_ids`` as they now are, the ``hidden_states`` and ``hidden_positions`` the
+        step decided, and a ``block_table`` that covers the position of its last token
+        (``max_draft_len`` is the method's ``k``: how many the next step may ask is not known
+        yet). Those states do not come again: the request's next proposal brings only what
+        later steps decide (nothing, when it is the next step). A request whose block could
+        not be had, or that the drafting controller had left out, gets its states with its
+        next proposal as usual. Whatever the work, a request's next :meth:`propose` must
+        return what it would have returned had the states come with it."""
 
     def on_request_finish(self, request_id: str) -> None:
         """Called once when a request ends (finished, stopped or cancelled)."""

@@ -27,7 +27,7 @@ from .kernels.cpu.packing import pack_attention_metadata
 from .kernels.cpu.shared_library import load_shared_library
 from .kernels.triton import load_triton_kernels
 from .model.quant import QuantizedLinear
-from .model.quant_layer import QuantizedDecoderLayer, QuantizedDraftHead, QuantizedDraftInput
+from .model.quant_layer import PendingDraftHead, QuantizedDecoderLayer, QuantizedDraftHead, QuantizedDraftInput
 from .model_paths import resolve_model_path
 from .plugin import Plugin
 from .probs import (greedy_tokens, one_hot, processed_probs, recovered_tokens, residual_distribution, sample_tokens,
@@ -51,7 +51,7 @@ __all__ = [
     "in_range", "above", "one_of", "multiple_of",
     "SpecdecError", "ConfigError", "PluginError", "require_paddle",
     "load_cpu_ops", "kernel_build_dir", "load_shared_library", "KernelUnavailable", "pack_attention_metadata", "load_triton_kernels", "QuantizedLinear",
-    "QuantizedDecoderLayer", "QuantizedDraftHead", "QuantizedDraftInput", "resolve_model_path",
+    "QuantizedDecoderLayer", "QuantizedDraftHead", "QuantizedDraftInput", "PendingDraftHead", "resolve_model_path",
     "DeviceVerifyKernel",
 ]
 

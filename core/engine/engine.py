@@ -260,6 +260,8 @@ class Engine:
         #: Columns of the hidden states handed to the proposer (and captured for a hand-off).
         self.hidden_width = self.model_config.hidden_size * (len(hidden_layers) if hidden_layers else 1)
         self.hidden_states = PendingHiddenStates(self.model.paddle, self.hidden_width)
+        #: Seconds of the last ``Proposer.catch_up`` call, counted with the next proposal's.
+        self._caught_up_seconds = 0.0
         #: The prompt's hidden states of requests that capture them for a hand-off.
         self.captured_hidden = PendingHiddenStates(self.model.paddle, self.hidden_width)
 
@@ -552,6 +554,7 @@ class Engine:
         for request in plan.preempted:  # it recomputes its rows, hidden states included
             request.proposed_last_step = False
             request.proposed_through = 0
+            request.rows_caught_up = 0
             self.hidden_states.drop(request)
             self.captured_hidden.drop(request)
         for request in plan.admitted:
@@ -640,10 +643,45 @@ class Engine:
         for request in done:
             if request.error is None:
                 self._retire(request, request.finish_reason)
+        caught_up_seconds = self._catch_up_after_step(state) if self.proposer.CATCHES_UP_AFTER_STEP else 0.0
         if state.decode_rows:
             # Only decode steps feed the cost model: a prefill row also attends over its whole
             # prompt, which would make every draft row look dearer than it is.
-            self.controller.step_time(state.decode_rows, time.perf_counter() - started - state.proposer_seconds)
+            self.controller.step_time(state.decode_rows, time.perf_counter() - started - state.proposer_seconds
+                                      - caught_up_seconds)
+
+    def _catch_up_after_step(self, state: _StepState) -> float:
+        """Hand a proposer with ``CATCHES_UP_AFTER_STEP`` the hidden states this step decided
+        for the requests it proposed for, now (``Proposer.catch_up``) rather than with their
+        next proposal, so that it can run on them while the engine finishes the step and
+        plans the next. Each such request first gets the block of its last token's position
+        (the next step needs it anyway); one that cannot waits for its next proposal. Returns
+        the call's seconds, which count as the proposer's at the next step."""
+        proposals: dict[int, ProposalRequest] = {}
+        for request in state.plan.decodes:
+            if request.finished or not request.proposed_last_step or not self.kv.grow(request, request.num_tokens):
+                continue
+            hidden, positions = self.hidden_states.take(request)
+            if not len(positions):
+                continue
+            table = np.asarray(request.block_table, dtype=np.int32)
+            table.flags.writeable = False
+            proposals[id(request)] = ProposalRequest(
+                request.request_id, request.token_ids, request.num_prompt_tokens, self.num_speculative_tokens,
+                hidden_states=hidden, hidden_positions=positions, block_table=table, sampling=request.sampling,
+                rng=request.rng, tenant=request.tenant)
+            request.proposed_through = request.num_tokens
+            request.rows_caught_up += len(positions)
+        if not proposals:
+            return 0.0
+        started = time.perf_counter()
+        self._isolated(f"proposer '{self.spec.method}' catch_up", state,
+                       lambda s: self.proposer.catch_up(ProposalBatch(
+                           [proposals[id(r)] for r in s.plan.decodes if id(r) in proposals])),
+                       lambda s: [r for r in s.plan.decodes if id(r) in proposals], repeat=False)
+        seconds = time.perf_counter() - started
+        self._caught_up_seconds += seconds
+        return seconds
 
     def _verified(self, state: _StepState) -> _StepState:
         """Process the rows, verify and accept (:meth:`_verify_group`) on the ``[B, k+1, V]``
@@ -788,12 +826,16 @@ class Engine:
             timed = True
             if needs_hidden:
                 proposals = [self._with_hidden_states(p, plan.decodes[b]) for p, b in zip(proposals, rows)]
+                earlier = np.fromiter((plan.decodes[b].rows_caught_up for b in rows), dtype=np.int64, count=len(rows))
+                for b in rows:
+                    plan.decodes[b].rows_caught_up = 0
                 # what the proposer catches up on is in the rows handed over, not in the tokens
-                catching_up, caught_up_tokens, timed = self._hidden_catch_up(proposals, rooms[rows])
+                catching_up, caught_up_tokens, timed = self._hidden_catch_up(proposals, rooms[rows], earlier)
             price = self.controller.row_price(len(plan.decodes), len(batch)) if adaptive else 0.0
             started = time.perf_counter()
             proposed = self.proposer.propose(ProposalBatch(proposals, row_price=price))
-            state.proposer_seconds = time.perf_counter() - started
+            state.proposer_seconds = time.perf_counter() - started + self._caught_up_seconds
+            self._caught_up_seconds = 0.0
             if proposed.batch_size != len(rows):
                 raise SpecdecError(
                     f"proposer '{self.spec.method}' returned {proposed.batch_size} drafts for {len(rows)} requests")
@@ -823,15 +865,18 @@ class Engine:
         return drafts
 
     @staticmethod
-    def _hidden_catch_up(proposals: list[ProposalRequest], rooms: np.ndarray) -> tuple[bool, int, bool]:
+    def _hidden_catch_up(proposals: list[ProposalRequest], rooms: np.ndarray,
+                         earlier: np.ndarray) -> tuple[bool, int, bool]:
         """For a proposer that reads hidden states: ``(catching_up, tokens, timed)``. Its
         catch-up shows in the rows handed over, more than one step makes (the fed row and
         the accepted drafts, at most ``room + 1``): a request's prompt reaches it at the step
         after its prefill (whose own call hands over nothing yet), the steps it was left out of
-        at its next proposal. ``tokens``: the rows of the requests catching up. A call that hands
-        over no row at all (every request at its prefill's step) is not timed (``timed``
-        False): it is neither a usual call nor a catch-up."""
-        handed = np.fromiter((len(p.hidden_positions) for p in proposals), dtype=np.int64, count=len(proposals))
+        at its next proposal. ``earlier``: rows handed at the end of the last step
+        (``Proposer.catch_up``), which count as handed now. ``tokens``: the rows of the requests
+        catching up. A call that hands over no row at all (every request at its prefill's step)
+        is not timed (``timed`` False): it is neither a usual call nor a catch-up."""
+        handed = np.fromiter((len(p.hidden_positions) for p in proposals), dtype=np.int64,
+                             count=len(proposals)) + earlier
         behind = handed > np.asarray(rooms, dtype=np.int64) + 1
         return bool(behind.any()), int(handed[behind].sum()), bool(handed.any())
 

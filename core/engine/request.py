@@ -107,6 +107,9 @@ class Request:
     #: How many of its tokens the proposer has been shown (``num_tokens`` at its last
     #: proposal; 0 before the first and after a preemption): what a catch-up runs over.
     proposed_through: int = 0
+    #: Hidden-state rows handed to the proposer at the end of its last step
+    #: (``Proposer.catch_up``), which its next proposal counts as handed then.
+    rows_caught_up: int = 0
     #: ``stop``, ``length``, ``abort``, ``handoff`` (handed to another engine: see
     #: ``handoff_state``), or ``error`` (then ``error`` says why); None while running.
     finish_reason: Optional[str] = None

@@ -19,6 +19,9 @@ each matrix a ``(data, layout)`` pair of paddle tensors (see :func:`specdec.mode
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import itertools
 import weakref
 from typing import Any, Callable
 
@@ -260,6 +263,9 @@ class QuantizedDraftHead:
         self._handle = self._ops.specdec_q_register_draft_head(
             self._operands, embed.in_features, hidden.in_features, layer.num_heads * layer.head_dim)
         release_with(self, self._ops, self._handle)
+        self._bound = None  # (key, binding handle, cache tensor, its releaser): start's binding
+        self._io = None  # start's buffers (_StartBuffers)
+        self._metadata_tensors: dict[int, tuple] = {}
 
     def forward(self, token_ids: np.ndarray, hidden, cache_layers, layer_index: int, meta, logit_rows=()):
         """``(output [T, H], logits [len(logit_rows), V])`` for ``token_ids`` ``[T]`` and the
@@ -278,3 +284,168 @@ class QuantizedDraftHead:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1).tolist()
         return self._ops.specdec_q_draft_head(hidden, caches[layer_index], cos, sin, packed, self._handle, ids,
                                               [int(r) for r in logit_rows], heads, kv_heads, self.eps)
+
+    def start(self, token_ids: np.ndarray, hidden, cache_layers, layer_index: int, meta, logit_rows=()):
+        """:meth:`forward`, started on the kernels' worker thread while the caller goes on:
+        a :class:`PendingDraftHead` whose ``result()`` is ``(output [T, H], logits)`` as
+        :meth:`forward` computes them (the same floats), as numpy arrays (views of this head's
+        buffers, valid until its next ``start``). The work writes its
+        keys and values into ``cache_layers`` as it goes: the caller must not run this head
+        again, nor hand the cache layer's blocks to another request, before ``result()``.
+        Over another attention backend than ``cpu``, or with ``hidden`` not contiguous, the
+        forward runs here, at once, and ``result()`` only returns it.
+
+        Meant for work that can overlap the caller's own Python: a draft head's catch-up
+        started at the end of a step, its drafts collected at the next one (the ``mtp``
+        proposer's ``CATCHES_UP_AFTER_STEP``). It is started through ctypes, not a paddle
+        operator: paddle's dispatch costs 100 us or more on the caches a forward pass has just
+        flushed, as much as the head's own work at batch 1."""
+        cache_layers.prepare(meta)
+        operands = getattr(cache_layers, "kernel_operands", lambda: None)()
+        if operands is None or not hidden.is_contiguous():
+            out, logits = self.forward(token_ids, hidden, cache_layers, layer_index, meta, logit_rows)
+            return PendingDraftHead((np.asarray(out), np.asarray(logits)))
+        caches, cos, sin, packed, heads, kv_heads = operands
+        binding = self._binding(caches[layer_index], cos, sin, heads, kv_heads)
+        T, width = hidden.shape
+        R = len(logit_rows)
+        io = self._buffers(T, R)
+        io.ids[:T] = token_ids
+        io.rows[:R] = logit_rows
+        B, columns, meta_pointer = self._metadata(packed)
+        ticket = next(_tickets)
+        if _c_library().specdec_draft_head_start(binding, hidden.data_ptr(), T, width, io.ids_pointer, io.rows_pointer,
+                                                 R, meta_pointer, B, columns, io.out_pointer, io.logits_pointer,
+                                                 ticket, io.message, len(io.message)):
+            from specdec.errors import SpecdecError
+
+            raise SpecdecError("QuantizedDraftHead.start: " + io.message.value.decode(errors="replace").splitlines()[0])
+        return PendingDraftHead((io.out, io.logits, T, R), ticket=ticket, keep=hidden)
+
+    def prepare_start(self, cache_layers, layer_index: int, block_size: int) -> None:
+        """Bind this head to ``cache_layers`` and load what :meth:`start` calls, ahead of the
+        first ``start`` (from a proposer's ``setup``): that one then costs what the others do,
+        and a drafting controller does not take one-time work for the proposer's time. A no-op
+        over another attention backend than ``cpu``."""
+        from specdec.attention import AttentionMetadata
+
+        cache_layers.prepare(AttentionMetadata.build([0], [0], np.zeros((1, 1), np.int32), block_size))
+        operands = getattr(cache_layers, "kernel_operands", lambda: None)()
+        if operands is None:
+            return
+        caches, cos, sin, _, heads, kv_heads = operands
+        self._binding(caches[layer_index], cos, sin, heads, kv_heads)
+        self._buffers(8, 8)
+        _c_library()
+        _finish_message()
+
+    def _buffers(self, rows: int, logit_rows: int) -> "_StartBuffers":
+        """The buffers :meth:`start` hands the kernels, with room for ``rows`` and
+        ``logit_rows`` (made anew, twice as large, when they are too small)."""
+        io = self._io
+        if io is None or io.capacity < rows or io.logit_capacity < logit_rows:
+            io = self._io = _StartBuffers(max(rows, 2 * (io.capacity if io else 8)),
+                                          max(logit_rows, 2 * (io.logit_capacity if io else 8)),
+                                          self._parts[1].hidden_size, self._parts[2].out_features)
+        return io
+
+    def _metadata(self, packed) -> tuple[int, int, int]:
+        """``(rows, columns, address)`` of the attention backend's metadata tensor (the backend
+        keeps one per shape, so they are looked up once)."""
+        found = self._metadata_tensors.get(id(packed))
+        if found is None or found[3] is not packed:
+            if len(self._metadata_tensors) >= 8:
+                self._metadata_tensors.clear()
+            rows, columns = packed.shape
+            found = self._metadata_tensors[id(packed)] = (rows, columns, packed.data_ptr(), packed)
+        return found[0], found[1], found[2]
+
+    def _binding(self, cache, cos, sin, heads: int, kv_heads: int) -> int:
+        """The kernels' handle of this head bound to ``cache`` (``specdec_q_bind_draft_head``;
+        bound again when the cache layer's tensor changes)."""
+        key = (id(cache), heads, kv_heads)
+        if self._bound is None or self._bound[0] != key:
+            if self._bound is not None:
+                self._bound[3].detach()  # release the old binding now
+            tensor = self._ops.specdec_q_bind_draft_head(self._handle, cache, cos, sin, heads, kv_heads, self.eps)
+            finalizer = weakref.finalize(self, self._ops.specdec_q_release, tensor)
+            finalizer.atexit = False
+            self._bound = (key, int(tensor.numpy()[0]), cache, _Releaser(self._ops, tensor, finalizer))
+        return self._bound[1]
+
+
+class _StartBuffers:
+    """What :meth:`QuantizedDraftHead.start` hands the kernels: the rows' token ids and the
+    rows that need logits (copied by the call), the output and the logits (written by the work),
+    and room for an error message, with their addresses taken once. Taking an array's address
+    or making a new one costs 10-25 us on the caches a forward pass has just flushed."""
+
+    def __init__(self, capacity: int, logit_capacity: int, hidden_size: int, vocab: int):
+        self.capacity, self.logit_capacity = capacity, logit_capacity
+        self.ids = np.zeros(capacity, np.int64)
+        self.rows = np.zeros(logit_capacity, np.int64)
+        self.out = np.zeros((capacity, hidden_size), np.float32)
+        self.logits = np.zeros((logit_capacity, vocab), np.float32)
+        self.ids_pointer, self.rows_pointer = self.ids.ctypes.data, self.rows.ctypes.data
+        self.out_pointer, self.logits_pointer = self.out.ctypes.data, self.logits.ctypes.data
+        self.message = ctypes.create_string_buffer(256)
+
+
+class _Releaser:
+    """Releases a binding when asked (``detach``) rather than when its head is collected."""
+
+    def __init__(self, ops, tensor, finalizer):
+        self._ops, self._tensor, self._finalizer = ops, tensor, finalizer
+
+    def detach(self) -> None:
+        if self._finalizer.detach() is not None:
+            self._ops.specdec_q_release(self._tensor)
+
+
+#: Numbers for the work :meth:`QuantizedDraftHead.start` hands the kernels (unique per process).
+_tickets = itertools.count(1)
+
+
+class PendingDraftHead:
+    """A draft head's forward running in the background (:meth:`QuantizedDraftHead.start`).
+    Exported as ``specdec.sdk.PendingDraftHead``."""
+
+    def __init__(self, outputs, ticket: int | None = None, keep=None):
+        self._outputs = outputs
+        self._ticket = ticket
+        self._keep = keep  # what the work reads: alive until it has finished
+        self._error = ""
+
+    def result(self):
+        """Wait for the forward and return ``(output [T, H], logits [rows, V])``, numpy arrays.
+        They are views of the head's buffers, valid until its next ``start``: copy what must
+        live longer. Raises :class:`specdec.SpecdecError` with the kernel's message if the work
+        failed. Calling it again returns the same."""
+        if self._ticket is not None:
+            message = _finish_message()
+            ticket, self._ticket = self._ticket, None
+            status = _c_library().specdec_draft_head_finish(ticket, message, len(message))
+            self._keep = None
+            if status != 0:
+                self._outputs = None
+                self._error = (message.value.decode(errors="replace").splitlines() or ["no such work"])[0]
+        if self._outputs is None:
+            from specdec.errors import SpecdecError
+
+            raise SpecdecError(f"draft head: {self._error}")
+        if len(self._outputs) == 4:  # start's buffers: the rows this work wrote
+            out, logits, rows, logit_rows = self._outputs
+            self._outputs = out[:rows], logits[:logit_rows]
+        return self._outputs
+
+
+@functools.lru_cache(maxsize=1)
+def _finish_message():
+    """Room for a background forward's error message (results are collected one at a time)."""
+    return ctypes.create_string_buffer(256)
+
+
+def _c_library():
+    from specdec.kernels.cpu import cpu_ops_c_library
+
+    return cpu_ops_c_library()

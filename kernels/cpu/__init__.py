@@ -179,6 +179,27 @@ def _load_built(build_dir: Path):
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_ops_c_library():
+    """The loaded CPU operators' library through ctypes, for its plain C functions (waiting for
+    work it runs in the background): a ctypes call of one costs a few microseconds where
+    paddle's dispatch of an operator costs tens on the caches a forward pass has just flushed.
+    The same library as :func:`load_cpu_ops` (loaded first), so the same state."""
+    import ctypes
+
+    load_cpu_ops()
+    library = ctypes.CDLL(str(kernel_build_dir() / OPS_NAME / f"{OPS_NAME}.so"))
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    start = library.specdec_draft_head_start
+    start.restype = ctypes.c_int
+    start.argtypes = [count, pointer, count, count, pointer, pointer, count, pointer, count, count, pointer, pointer,
+                      count, ctypes.c_char_p, count]
+    finish = library.specdec_draft_head_finish
+    finish.restype = ctypes.c_int
+    finish.argtypes = [count, ctypes.c_char_p, count]
+    return library
+
+
+@functools.lru_cache(maxsize=1)
 def load_cpu_ops():
     """Compile (once per source version) and load the CPU operators."""
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]

@@ -25,6 +25,10 @@ struct AttentionBatch {
 AttentionBatch read_attention_batch(const paddle::Tensor& meta, int64_t rows, const paddle::Tensor& cache,
                                     const paddle::Tensor& cos);
 
+// The same from the metadata's memory, `B` rows of `columns` int32 (2 + max_blocks).
+AttentionBatch read_attention_batch(const int32_t* packed, int64_t B, int64_t columns, int64_t rows,
+                                    const paddle::Tensor& cache, const paddle::Tensor& cos);
+
 // Checks one layer's cache ([blocks, 2*kv_heads, block_size, D], float32 or float16, the same
 // shape as `like`, the cache read_attention_batch checked) and its q/k/v width.
 void check_attention_layer(const paddle::Tensor& cache, const paddle::Tensor& like, int64_t qkv_width,

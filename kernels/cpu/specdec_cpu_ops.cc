@@ -846,9 +846,15 @@ AttentionBatch read_attention_batch(const paddle::Tensor& meta, int64_t rows, co
                                     const paddle::Tensor& cos) {
   PD_CHECK(meta.dtype() == paddle::DataType::INT32 && meta.shape().size() == 2 && meta.shape()[1] >= 2,
            "paged_attention: metadata must be int32 [B, 2 + max_blocks]");
+  return read_attention_batch(meta.data<int32_t>(), meta.shape()[0], meta.shape()[1], rows, cache, cos);
+}
+
+AttentionBatch read_attention_batch(const int32_t* packed, int64_t B, int64_t columns, int64_t rows,
+                                    const paddle::Tensor& cache, const paddle::Tensor& cos) {
+  PD_CHECK(B >= 0 && columns >= 2, "paged_attention: metadata must be int32 [B, 2 + max_blocks]");
   PD_CHECK(cache.shape().size() == 4, "paged_attention: cache must be [blocks, 2*kv_heads, block_size, D]");
   AttentionBatch batch;
-  const int64_t B = meta.shape()[0], max_blocks = meta.shape()[1] - 2;
+  const int64_t max_blocks = columns - 2;
   const int64_t num_blocks = cache.shape()[0], bs = cache.shape()[2];
   batch.rows = rows;
   batch.requests = B;
@@ -856,7 +862,6 @@ AttentionBatch read_attention_batch(const paddle::Tensor& meta, int64_t rows, co
   batch.tables.resize(B * max_blocks);
   batch.cu.resize(B + 1);
   batch.ctx.resize(B);
-  const int32_t* packed = meta.data<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int32_t* row = packed + b * (2 + max_blocks);
     batch.cu[b] = row[0];

@@ -915,8 +915,11 @@ class Registry {
   }
   std::shared_ptr<const T> find(const paddle::Tensor& handle, const char* what) {
     PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, what, ": bad handle");
+    return find(handle.data<int64_t>()[0], what);
+  }
+  std::shared_ptr<const T> find(int64_t handle, const char* what) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto found = items_.find(handle.data<int64_t>()[0]);
+    const auto found = items_.find(handle);
     PD_CHECK(found != items_.end(), what, ": no such handle (released?)");
     return found->second;
   }
@@ -1227,6 +1230,134 @@ std::vector<paddle::Tensor> QDraftHead(const paddle::Tensor& hidden, const paddl
 
 namespace {
 
+// A draft head bound to the cache layer it attends over (q_bind_draft_head): what every
+// background forward of it reads besides its rows. It keeps the tensors alive.
+struct DraftHeadBinding {
+  std::shared_ptr<const DraftHead> head;
+  paddle::Tensor cache, cos, sin;
+  int64_t heads, kv_heads;
+  float eps;
+};
+
+Registry<DraftHeadBinding> draft_head_bindings;
+
+// A draft head's forward started by specdec_draft_head_start, running on the pool's worker
+// while the caller goes on (specdec_draft_head_finish waits for it).
+struct PendingDraftHead {
+  specdec_cpu::BackgroundTask task;
+};
+
+std::mutex pending_mutex;
+std::map<int64_t, std::unique_ptr<PendingDraftHead>> pending_heads;
+
+// Copies what fails into `message` (at most size - 1 bytes and a NUL).
+void write_message(const std::string& text, char* message, int64_t size) {
+  if (message == nullptr || size <= 0) return;
+  const size_t n = std::min(static_cast<size_t>(size - 1), text.size());
+  std::memcpy(message, text.data(), n);
+  message[n] = '\0';
+}
+
+}  // namespace
+
+// Binds the draft head `handle` (q_register_draft_head) to the cache layer `cache` it attends
+// over, with the RoPE tables and the attention's shape, for specdec_draft_head_start. Returns
+// the binding's handle (released with q_release).
+std::vector<paddle::Tensor> QBindDraftHead(const paddle::Tensor& handle, const paddle::Tensor& cache,
+                                           const paddle::Tensor& cos, const paddle::Tensor& sin, int64_t heads,
+                                           int64_t kv_heads, float eps) {
+  const char* what = "q_bind_draft_head";
+  auto binding = std::make_shared<DraftHeadBinding>();
+  binding->head = draft_heads.find(handle, what);
+  check_attention_layer(cache, cache, binding->head->layer.qkv.weight.rows, heads, kv_heads);
+  PD_CHECK(cos.dtype() == paddle::DataType::FLOAT32 && sin.dtype() == paddle::DataType::FLOAT32 &&
+               cos.shape() == sin.shape() && cos.shape().size() == 2 && cos.shape()[1] == cache.shape()[3],
+           what, ": cos and sin must be float32 [positions, D]");
+  binding->cache = cache;
+  binding->cos = cos;
+  binding->sin = sin;
+  binding->heads = heads;
+  binding->kv_heads = kv_heads;
+  binding->eps = eps;
+  return {handle_tensor(draft_head_bindings.add(std::move(binding)))};
+}
+
+// q_draft_head's work for a bound head, started on the pool's worker (the same computations in
+// the same order, so the same floats: a loop's split into chunks never changes a result): rows
+// `hidden` [T, hidden_cols] with one token id each, the cache layer's metadata `meta` (B rows of
+// `meta_columns` int32, as the cpu attention backend packs it), into out [T, H] and logits
+// [R, V] (rows `rows` of out through the LM head). Everything is checked here, on the caller;
+// `ids`, `rows` and `meta` are copied, while `hidden`, `out` and `logits` must stay alive, and
+// out and logits unread, until specdec_draft_head_finish(ticket) returns. `ticket`: the caller's
+// number for the work, not in use. Returns 0, or 1 with the reason in `message`. A plain C
+// function, called through ctypes: paddle's dispatch of an operator costs 100 us or more on the
+// caches a forward pass has just flushed, as much as the head's own work.
+extern "C" int specdec_draft_head_start(int64_t binding_handle, const float* hidden, int64_t T, int64_t hidden_cols,
+                                        const int64_t* ids, const int64_t* rows, int64_t R, const int32_t* meta,
+                                        int64_t B, int64_t meta_columns, float* out, float* logits, int64_t ticket,
+                                        char* message, int64_t size) {
+  try {
+    const char* what = "draft_head_start";
+    std::shared_ptr<const DraftHeadBinding> binding = draft_head_bindings.find(binding_handle, what);
+    const DraftHead& head = *binding->head;
+    PD_CHECK(T > 0 && hidden_cols == head.hidden_cols, what, ": hidden must be [T, ", head.hidden_cols, "]");
+    for (int64_t t = 0; t < T; ++t) PD_CHECK(ids[t] >= 0 && ids[t] < head.table.rows, what, ": token id out of range");
+    for (int64_t r = 0; r < R; ++r) PD_CHECK(rows[r] >= 0 && rows[r] < T, what, ": row out of range");
+    auto batch = std::make_shared<const AttentionBatch>(
+        read_attention_batch(meta, B, meta_columns, T, binding->cache, binding->cos));
+    auto pending = std::make_unique<PendingDraftHead>();
+    pending->task.fn = [binding, batch, hidden, out, logits, T, R, ids = std::vector<int64_t>(ids, ids + T),
+                        rows = std::vector<int64_t>(rows, rows + R)] {
+      const DraftHead& head = *binding->head;
+      const StackLayer& layer = head.layer;
+      const int64_t E = head.embed_cols, H = head.embed_proj.rows, width = layer.qkv.weight.rows;
+      const int64_t A = binding->heads * binding->cache.shape()[3];
+      const float eps = binding->eps;
+      std::vector<float> embeds(T * E), x(T * H), qkv(T * width), attn(T * A), picked(R * H);
+      embed_rows(head.table, ids.data(), T, E, embeds.data(), "draft_head_start");
+      draft_input(embeds.data(), E, hidden, head.hidden_cols, T, head.embed_proj, head.embed_gain,
+                  head.embed_gain != nullptr, head.hidden_proj, head.hidden_gain, head.hidden_gain != nullptr, eps,
+                  x.data());
+      project(x.data(), T, H, layer.qkv.weight, layer.qkv.epi, layer.attn_gain, true, eps, qkv.data());
+      attend_layer(*batch, qkv.data(), binding->cache, binding->cos, binding->sin, binding->heads, binding->kv_heads,
+                   attn.data());
+      layer_tail(attn.data(), x.data(), T, A, H, layer.tail, eps, out);
+      for (int64_t r = 0; r < R; ++r) std::copy_n(out + rows[r] * H, H, picked.data() + r * H);
+      if (R > 0) project(picked.data(), R, H, head.lm_head, Epilogue{}, head.head_gain, true, eps, logits);
+    };
+    specdec_cpu::BackgroundTask* task = &pending->task;
+    {
+      std::lock_guard<std::mutex> lock(pending_mutex);
+      PD_CHECK(pending_heads.count(ticket) == 0, what, ": ticket ", ticket, " is in use");
+      pending_heads[ticket] = std::move(pending);
+    }
+    specdec_cpu::WorkPool::get().start_background(task);
+    return 0;
+  } catch (const std::exception& e) {
+    write_message(e.what(), message, size);
+    return 1;
+  }
+}
+
+// Waits for the draft head started with `ticket` (specdec_draft_head_start) and forgets it.
+// Returns 0 when it ran, 1 when it failed (the reason in `message`), -1 for an unknown ticket.
+extern "C" int specdec_draft_head_finish(int64_t ticket, char* message, int64_t size) {
+  std::unique_ptr<PendingDraftHead> pending;
+  {
+    std::lock_guard<std::mutex> lock(pending_mutex);
+    auto found = pending_heads.find(ticket);
+    if (found == pending_heads.end()) return -1;
+    pending = std::move(found->second);
+    pending_heads.erase(found);
+  }
+  specdec_cpu::WorkPool::get().finish_background(&pending->task);
+  if (pending->task.error.empty()) return 0;
+  write_message(pending->task.error, message, size);
+  return 1;
+}
+
+namespace {
+
 // A whole model read once (q_register_model): its layer stack, the embedding table, the final
 // norm's gain and the LM head.
 struct ModelWeights {
@@ -1288,7 +1419,8 @@ std::vector<paddle::Tensor> QForward(const std::vector<paddle::Tensor>& caches, 
 std::vector<paddle::Tensor> QRelease(const paddle::Tensor& handle) {
   PD_CHECK(handle.dtype() == paddle::DataType::INT64 && handle.numel() == 1, "q_release: bad handle");
   const int64_t id = handle.data<int64_t>()[0];
-  PD_CHECK(stacks.erase(id) || draft_heads.erase(id) || models.erase(id), "q_release: no such handle");
+  PD_CHECK(stacks.erase(id) || draft_heads.erase(id) || models.erase(id) || draft_head_bindings.erase(id),
+           "q_release: no such handle");
   return {handle};
 }
 
@@ -1333,6 +1465,12 @@ PD_BUILD_OP(specdec_q_draft_head)
     .Attrs({"ids: std::vector<int64_t>", "rows: std::vector<int64_t>", "heads: int64_t", "kv_heads: int64_t",
             "eps: float"})
     .SetKernelFn(PD_KERNEL(QDraftHead));
+
+PD_BUILD_OP(specdec_q_bind_draft_head)
+    .Inputs({"Handle", "Cache", "Cos", "Sin"})
+    .Outputs({"Binding"})
+    .Attrs({"heads: int64_t", "kv_heads: int64_t", "eps: float"})
+    .SetKernelFn(PD_KERNEL(QBindDraftHead));
 
 PD_BUILD_OP(specdec_q_register_model)
     .Inputs({"Stack", "Table", "TableLayout", "FinalNorm", "Head", "HeadLayout"})

@@ -86,6 +86,8 @@ class HybridProposer(specdec.Proposer):
         self.model = context.create_proposer(self.config.draft_model_method)
         self.lookup = context.create_proposer(self.config.draft_lookup_method)
         self.NEEDS_HIDDEN_STATES = bool(self.model.NEEDS_HIDDEN_STATES)
+        #: The model's catch-up at the end of a step (``catch_up``) where the model does it.
+        self.CATCHES_UP_AFTER_STEP = self.NEEDS_HIDDEN_STATES and bool(self.model.CATCHES_UP_AFTER_STEP)
         self.model_steps = self.spec_config.num_model_steps if self.spec_config is not None else 1
         self.leaders = LeaderStats()
         #: Decayed means of the model's seconds per request and of the time between two
@@ -100,6 +102,9 @@ class HybridProposer(specdec.Proposer):
         self._continued: dict[str, int] = {}
         #: Per request led by the lookup: the hidden states the model has not seen yet.
         self._waiting: dict[str, list[tuple[object, np.ndarray]]] = {}
+        #: Requests the model drafted for at the current step (their catch-up runs at its end).
+        self._model_led: set[str] = set()
+        self._catch_up_seconds = 0.0  # the model's catch_up since its last propose
         #: Requests whose context request the lookup has started (:meth:`_matches`).
         self._context_started: set[str] = set()
         #: This step's context requests, by real request id, for the lookup's ``on_step``.
@@ -128,6 +133,20 @@ class HybridProposer(specdec.Proposer):
         if context_rows:
             self.lookup.on_step(ProposalBatch([c for c, _ in context_rows]), [t for _, t in context_rows])
         self.model.on_step(batch, accepted)
+
+    def catch_up(self, batch: ProposalBatch) -> None:
+        """The model's catch-up at the end of the step (its ``catch_up``) for the requests it
+        drafted for at this step, which it most likely drafts for at the next; the others'
+        states wait for the model's next turn, as those of a request the lookup leads."""
+        ahead = [r for r in batch.requests if r.request_id in self._model_led]
+        for request in batch.requests:
+            if request.request_id not in self._model_led:
+                self._wait(request)
+        self._model_led.clear()
+        if ahead:
+            started = time.perf_counter()
+            self.model.catch_up(ProposalBatch(ahead))
+            self._catch_up_seconds += time.perf_counter() - started
 
     def on_request_finish(self, request_id: str) -> None:
         self._led.pop(request_id, None)
@@ -167,11 +186,14 @@ class HybridProposer(specdec.Proposer):
                                                    max_draft_len=min(batch.requests[b].max_draft_len, self.model_steps)))
             for b in model_rows])
         model_drafts = Drafts.empty(len(batch))
+        self._model_led = {batch.requests[b].request_id for b in model_rows}
         if model_rows:
             started = time.perf_counter()
             model_drafts = self.model.propose(model_batch).clipped(
                 np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64)).placed(model_rows, len(batch))
-            self._model_seconds = _decayed(self._model_seconds, (time.perf_counter() - started) / len(model_rows))
+            seconds = time.perf_counter() - started + self._catch_up_seconds
+            self._catch_up_seconds = 0.0
+            self._model_seconds = _decayed(self._model_seconds, seconds / len(model_rows))
         first = model_drafts.to_lists()
         for b in model_rows:
             if first[b]:

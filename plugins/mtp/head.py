@@ -158,6 +158,17 @@ class MtpHead:
                 out = x + self.down(p.nn.functional.silu(self.gate(y)) * self.up(y))
         return out, None if logit_rows is None else self.logits(rows_of(p, out, np.asarray(logit_rows, np.int64)))
 
+    def start(self, token_ids: np.ndarray, hidden, meta: AttentionMetadata, logit_rows=None):
+        """:meth:`forward` on the kernels' worker thread (``QuantizedDraftHead.start``): a
+        ``PendingDraftHead`` whose ``result()`` is what :meth:`forward` returns. Needs the one
+        native call (``fused``)."""
+        return self.fused.start(token_ids, hidden, self.cache, self.layer_index, meta,
+                                () if logit_rows is None else logit_rows)
+
+    def prepare_start(self, block_size: int) -> None:
+        """Ready :meth:`start` ahead of its first call (``QuantizedDraftHead.prepare_start``)."""
+        self.fused.prepare_start(self.cache, self.layer_index, block_size)
+
     def logits(self, out):
         """``[T, V]`` logits of the layer's output (``[T, K]`` over the draft vocabulary when the
         head has one): its own final norm and the target's LM head, or, without one, the

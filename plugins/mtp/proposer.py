@@ -89,29 +89,82 @@ class MtpProposer(specdec.Proposer):
         #: Per request: the first hidden position the next proposal should bring (a different
         #: one means a fresh start: first proposal, prefix-cache hit, or preemption).
         self._next_position: dict[str, int] = {}
+        #: Where the head is one native call, its catch-up runs at the end of each step on the
+        #: kernels' worker thread (catch_up), while the engine finishes the step and plans the
+        #: next; the drafts are collected at the next proposal.
+        self.CATCHES_UP_AFTER_STEP = self.head.fused is not None
+        if self.CATCHES_UP_AFTER_STEP:
+            self.head.prepare_start(self.block_size)
+        self._early: _EarlyCatchUp | None = None
 
     def on_request_finish(self, request_id: str) -> None:
         self._next_position.pop(request_id, None)
 
-    def propose(self, batch: ProposalBatch) -> Drafts:
-        catching_up = [(b, r) for b, r in enumerate(batch.requests) if len(r.hidden_positions)]
-        drafts: list[list[int]] = [[] for _ in batch.requests]
-        if not catching_up:
-            return Drafts.from_lists(drafts)
-        # Requests whose rows reach their last token can draft: the catch-up computes the
-        # logits of their last rows only.
-        drafting = [(i, b, r) for i, (b, r) in enumerate(catching_up)
+    def catch_up(self, batch: ProposalBatch) -> None:
+        """Start the head's catch-up over the states this step decided, in the background
+        (:meth:`MtpHead.start`); :meth:`propose` collects its first drafts."""
+        self._collect_early()  # one not used (a step without a proposal): its cache writes end first
+        requests = [r for r in batch.requests if len(r.hidden_positions)]
+        if not requests:
+            return
+        drafting = [i for i, r in enumerate(requests)
                     if r.max_draft_len > 0 and int(r.hidden_positions[-1]) == len(r.token_ids) - 2]
-        out, last_rows, logits = self._catch_up([r for _, r in catching_up], [i for i, _, _ in drafting])
-        if not drafting:
+        tokens, states, meta, last_rows = self._catch_up_inputs(requests)
+        pending = self.head.start(tokens, states, meta, logit_rows=last_rows[drafting] if drafting else None)
+        self._early = _EarlyCatchUp(pending, {requests[i].request_id: (k, int(last_rows[i]), len(requests[i].token_ids))
+                                              for k, i in enumerate(drafting)})
+
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        early = self._collect_early()
+        drafts: list[list[int]] = [[] for _ in batch.requests]
+        catching_up = [(b, r) for b, r in enumerate(batch.requests) if len(r.hidden_positions)]
+        # Per drafting request: (batch row, request, the head's output, its row there, its logits).
+        sources: list[tuple[int, ProposalRequest, object, int, np.ndarray]] = []
+        if catching_up:
+            # Requests whose rows reach their last token can draft: the catch-up computes the
+            # logits of their last rows only.
+            drafting = [(i, b, r) for i, (b, r) in enumerate(catching_up)
+                        if r.max_draft_len > 0 and int(r.hidden_positions[-1]) == len(r.token_ids) - 2]
+            out, last_rows, logits = self._catch_up([r for _, r in catching_up], [i for i, _, _ in drafting])
+            if drafting:
+                logits = _host(logits)
+                sources = [(b, r, out, int(last_rows[i]), logits[k]) for k, (i, b, r) in enumerate(drafting)]
+        if early:
+            handed = {b for b, _ in catching_up}
+            for b, r in enumerate(batch.requests):
+                found = early.get(r.request_id)
+                # caught up at the end of the last step, with nothing decided since
+                if found is not None and b not in handed and r.max_draft_len > 0 and found[3] == len(r.token_ids):
+                    sources.append((b, r, found[0], found[1], found[2]))
+            sources.sort(key=lambda source: source[0])
+        if not sources:
             return Drafts.from_lists(drafts)
-        draft_probs = self._draft(drafting, out, last_rows, logits, drafts)
+        draft_probs = self._draft(sources, drafts)
         return Drafts.from_lists(drafts, probs=self._probs_array(draft_probs, drafts))
+
+    def _collect_early(self) -> dict[str, tuple]:
+        """The background catch-up's results, by request id: ``(output, row, logits, number
+        of tokens then)``; it is waited for here (empty without one)."""
+        early, self._early = self._early, None
+        if early is None:
+            return {}
+        out, logits = early.pending.result()
+        if not early.drafting:
+            return {}
+        logits = _host(logits)
+        return {request_id: (out, row, logits[k], count) for request_id, (k, row, count) in early.drafting.items()}
 
     def _catch_up(self, requests: list[ProposalRequest], drafting: list[int]):
         """Run the head over each request's new rows; return its ``[T, H]`` output, the index
         of each request's last row, and the logits of the last rows of requests ``drafting``
         (None when none drafts)."""
+        tokens, states, meta, last_rows = self._catch_up_inputs(requests)
+        out, logits = self.head.forward(tokens, states, meta, logit_rows=last_rows[drafting] if drafting else None)
+        return out, last_rows, logits
+
+    def _catch_up_inputs(self, requests: list[ProposalRequest]):
+        """The head's input for each request's new rows: ``(tokens [T], states [T, H], meta,
+        the index of each request's last row)``."""
         p = self.paddle
         tokens, states, query_lens, context_lens, tables = [], [], [], [], []
         for request in requests:
@@ -131,37 +184,49 @@ class MtpProposer(specdec.Proposer):
             tables.append(request.block_table)
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size)
         last_rows = meta.cu_seqlens_q[1:].astype(np.int64) - 1
-        out, logits = self.head.forward(np.concatenate(tokens),
-                                        states[0] if len(states) == 1 else p.concat(states, axis=0), meta,
-                                        logit_rows=last_rows[drafting] if drafting else None)
-        return out, last_rows, logits
+        return np.concatenate(tokens), states[0] if len(states) == 1 else p.concat(states, axis=0), meta, last_rows
 
-    def _draft(self, drafting, out, last_rows, logits, drafts: list[list[int]]) -> dict[int, list[np.ndarray]]:
-        """Substep 1 drafts from the catch-up's logits; substep ``s`` runs one row per request
-        at position ``len(token_ids) + s - 2`` from the previous substep's output and draft.
-        Returns the distributions sampled drafts came from, per batch row (none when greedy)."""
-        steps = [min(self.num_model_steps, r.max_draft_len) for _, _, r in drafting]
-        active = list(range(len(drafting)))
+    def _draft(self, sources, drafts: list[list[int]]) -> dict[int, list[np.ndarray]]:
+        """Substep 1 drafts from the catch-up's logits (``sources``: per drafting request, its
+        batch row, the request, the head's output, its row there and its logits); substep ``s``
+        runs one row per request at position ``len(token_ids) + s - 2`` from the previous
+        substep's output and draft. Returns the distributions sampled drafts came from, per
+        batch row (none when greedy)."""
+        steps = [min(self.num_model_steps, r.max_draft_len) for _, r, _, _, _ in sources]
+        active = list(range(len(sources)))
         draft_probs: dict[int, list[np.ndarray]] = {}
+        logits = sources[0][4][None] if len(sources) == 1 else np.stack([source[4] for source in sources])
         state = None
         for substep in range(1, max(steps) + 1):
-            tokens, probs = self._choose(logits, [drafting[k][2] for k in active])
+            tokens, probs = self._choose(logits, [sources[k][1] for k in active])
             for row, k in enumerate(active):
-                drafts[drafting[k][1]].append(int(tokens[row]))
+                drafts[sources[k][0]].append(int(tokens[row]))
                 if probs is not None:
-                    draft_probs.setdefault(drafting[k][1], []).append(probs[row])
+                    draft_probs.setdefault(sources[k][0], []).append(probs[row])
             keep = [row for row, k in enumerate(active) if steps[k] > substep]
             if not keep:
                 return draft_probs
             if state is None:  # the catch-up's last rows of the drafting requests
-                state = rows_of(self.paddle, out, np.array([last_rows[i] for i, _, _ in drafting], dtype=np.int64))
+                state = self._last_states(sources)
             active = [active[row] for row in keep]
-            requests = [drafting[k][2] for k in active]
+            requests = [sources[k][1] for k in active]
             meta = AttentionMetadata.build([1] * len(active), [len(r.token_ids) + substep - 1 for r in requests],
                                            [r.block_table for r in requests], self.block_size)
             state, logits = self.head.forward(tokens[keep], rows_of(self.paddle, state, np.array(keep, dtype=np.int64)),
                                               meta, logit_rows=np.arange(len(keep)))
         return draft_probs
+
+    def _last_states(self, sources):
+        """The head's output at each source's row, ``[n, H]`` paddle, in the sources' order
+        (an output is a paddle tensor from :meth:`MtpHead.forward`, a numpy array from a
+        catch-up started in the background)."""
+        p, outputs = self.paddle, [source[2] for source in sources]
+        if all(isinstance(out, np.ndarray) for out in outputs):
+            return p.to_tensor(np.stack([out[row] for _, _, out, row, _ in sources]))
+        if all(out is outputs[0] for out in outputs):
+            return rows_of(p, outputs[0], np.array([source[3] for source in sources], dtype=np.int64))
+        return p.concat([p.to_tensor(out[row:row + 1]) if isinstance(out, np.ndarray)
+                         else rows_of(p, out, np.array([row], dtype=np.int64)) for _, _, out, row, _ in sources], axis=0)
 
     def _choose(self, logits, requests: list[ProposalRequest]) -> tuple[np.ndarray, np.ndarray | None]:
         """Each row's draft from its head logits: the argmax for greedy requests; for requests
@@ -193,3 +258,18 @@ class MtpProposer(specdec.Proposer):
                 out[row, position, columns] = probs
         return out
 
+
+@attrs.define
+class _EarlyCatchUp:
+    """A catch-up started at the end of a step (:meth:`MtpProposer.catch_up`): the head's
+    pending forward and, per drafting request id, ``(its logits row, its output row, its number
+    of tokens then)``."""
+
+    pending: object
+    drafting: dict[str, tuple[int, int, int]]
+
+
+def _host(logits) -> np.ndarray:
+    """``logits`` as a numpy array (a paddle tensor's ``numpy()`` costs less than
+    ``np.asarray`` of it on cold caches)."""
+    return logits if isinstance(logits, np.ndarray) else logits.numpy()

@@ -163,6 +163,88 @@ def test_the_head_in_one_native_call_equals_its_three_calls(model_session):
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
+def test_the_head_started_in_the_background_equals_its_forward(model_session):
+    """``QuantizedDraftHead.start`` (the forward on the kernels' worker, started through ctypes):
+    the same output and logits, bit for bit, as ``forward``, for a whole tensor and for rows
+    sliced out of a larger one, while the caller runs a target forward pass of its own (a
+    parallel loop of the caller's beside the worker's); a bad token id is a one-line error."""
+    import paddle
+
+    from specdec import SpecdecError
+    from specdec.plugins.mtp.head import MtpHead
+    from specdec.sdk import AttentionMetadata, PendingDraftHead
+
+    engine, context, weights = _shipped_head_parts(model_session)
+    config = engine.model_config
+    ids = np.asarray(model_session.prompt_ids(PROMPTS[2]), np.int64)[:40]
+    n = len(ids)
+    rng = np.random.default_rng(1)
+    larger = paddle.to_tensor(rng.standard_normal((n + 3, config.hidden_size)).astype(np.float32))
+    blocks = np.arange(-(-n // engine.block_size))[None]
+    meta = AttentionMetadata.build([n], [0], blocks, engine.block_size)
+    rows = np.array([n - 1, 0, n // 2])
+    target_ids = np.asarray(model_session.prompt_ids(PROMPTS[0]), np.int64)[:8]
+    target_meta = AttentionMetadata.build([8], [0], np.arange(1)[None] + blocks.shape[1], engine.block_size)
+    for states in (larger[:n], larger[2:2 + n]):
+        head = MtpHead(weights, context, engine._create_cache_layers(1), quantization="wint4")
+        want_out, want_logits = (np.asarray(t) for t in head.fused.forward(ids, states, head.cache, 0, meta, rows))
+        pending = head.start(ids, states, meta, logit_rows=rows)
+        assert isinstance(pending, PendingDraftHead)
+        engine.model.forward(target_ids, target_meta, np.array([7]))  # the caller's own native work meanwhile
+        out, logits = pending.result()
+        np.testing.assert_array_equal(out, want_out)
+        np.testing.assert_array_equal(logits, want_logits)
+        assert pending.result()[0] is out  # asked again: the same
+    with pytest.raises(SpecdecError, match=r"^QuantizedDraftHead.start: draft_head_start: token id out of range$"):
+        head.start(np.array([config.vocab_size + 5]), larger[:1], AttentionMetadata.build([1], [0], blocks,
+                                                                                          engine.block_size))
+    engine.kv.pool.reset_prefix_cache()
+
+
+class InProposeMtp(MtpProposer):
+    """``mtp`` with its catch-up inside ``propose``, as before ``CATCHES_UP_AFTER_STEP``."""
+
+    NAME = "test_mtp_in_propose"
+
+    def setup(self, context):
+        super().setup(context)
+        self.CATCHES_UP_AFTER_STEP = False
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_the_catch_up_after_each_step_drafts_what_the_catch_up_in_propose_drafts(model_session, batch,
+                                                                                monkeypatch):
+    """``mtp`` runs its head's catch-up at the end of each step, in the background
+    (``CATCHES_UP_AFTER_STEP``): its drafts, and so the tokens and every acceptance count, are
+    those of the catch-up run inside ``propose`` (``num_model_steps`` 2: the second draft's
+    substep starts from the background's output), batched or alone."""
+    calls = []
+    real = MtpProposer.catch_up
+
+    def counted(self, batch):
+        calls.append(len(batch))
+        return real(self, batch)
+
+    monkeypatch.setattr(MtpProposer, "catch_up", counted)
+    plugins = load_plugins()
+    plugins.proposers.register(InProposeMtp, "tests/e2e/test_mtp.py")
+    monkeypatch.setattr(model_session.llm.engine, "plugins", plugins)
+    try:
+        spec = {"num_model_steps": 2, "adaptive_draft_length": False}
+        early = model_session.run({"method": "mtp", **spec}, PROMPTS, SAMPLING, max_num_seqs=batch, cache=False)
+        assert len(calls) > 20, len(calls)
+        called = len(calls)
+        late = model_session.run({"method": "test_mtp_in_propose", **spec}, PROMPTS, SAMPLING, max_num_seqs=batch,
+                                 cache=False)
+        assert len(calls) == called
+    finally:
+        model_session.llm.set_speculative_config(None)
+    for a, b in zip(early, late):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert a.metrics.num_draft_tokens == b.metrics.num_draft_tokens
+        assert a.metrics.num_accepted_tokens == b.metrics.num_accepted_tokens
+
+
 class CheckedMtp(MtpProposer):
     """``mtp`` that, after each catch-up, reruns its head over the whole sequence of a request
     that has computed every position itself, in a fresh cache, and records the difference at
@@ -172,6 +254,7 @@ class CheckedMtp(MtpProposer):
 
     def setup(self, context):
         super().setup(context)
+        self.CATCHES_UP_AFTER_STEP = False  # every catch-up through _catch_up, which checks it
         self.states: dict[str, list] = {}
         self.worst = 0.0
         self.checked = 0

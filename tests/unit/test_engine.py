@@ -597,7 +597,13 @@ def test_a_model_proposer_s_catch_up_is_told_by_the_rows_it_is_handed():
     def request(rows: int) -> ProposalRequest:
         return ProposalRequest("r", np.zeros(300, np.int64), 200, 1, hidden_positions=np.arange(rows))
 
-    assert Engine._hidden_catch_up([request(0)], np.array([1])) == (False, 0, False)  # the prefill's step
-    assert Engine._hidden_catch_up([request(200)], np.array([1])) == (True, 200, True)  # the prompt's states
-    assert Engine._hidden_catch_up([request(2), request(1)], np.array([1, 1])) == (False, 0, True)  # a usual step
-    assert Engine._hidden_catch_up([request(2), request(9)], np.array([1, 5])) == (True, 9, True)  # left out 3 steps
+    none = np.zeros(1, np.int64)
+    assert Engine._hidden_catch_up([request(0)], np.array([1]), none) == (False, 0, False)  # the prefill's step
+    assert Engine._hidden_catch_up([request(200)], np.array([1]), none) == (True, 200, True)  # the prompt's states
+    assert Engine._hidden_catch_up([request(2), request(1)], np.array([1, 1]),
+                                   np.zeros(2, np.int64)) == (False, 0, True)  # a usual step
+    assert Engine._hidden_catch_up([request(2), request(9)], np.array([1, 5]),
+                                   np.zeros(2, np.int64)) == (True, 9, True)  # left out 3 steps
+    # rows handed at the end of the last step (Proposer.catch_up) count as handed now
+    assert Engine._hidden_catch_up([request(0)], np.array([1]), np.array([2])) == (False, 0, True)
+    assert Engine._hidden_catch_up([request(0)], np.array([1]), np.array([200])) == (True, 200, True)
