@@ -253,7 +253,9 @@ class Proposer(Plugin):
     #: With ``NEEDS_HIDDEN_STATES``: set to True (in :meth:`setup`, say) to be handed each
     #: step's hidden states at the end of that step, in :meth:`catch_up`, instead of with the
     #: next proposal, so that a model proposer can run on them while the engine finishes the
-    #: step and plans the next (``QuantizedDraftHead.start``).
+    #: step and plans the next (``QuantizedDraftHead.start``). The engine reads it at the end
+    #: of every step: a proposer may ask for it at some steps only (``hybrid`` does, at the
+    #: steps its model drafted).
     CATCHES_UP_AFTER_STEP: ClassVar[bool] = False
 
     @classmethod

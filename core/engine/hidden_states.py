@@ -15,6 +15,11 @@ import numpy as np
 from ..errors import SpecdecError
 
 
+#: The positions of a request with no rows kept (read-only: shared).
+_NO_POSITIONS = np.zeros(0, dtype=np.int64)
+_NO_POSITIONS.flags.writeable = False
+
+
 class PendingHiddenStates:
     """Hidden-state rows per request, waiting for the request's next proposal.
 
@@ -29,6 +34,7 @@ class PendingHiddenStates:
         self.hidden_size = hidden_size
         # per request: (first position, the step's [T, H] tensor, first row, count) per step kept
         self._parts: dict[int, list[tuple[int, Any, int, int]]] = {}
+        self._none = None  # the [0, H] tensor of a request with no rows kept, made once
 
     def keep(self, request: Any, hidden: Any, first_row: int, first_position: int, count: int) -> None:
         """Keep rows ``first_row .. first_row + count - 1`` of the step's ``[T, H]`` ``hidden``,
@@ -39,9 +45,11 @@ class PendingHiddenStates:
 
     def take(self, request: Any) -> tuple[Any, np.ndarray]:
         """``([n, H] paddle tensor, [n] positions)`` kept for ``request`` since the last call."""
-        parts = self._parts.pop(id(request), [])
-        if not parts:
-            return self.paddle.zeros([0, self.hidden_size], dtype="float32"), np.zeros(0, dtype=np.int64)
+        parts = self._parts.pop(id(request), None)
+        if not parts:  # (a paddle op costs tens of us on the caches a pass has just flushed)
+            if self._none is None:
+                self._none = self.paddle.zeros([0, self.hidden_size], dtype="float32")
+            return self._none, _NO_POSITIONS
         if len(parts) == 1:  # one step's rows (a request proposed for every step): no concat
             first, hidden, row, count = parts[0]
             whole = row == 0 and count == hidden.shape[0]  # batch 1 with its drafts accepted: no slice either

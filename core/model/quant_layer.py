@@ -445,7 +445,15 @@ def _finish_message():
     return ctypes.create_string_buffer(256)
 
 
-def _c_library():
-    from specdec.kernels.cpu import cpu_ops_c_library
+_library = None
 
-    return cpu_ops_c_library()
+
+def _c_library():
+    """The kernels' library through ctypes (looked up once: an import statement and a cached
+    call cost several us each on the caches a forward pass has just flushed)."""
+    global _library
+    if _library is None:
+        from specdec.kernels.cpu import cpu_ops_c_library
+
+        _library = cpu_ops_c_library()
+    return _library

@@ -86,8 +86,11 @@ class HybridProposer(specdec.Proposer):
         self.model = context.create_proposer(self.config.draft_model_method)
         self.lookup = context.create_proposer(self.config.draft_lookup_method)
         self.NEEDS_HIDDEN_STATES = bool(self.model.NEEDS_HIDDEN_STATES)
-        #: The model's catch-up at the end of a step (``catch_up``) where the model does it.
-        self.CATCHES_UP_AFTER_STEP = self.NEEDS_HIDDEN_STATES and bool(self.model.CATCHES_UP_AFTER_STEP)
+        #: Whether the model can catch up at the end of a step (its ``catch_up``); this
+        #: proposer asks for it (``CATCHES_UP_AFTER_STEP``) at the steps where it has a request to
+        #: start it for (``catch_up``), and otherwise takes the states with the next proposal.
+        self._model_catches_up = self.NEEDS_HIDDEN_STATES and bool(self.model.CATCHES_UP_AFTER_STEP)
+        self.CATCHES_UP_AFTER_STEP = False
         self.model_steps = self.spec_config.num_model_steps if self.spec_config is not None else 1
         self.leaders = LeaderStats()
         #: Decayed means of the model's seconds per request and of the time between two
@@ -102,7 +105,8 @@ class HybridProposer(specdec.Proposer):
         self._continued: dict[str, int] = {}
         #: Per request led by the lookup: the hidden states the model has not seen yet.
         self._waiting: dict[str, list[tuple[object, np.ndarray]]] = {}
-        #: Requests the model drafted for at the current step (their catch-up runs at its end).
+        #: Requests the model drafted for at the current step, the lookup matching nothing
+        #: (their catch-up runs at its end).
         self._model_led: set[str] = set()
         self._catch_up_seconds = 0.0  # the model's catch_up since its last propose
         #: Requests whose context request the lookup has started (:meth:`_matches`).
@@ -136,8 +140,10 @@ class HybridProposer(specdec.Proposer):
 
     def catch_up(self, batch: ProposalBatch) -> None:
         """The model's catch-up at the end of the step (its ``catch_up``) for the requests it
-        drafted for at this step, which it most likely drafts for at the next; the others'
-        states wait for the model's next turn, as those of a request the lookup leads."""
+        drafted for at this step where the lookup matched nothing: those it most likely drafts
+        for at the next (where the lookup matched, it may well lead the next step, and the
+        catch-up would be spent for nothing). The others' states wait for the model's next
+        turn, as those of a request the lookup leads."""
         ahead = [r for r in batch.requests if r.request_id in self._model_led]
         for request in batch.requests:
             if request.request_id not in self._model_led:
@@ -186,7 +192,8 @@ class HybridProposer(specdec.Proposer):
                                                    max_draft_len=min(batch.requests[b].max_draft_len, self.model_steps)))
             for b in model_rows])
         model_drafts = Drafts.empty(len(batch))
-        self._model_led = {batch.requests[b].request_id for b in model_rows}
+        self._model_led = {batch.requests[b].request_id for b in model_rows if b not in matches}
+        self.CATCHES_UP_AFTER_STEP = self._model_catches_up and bool(self._model_led)
         if model_rows:
             started = time.perf_counter()
             model_drafts = self.model.propose(model_batch).clipped(

@@ -78,6 +78,62 @@ def test_a_lookup_led_step_skips_the_model_which_catches_up_later(model_session,
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
 
 
+def test_the_model_s_catch_up_at_the_end_of_a_step_drafts_what_it_drafts_in_propose(model_session, monkeypatch):
+    """Where the model led a step without a lookup match, its catch-up starts at the end of the
+    step (``CATCHES_UP_AFTER_STEP``, the model's ``catch_up``); elsewhere the states wait as
+    before. The model's drafts, the tokens and the acceptance counts are those of the catch-up
+    run inside ``propose``."""
+    from specdec.plugin_manager import load_plugins
+    from specdec.plugins.hybrid import HybridProposer
+    from specdec.plugins.mtp import MtpProposer
+
+    class InProposeHybrid(HybridProposer):
+        NAME = "test_hybrid_in_propose"
+        ALSO_SELECTED_BY = ()
+
+        def setup(self, context):
+            super().setup(context)
+            self._model_catches_up = False
+
+    calls = []
+    real_catch_up, real_propose = MtpProposer.catch_up, MtpProposer.propose
+
+    def catch_up(self, batch):
+        calls.append(len(batch))
+        return real_catch_up(self, batch)
+
+    def propose(self, batch):
+        drafts = real_propose(self, batch)
+        for request, draft in zip(batch.requests, drafts.to_lists()):
+            if draft:
+                seen[(request.num_prompt_tokens, len(request.token_ids))] = draft
+        return drafts
+
+    monkeypatch.setattr(MtpProposer, "catch_up", catch_up)
+    monkeypatch.setattr(MtpProposer, "propose", propose)
+    plugins = load_plugins()
+    plugins.proposers.register(InProposeHybrid, "tests/e2e/test_hybrid.py")
+    monkeypatch.setattr(model_session.llm.engine, "plugins", plugins)
+    spec = {"num_model_steps": 2, "num_speculative_tokens": 5, "adaptive_draft_length": False,
+            "draft_lookup_first": 2}
+    runs, drafts = {}, {}
+    try:
+        for method in ("hybrid", "test_hybrid_in_propose"):
+            seen = drafts[method] = {}
+            runs[method] = model_session.run({"method": method, **spec}, PROMPTS, SAMPLING, max_num_seqs=3,
+                                             cache=False)
+            if method == "hybrid":
+                assert len(calls) > 10, len(calls)
+                called = len(calls)
+        assert len(calls) == called
+    finally:
+        model_session.llm.set_speculative_config(None)
+    assert drafts["hybrid"] == drafts["test_hybrid_in_propose"]
+    for a, b in zip(runs["hybrid"], runs["test_hybrid_in_propose"]):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert a.metrics.num_accepted_tokens == b.metrics.num_accepted_tokens
+
+
 def leader_stats(accepted_by_match: dict, steps: int = 20):
     """Leader statistics after ``steps`` steps in which a draft led by each matched length
     (0: the model) had ``accepted_by_match[length]`` tokens accepted."""
