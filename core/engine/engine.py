@@ -834,8 +834,9 @@ class Engine:
             price = self.controller.row_price(len(plan.decodes), len(batch)) if adaptive else 0.0
             started = time.perf_counter()
             proposed = self.proposer.propose(ProposalBatch(proposals, row_price=price))
-            state.proposer_seconds = time.perf_counter() - started + self._caught_up_seconds
-            self._caught_up_seconds = 0.0
+            state.proposer_seconds = time.perf_counter() - started
+            # what the proposer cost: this call and its catch-up at the end of the step before
+            spent, self._caught_up_seconds = state.proposer_seconds + self._caught_up_seconds, 0.0
             if proposed.batch_size != len(rows):
                 raise SpecdecError(
                     f"proposer '{self.spec.method}' returned {proposed.batch_size} drafts for {len(rows)} requests")
@@ -849,10 +850,10 @@ class Engine:
             if proposed.lengths.any():
                 self.controller.drafts_seen = True
             if timed and catching_up:
-                self.controller.catch_up_time(len(rows), state.proposer_seconds, caught_up_tokens,
+                self.controller.catch_up_time(len(rows), spent, caught_up_tokens,
                                               [request_ids[b] for b in rows])
             elif timed:
-                self.controller.proposer_time(len(rows), state.proposer_seconds, int(proposed.lengths.max(initial=0)))
+                self.controller.proposer_time(len(rows), spent, int(proposed.lengths.max(initial=0)))
             drafts = proposed if len(rows) == len(batch) else proposed.placed(rows, len(batch))
         drafts, max_draft_lens = self.predictions.compose(plan.decodes, drafts, max_draft_lens, predicted)
         lengths = np.minimum(drafts.lengths, max_draft_lens)

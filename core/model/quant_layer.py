@@ -320,7 +320,7 @@ class QuantizedDraftHead:
             from specdec.errors import SpecdecError
 
             raise SpecdecError("QuantizedDraftHead.start: " + io.message.value.decode(errors="replace").splitlines()[0])
-        return PendingDraftHead((io.out, io.logits, T, R), ticket=ticket, keep=hidden)
+        return PendingDraftHead((io.out, io.logits, T, R), ticket=ticket, keep=(hidden, io))
 
     def prepare_start(self, cache_layers, layer_index: int, block_size: int) -> None:
         """Bind this head to ``cache_layers`` and load what :meth:`start` calls, ahead of the
@@ -415,6 +415,15 @@ class PendingDraftHead:
         self._ticket = ticket
         self._keep = keep  # what the work reads: alive until it has finished
         self._error = ""
+
+    def __del__(self):
+        # Forgotten before its result (a proposer dropped with work in flight): wait for the
+        # work, which writes into buffers this object keeps alive.
+        if getattr(self, "_ticket", None) is not None:
+            try:
+                _c_library().specdec_draft_head_finish(self._ticket, None, 0)
+            except Exception:  # noqa: BLE001 - at interpreter exit, say: nothing left to wait for
+                pass
 
     def result(self):
         """Wait for the forward and return ``(output [T, H], logits [rows, V])``, numpy arrays.

@@ -195,6 +195,10 @@ def test_the_head_started_in_the_background_equals_its_forward(model_session):
         np.testing.assert_array_equal(out, want_out)
         np.testing.assert_array_equal(logits, want_logits)
         assert pending.result()[0] is out  # asked again: the same
+        del pending
+        dropped = head.start(ids, states, meta, logit_rows=rows)
+        del dropped  # forgotten with its work in flight: waited for, the head usable again
+        np.testing.assert_array_equal(head.start(ids, states, meta, logit_rows=rows).result()[1], want_logits)
     with pytest.raises(SpecdecError, match=r"^QuantizedDraftHead.start: draft_head_start: token id out of range$"):
         head.start(np.array([config.vocab_size + 5]), larger[:1], AttentionMetadata.build([1], [0], blocks,
                                                                                           engine.block_size))
