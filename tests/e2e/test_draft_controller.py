@@ -18,6 +18,8 @@ from specdec.plugin_manager import load_plugins
 from specdec.plugins.mtp import MtpProposer
 from specdec.workloads import chat_prompts, code_edit_prompts
 
+from mtp_drafts import record_mtp_drafts  # tests/mtp_drafts.py
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = (*code_edit_prompts(2), *chat_prompts(1))
@@ -82,22 +84,6 @@ def test_switching_the_proposer_off_and_on_mid_request_changes_no_token(model_se
     for output, reference in zip(outputs, naive):
         assert output.token_ids == reference.token_ids
         assert 0 < output.metrics.num_proposer_off_steps < output.metrics.num_steps
-
-
-def record_mtp_drafts(monkeypatch) -> dict:
-    """``{(prompt length, tokens so far): greedy drafts}`` of every MTP proposal from now on."""
-    drafts_at: dict = {}
-    real = MtpProposer.propose
-
-    def propose(self, batch):
-        drafts = real(self, batch)
-        for request, draft in zip(batch.requests, drafts.to_lists()):
-            if draft:
-                drafts_at[(request.num_prompt_tokens, len(request.token_ids))] = draft
-        return drafts
-
-    monkeypatch.setattr(MtpProposer, "propose", propose)
-    return drafts_at
 
 
 def test_mtp_catches_up_over_skipped_steps_to_the_drafts_it_would_have_made(model_session, monkeypatch):

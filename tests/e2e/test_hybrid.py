@@ -9,6 +9,8 @@ import pytest
 from specdec import SamplingParams
 from specdec.workloads import code_edit_prompts
 
+from mtp_drafts import record_mtp_drafts  # tests/mtp_drafts.py
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = tuple(code_edit_prompts(5))
@@ -96,21 +98,14 @@ def test_the_model_s_catch_up_at_the_end_of_a_step_drafts_what_it_drafts_in_prop
             self._model_catches_up = False
 
     calls = []
-    real_catch_up, real_propose = MtpProposer.catch_up, MtpProposer.propose
+    real_catch_up = MtpProposer.catch_up
 
     def catch_up(self, batch):
         calls.append(len(batch))
         return real_catch_up(self, batch)
 
-    def propose(self, batch):
-        drafts = real_propose(self, batch)
-        for request, draft in zip(batch.requests, drafts.to_lists()):
-            if draft:
-                seen[(request.num_prompt_tokens, len(request.token_ids))] = draft
-        return drafts
-
     monkeypatch.setattr(MtpProposer, "catch_up", catch_up)
-    monkeypatch.setattr(MtpProposer, "propose", propose)
+    seen = record_mtp_drafts(monkeypatch)
     plugins = load_plugins()
     plugins.proposers.register(InProposeHybrid, "tests/e2e/test_hybrid.py")
     monkeypatch.setattr(model_session.llm.engine, "plugins", plugins)
@@ -119,9 +114,10 @@ def test_the_model_s_catch_up_at_the_end_of_a_step_drafts_what_it_drafts_in_prop
     runs, drafts = {}, {}
     try:
         for method in ("hybrid", "test_hybrid_in_propose"):
-            seen = drafts[method] = {}
+            seen.clear()
             runs[method] = model_session.run({"method": method, **spec}, PROMPTS, SAMPLING, max_num_seqs=3,
                                              cache=False)
+            drafts[method] = dict(seen)
             if method == "hybrid":
                 assert len(calls) > 10, len(calls)
                 called = len(calls)

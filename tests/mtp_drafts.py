@@ -1,0 +1,21 @@
+"""What the ``mtp`` proposer drafts, recorded for tests that compare two ways of running it."""
+
+from __future__ import annotations
+
+from specdec.plugins.mtp import MtpProposer
+
+
+def record_mtp_drafts(monkeypatch) -> dict:
+    """``{(prompt length, tokens so far): greedy drafts}`` of every MTP proposal from now on."""
+    drafts_at: dict = {}
+    real = MtpProposer.propose
+
+    def propose(self, batch):
+        drafts = real(self, batch)
+        for request, draft in zip(batch.requests, drafts.to_lists()):
+            if draft:
+                drafts_at[(request.num_prompt_tokens, len(request.token_ids))] = draft
+        return drafts
+
+    monkeypatch.setattr(MtpProposer, "propose", propose)
+    return drafts_at
