@@ -329,8 +329,11 @@ class QuantizedDraftHead:
         over another attention backend than ``cpu``."""
         from specdec.attention import AttentionMetadata
 
+        kernel_operands = getattr(cache_layers, "kernel_operands", None)
+        if kernel_operands is None:
+            return
         cache_layers.prepare(AttentionMetadata.build([0], [0], np.zeros((1, 1), np.int32), block_size))
-        operands = getattr(cache_layers, "kernel_operands", lambda: None)()
+        operands = kernel_operands()
         if operands is None:
             return
         caches, cos, sin, _, heads, kv_heads = operands
