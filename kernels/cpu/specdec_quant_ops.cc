@@ -879,12 +879,6 @@ std::vector<paddle::Tensor> QLayerTailQkv(const paddle::Tensor& attn, const padd
   return {out, q_matmul(out, next_gain, wqkv, lqkv, epilogue, eps, true)};
 }
 
-// specdec_cpu_ops.cc's paged attention (a draft head's one layer calls it as the op does; a
-// stack of layers through paged_attention.h).
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& cache,
-                                           const paddle::Tensor& cos, const paddle::Tensor& sin,
-                                           const paddle::Tensor& meta, int64_t heads, int64_t kv_heads);
-
 // Operands per layer in `layers` of q_register_layers: o (data, layout), mlp_gain, gate_up
 // (data, layout), down (data, layout), then the layer's input side: attn_gain, qkv (data,
 // layout) and the qkv epilogue.
@@ -1200,6 +1194,33 @@ std::vector<paddle::Tensor> QRegisterDraftHead(const std::vector<paddle::Tensor>
   return {handle_tensor(draft_heads.add(std::move(head)))};
 }
 
+namespace {
+
+// A draft head's forward over T rows `hidden` [T, hidden_cols] with one token id each: its input
+// (q_draft_input), the paged attention over its cache layer (`batch`, checked), the layer's
+// tail, then the LM head over `rows` of the output: out [T, H], logits [R, V]. What q_draft_head
+// computes, and specdec_draft_head_start on the pool's worker.
+void draft_head_forward(const DraftHead& head, const AttentionBatch& batch, const float* hidden, int64_t T,
+                        const int64_t* ids, const int64_t* rows, int64_t R, const paddle::Tensor& cache,
+                        const paddle::Tensor& cos, const paddle::Tensor& sin, int64_t heads, int64_t kv_heads,
+                        float eps, float* out, float* logits) {
+  const StackLayer& layer = head.layer;
+  const int64_t E = head.embed_cols, H = head.embed_proj.rows, width = layer.qkv.weight.rows;
+  const int64_t A = heads * cache.shape()[3];
+  std::vector<float> embeds(T * E), x(T * H), qkv(T * width), attn(T * A), picked(R * H);
+  embed_rows(head.table, ids, T, E, embeds.data(), "draft head");
+  draft_input(embeds.data(), E, hidden, head.hidden_cols, T, head.embed_proj, head.embed_gain,
+              head.embed_gain != nullptr, head.hidden_proj, head.hidden_gain, head.hidden_gain != nullptr, eps,
+              x.data());
+  project(x.data(), T, H, layer.qkv.weight, layer.qkv.epi, layer.attn_gain, true, eps, qkv.data());
+  attend_layer(batch, qkv.data(), cache, cos, sin, heads, kv_heads, attn.data());
+  layer_tail(attn.data(), x.data(), T, A, H, layer.tail, eps, out);
+  for (int64_t r = 0; r < R; ++r) std::copy_n(out + rows[r] * H, H, picked.data() + r * H);
+  if (R > 0) project(picked.data(), R, H, head.lm_head, Epilogue{}, head.head_gain, true, eps, logits);
+}
+
+}  // namespace
+
 // A draft head's forward in one call: q_draft_input (ids: the tokens, one per hidden row), the
 // paged attention over its cache layer, q_layer_tail_head over `rows`. The same computations,
 // in the same order, as those three calls: (out [T, H], logits [rows, V]).
@@ -1210,22 +1231,17 @@ std::vector<paddle::Tensor> QDraftHead(const paddle::Tensor& hidden, const paddl
                                        int64_t heads, int64_t kv_heads, float eps) {
   const std::shared_ptr<const DraftHead> head = draft_heads.find(handle, "q_draft_head");
   check_rows(hidden, "q_draft_head: hidden");
-  const int64_t T = hidden.shape()[0], E = head->embed_cols, H = head->embed_proj.rows;
+  const int64_t T = hidden.shape()[0], H = head->embed_proj.rows, R = static_cast<int64_t>(rows.size());
   PD_CHECK(hidden.shape()[1] == head->hidden_cols, "q_draft_head: hidden must be [T, ", head->hidden_cols, "]");
   PD_CHECK(static_cast<int64_t>(ids.size()) == T, "q_draft_head: one id per hidden row");
-  std::vector<float> embeds(T * E);
-  embed_rows(head->table, ids.data(), T, E, embeds.data(), "q_draft_head");
-  auto x = paddle::empty({T, H}, paddle::DataType::FLOAT32, hidden.place());
-  draft_input(embeds.data(), E, hidden.data<float>(), head->hidden_cols, T, head->embed_proj, head->embed_gain,
-              head->embed_gain != nullptr, head->hidden_proj, head->hidden_gain, head->hidden_gain != nullptr, eps,
-              x.data<float>());
-  const StackLayer& layer = head->layer;
-  auto qkv = paddle::empty({T, layer.qkv.weight.rows}, paddle::DataType::FLOAT32, hidden.place());
-  project(x.data<float>(), T, H, layer.qkv.weight, layer.qkv.epi, layer.attn_gain, true, eps, qkv.data<float>());
-  const paddle::Tensor attn = PagedAttention(qkv, cache, cos, sin, meta, heads, kv_heads)[0];
+  for (int64_t r : rows) PD_CHECK(r >= 0 && r < T, "q_draft_head: row out of range");
+  check_attention_layer(cache, cache, head->layer.qkv.weight.rows, heads, kv_heads);
+  const AttentionBatch batch = read_attention_batch(meta, T, cache, cos);
   auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, hidden.place());
-  layer_tail(attn.data<float>(), x.data<float>(), T, attn.shape()[1], H, layer.tail, eps, out.data<float>());
-  return {out, head_logits(out, rows, head->lm_head, head->head_gain, eps, "q_draft_head")};
+  auto logits = paddle::empty({R, head->lm_head.rows}, paddle::DataType::FLOAT32, hidden.place());
+  draft_head_forward(*head, batch, hidden.data<float>(), T, ids.data(), rows.data(), R, cache, cos, sin, heads,
+                     kv_heads, eps, out.data<float>(), logits.data<float>());
+  return {out, logits};
 }
 
 namespace {
@@ -1308,22 +1324,8 @@ extern "C" int specdec_draft_head_start(int64_t binding_handle, const float* hid
     auto pending = std::make_unique<PendingDraftHead>();
     pending->task.fn = [binding, batch, hidden, out, logits, T, R, ids = std::vector<int64_t>(ids, ids + T),
                         rows = std::vector<int64_t>(rows, rows + R)] {
-      const DraftHead& head = *binding->head;
-      const StackLayer& layer = head.layer;
-      const int64_t E = head.embed_cols, H = head.embed_proj.rows, width = layer.qkv.weight.rows;
-      const int64_t A = binding->heads * binding->cache.shape()[3];
-      const float eps = binding->eps;
-      std::vector<float> embeds(T * E), x(T * H), qkv(T * width), attn(T * A), picked(R * H);
-      embed_rows(head.table, ids.data(), T, E, embeds.data(), "draft_head_start");
-      draft_input(embeds.data(), E, hidden, head.hidden_cols, T, head.embed_proj, head.embed_gain,
-                  head.embed_gain != nullptr, head.hidden_proj, head.hidden_gain, head.hidden_gain != nullptr, eps,
-                  x.data());
-      project(x.data(), T, H, layer.qkv.weight, layer.qkv.epi, layer.attn_gain, true, eps, qkv.data());
-      attend_layer(*batch, qkv.data(), binding->cache, binding->cos, binding->sin, binding->heads, binding->kv_heads,
-                   attn.data());
-      layer_tail(attn.data(), x.data(), T, A, H, layer.tail, eps, out);
-      for (int64_t r = 0; r < R; ++r) std::copy_n(out + rows[r] * H, H, picked.data() + r * H);
-      if (R > 0) project(picked.data(), R, H, head.lm_head, Epilogue{}, head.head_gain, true, eps, logits);
+      draft_head_forward(*binding->head, *batch, hidden, T, ids.data(), rows.data(), R, binding->cache, binding->cos,
+                         binding->sin, binding->heads, binding->kv_heads, binding->eps, out, logits);
     };
     specdec_cpu::BackgroundTask* task = &pending->task;
     {

@@ -107,8 +107,7 @@ class MtpProposer(specdec.Proposer):
         requests = [r for r in batch.requests if len(r.hidden_positions)]
         if not requests:
             return
-        drafting = [i for i, r in enumerate(requests)
-                    if r.max_draft_len > 0 and int(r.hidden_positions[-1]) == len(r.token_ids) - 2]
+        drafting = [i for i, r in enumerate(requests) if _drafts_now(r)]
         tokens, states, meta, last_rows = self._catch_up_inputs(requests)
         pending = self.head.start(tokens, states, meta, logit_rows=last_rows[drafting] if drafting else None)
         self._early = _EarlyCatchUp(pending, {requests[i].request_id: (k, int(last_rows[i]), len(requests[i].token_ids))
@@ -121,10 +120,7 @@ class MtpProposer(specdec.Proposer):
         # Per drafting request: (batch row, request, the head's output, its row there, its logits).
         sources: list[tuple[int, ProposalRequest, object, int, np.ndarray]] = []
         if catching_up:
-            # Requests whose rows reach their last token can draft: the catch-up computes the
-            # logits of their last rows only.
-            drafting = [(i, b, r) for i, (b, r) in enumerate(catching_up)
-                        if r.max_draft_len > 0 and int(r.hidden_positions[-1]) == len(r.token_ids) - 2]
+            drafting = [(i, b, r) for i, (b, r) in enumerate(catching_up) if _drafts_now(r)]
             out, last_rows, logits = self._catch_up([r for _, r in catching_up], [i for i, _, _ in drafting])
             if drafting:
                 logits = _host(logits)
@@ -267,6 +263,12 @@ class _EarlyCatchUp:
 
     pending: object
     drafting: dict[str, tuple[int, int, int]]
+
+
+def _drafts_now(request: ProposalRequest) -> bool:
+    """Whether ``request`` may draft and its rows reach its last token: the catch-up computes
+    the logits of such a request's last row only."""
+    return request.max_draft_len > 0 and int(request.hidden_positions[-1]) == len(request.token_ids) - 2
 
 
 def _host(logits) -> np.ndarray:
