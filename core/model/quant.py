@@ -129,18 +129,16 @@ def interleave_k_here(type_name: str = "Q4_K") -> bool:
     """Whether rows of ``type_name`` (Q4_K or Q6_K) are interleaved in groups of 16 for the
     kernel path this process runs (the CPU's best, or the one ``SPECDEC_CPU_ISA`` forces): the
     interleaved kernels compute several activation rows without the stored-row kernels'
-    horizontal sums. Never where AMX tiles run the prompt rows (they read the stored rows).
-    Q4_K on AVX2 and AVX-512 VNNI; Q6_K on AVX-512 VNNI only: on AVX2 its interleaved kernel,
+    horizontal sums. (AMX tiles read both layouts: until 2026-12-07 they kept the stored rows,
+    and on an Intel Xeon Qwen2.5-Coder-1.5B's 6-row pass took 86 ms where interleaved rows take
+    67.) Q4_K on AVX2 and AVX-512 VNNI; Q6_K on AVX-512 VNNI only: on AVX2 its interleaved kernel,
     256-bit, was not faster than the stored rows. (On a Zen 4 Q6_K stayed stored from
     2026-12-06 until the kernels prefetched into L2 there: with non-temporal prefetches its
     interleaved kernel read memory at half the stored rows' rate, docs/benchmarks/llamacpp.md.)
     Both layouts give the same outputs bit for bit on every path."""
-    from specdec.kernels.cpu import has_amx, has_avx512_vnni
+    from specdec.kernels.cpu import has_avx512_vnni
 
-    forced = os.environ.get("SPECDEC_CPU_ISA")
-    vnni = has_avx512_vnni() and forced != "avx2"
-    if vnni and has_amx() and forced != "avx512":
-        return False
+    vnni = has_avx512_vnni() and os.environ.get("SPECDEC_CPU_ISA") != "avx2"
     return type_name == "Q4_K" or vnni
 
 

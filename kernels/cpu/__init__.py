@@ -71,25 +71,27 @@ PREFETCH_ENV = "SPECDEC_PREFETCH"
 
 def prefetch_hint_for(cpuinfo: str) -> str:
     """Where the quantized kernels prefetch the weights they stream, on the CPU that
-    ``cpuinfo`` (the text of ``/proc/cpuinfo``) describes: ``"l2"`` on AMD's Zen 4 (family 0x19,
-    25, with AVX-512), ``"nta"`` (non-temporal) everywhere else.
+    ``cpuinfo`` (the text of ``/proc/cpuinfo``) describes: ``"nta"`` (non-temporal) on AMD's
+    Zen 5 (family 0x1A, 26), ``"l2"`` everywhere else.
 
     Non-temporal prefetches keep streamed weights out of the last-level cache, which then keeps
-    what the next step reads again (the KV cache, a draft head's weights): that paid on a Zen 5.
-    On a Zen 4 they came too late for the interleaved Q4_K and Q6_K kernels, which read a
-    super-block's bytes out of order: prefetched into L2 instead, Qwen2.5-Coder-1.5B's 6-row pass
-    ran 1.35x faster, its prompt rows as fast or faster, the default model's passes the same
-    (docs/benchmarks/llamacpp.md). Other CPUs were not measured with ``"l2"``: they keep what
-    they were measured with. ``SPECDEC_PREFETCH`` set by hand wins (:func:`load_cpu_ops`)."""
+    what the next step reads again (the KV cache, a draft head's weights): that paid on a Zen 5
+    (1.00-1.04x). Elsewhere they cost far more than that. On a Zen 4 they came too late for the
+    interleaved Q4_K and Q6_K kernels, which read a super-block's bytes out of order (into L2,
+    Qwen2.5-Coder-1.5B's 6-row pass ran 1.35x faster). On a 4th-generation Intel Xeon (2026-12-07)
+    the default model's 1-row pass took 10.5 ms with them and 3.85 ms into L2, Qwen2.5-Coder's
+    77 against 51 ms, on every ISA path (docs/benchmarks/decode.md). On AMD's Zen 2 and Zen 3, where
+    the prefetch hints all fill L1 and L2 alike, ``"l2"`` is what the kernels did before
+    2026-12-06 (the T0 hint), when their AVX2 figures were measured. ``SPECDEC_PREFETCH`` set by
+    hand wins (:func:`load_cpu_ops`)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
             break  # the first processor's block is enough
         key, _, value = line.partition(":")
         fields[key.strip()] = value.strip()
-    flags = set(fields.get("flags", "").split())
-    zen_4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25" and "avx512f" in flags
-    return "l2" if zen_4 else "nta"
+    zen_5 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "26"
+    return "nta" if zen_5 else "l2"
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +101,7 @@ def prefetch_hint_here() -> str:
         with open("/proc/cpuinfo") as f:
             return prefetch_hint_for(f.read())
     except OSError:
-        return "nta"
+        return "l2"
 
 
 @functools.lru_cache(maxsize=None)

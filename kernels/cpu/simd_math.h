@@ -17,7 +17,7 @@ inline bool isa_is(const char* name) {
 }
 
 // SPECDEC_PREFETCH: "l2" prefetches the weights the quantized kernels stream into L2 (T1 hint);
-// unset or anything else, non-temporally (NTA). Read once, when the library loads:
+// unset or anything else, non-temporally (NTA; a Zen 5 only: elsewhere it cost up to 2.7x). Read once, when the library loads:
 // specdec.kernels.cpu.load_cpu_ops sets it for the CPU before that (prefetch_hint_for says which
 // CPU gets which, and why), so inner loops test a flag that never changes.
 inline const bool kPrefetchToL2 = [] {

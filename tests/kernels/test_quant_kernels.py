@@ -1,6 +1,6 @@
 """The weight-only quantized CPU kernels against their numpy twins, on random GGML blocks of
 every format they read, under every instruction-set path the CPU has (AVX2; AVX-512 VNNI; AMX
-tiles for Q4_K and Q6_K matmuls of 16 rows or more)."""
+tiles for Q4_K and Q6_K matmuls of 48 rows or more)."""
 
 from __future__ import annotations
 
@@ -144,11 +144,11 @@ def _run_on(monkeypatch, isa, op, *args):
 @pytest.mark.parametrize("type_names", [("Q4_K",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q4_1",), ("Q4_0", "Q8_0"),
                                         ("Q5_0",), ("Q5_1",), ("Q5_K",), ("Q5_0", "Q8_0"), ("Q5_K", "Q6_K"),
                                         ("Q4_K", "Q5_K")])
-@pytest.mark.parametrize("rows", [2, 6, 16, 37])
+@pytest.mark.parametrize("rows", [2, 6, 16, 50])
 def test_a_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, type_names, rows):
     """A row's output depends on that row alone: not on the rows it shares a matmul with (a
     prompt's prefill shares a step with other requests' decode rows) nor on the path (AVX2,
-    AVX-512 VNNI, AMX tiles from 16 rows for Q4_K/Q6_K), which all do the same integer sums and
+    AVX-512 VNNI, AMX tiles from 48 rows for Q4_K/Q6_K), which all do the same integer sums and
     the same float steps. With RMSNorm, gain, column scale and bias; 35 + 21 weight rows, so that
     some fall outside whole 16-row panels (K-quants) and groups (Q4_0, Q4_1, Q8_0: split)."""
     rng = np.random.default_rng(rows + len(type_names))
@@ -476,8 +476,8 @@ def test_interleaved_k_quant_rows_move_bytes_only(type_name):
 
 
 def test_k_quant_layouts_follow_the_kernel_path_the_process_runs(monkeypatch):
-    """Q4_K is interleaved on every path but AMX's; Q6_K on the AVX-512 VNNI path only (its
-    256-bit interleaved kernel is not faster than the stored rows)."""
+    """Q4_K is interleaved on every path; Q6_K on the AVX-512 VNNI path only (its 256-bit
+    interleaved kernel is not faster than the stored rows)."""
     from specdec.kernels.cpu import has_avx512_vnni
     from specdec.model.quant import interleave_k_here
 
@@ -488,7 +488,7 @@ def test_k_quant_layouts_follow_the_kernel_path_the_process_runs(monkeypatch):
     assert interleave_k_here("Q6_K") == has_avx512_vnni()
 
 
-def test_weights_are_prefetched_into_l2_on_a_zen_4_only():
+def test_weights_are_prefetched_non_temporally_on_a_zen_5_only():
     from specdec.kernels.cpu import prefetch_hint_for
 
     def cpuinfo(vendor: str, family: int, flags: str) -> str:
@@ -496,10 +496,11 @@ def test_weights_are_prefetched_into_l2_on_a_zen_4_only():
         return block + "\n" + block.replace("processor\t: 0", "processor\t: 1")
 
     assert prefetch_hint_for(cpuinfo("AuthenticAMD", 25, "avx2 avx512f avx512_vnni")) == "l2"  # Zen 4
-    assert prefetch_hint_for(cpuinfo("AuthenticAMD", 25, "avx2")) == "nta"  # Zen 3
+    assert prefetch_hint_for(cpuinfo("AuthenticAMD", 25, "avx2")) == "l2"  # Zen 3
+    assert prefetch_hint_for(cpuinfo("AuthenticAMD", 23, "avx2")) == "l2"  # Zen 2
     assert prefetch_hint_for(cpuinfo("AuthenticAMD", 26, "avx2 avx512f avx512_vnni")) == "nta"  # Zen 5
-    assert prefetch_hint_for(cpuinfo("GenuineIntel", 6, "avx2 avx512f avx512_vnni amx_int8")) == "nta"
-    assert prefetch_hint_for("") == "nta"
+    assert prefetch_hint_for(cpuinfo("GenuineIntel", 6, "avx2 avx512f avx512_vnni amx_int8")) == "l2"
+    assert prefetch_hint_for("") == "l2"
 
 
 def test_the_kernels_are_told_this_cpu_s_prefetch_hint(ops):
@@ -511,11 +512,11 @@ def test_the_kernels_are_told_this_cpu_s_prefetch_hint(ops):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 48])
 def test_interleaved_k_quants_are_the_stored_rows_bit_for_bit(ops, isa, rows, type_name):
     """The interleaved Q4_K and Q6_K kernels do the stored-row kernels' integer sums and float
     steps: the same outputs bit for bit, with RMSNorm, gain, column scale and bias, on every
-    ISA; and both match the twin (which reads the interleaved bytes back through
+    ISA (AMX tiles read both layouts at 48 rows); and both match the twin (which reads the interleaved bytes back through
     deinterleave_q4k_rows / deinterleave_q6k_rows)."""
     rng = np.random.default_rng(60 + rows)
     cols = 1536
