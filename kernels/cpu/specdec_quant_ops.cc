@@ -8,7 +8,7 @@
 // even), per 256 for Q4_K, Q5_K and Q6_K, as llama.cpp does, and each weight sub-block is
 // multiplied with integer dot products:
 // AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it, and for Q4_K and
-// Q6_K matmuls of 16 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
+// Q6_K matmuls of 48 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
 // time; SPECDEC_CPU_ISA=avx2 or avx512 forces the lesser paths). Every path computes a row's
 // output bit for bit the same (quant_matmul.inc). reference.py holds the numpy twins.
 //
