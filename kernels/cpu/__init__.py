@@ -214,7 +214,7 @@ def load_cpu_ops():
     import logging
     import warnings
 
-    # Before the library loads: the kernels read it once, then (kPrefetchToL2, simd_math.h).
+    # Before the library loads: the kernels read it once, then (kPrefetchNonTemporal, simd_math.h).
     os.environ.setdefault(PREFETCH_ENV, prefetch_hint_here())
     build_dir = kernel_build_dir()
     saved_warnings = os.environ.get("PYTHONWARNINGS")

@@ -16,13 +16,14 @@ inline bool isa_is(const char* name) {
   return isa != nullptr && std::strcmp(isa, name) == 0;
 }
 
-// SPECDEC_PREFETCH: "l2" prefetches the weights the quantized kernels stream into L2 (T1 hint);
-// unset or anything else, non-temporally (NTA; a Zen 5 only: elsewhere it cost up to 2.7x). Read once, when the library loads:
-// specdec.kernels.cpu.load_cpu_ops sets it for the CPU before that (prefetch_hint_for says which
-// CPU gets which, and why), so inner loops test a flag that never changes.
-inline const bool kPrefetchToL2 = [] {
+// SPECDEC_PREFETCH: "nta" prefetches the weights the quantized kernels stream non-temporally
+// (only a Zen 5 gets it; elsewhere it cost up to 2.7x); unset or anything else ("l2"), into L2
+// (T1 hint). Read once, when the library loads: specdec.kernels.cpu.load_cpu_ops sets it for
+// the CPU before that (prefetch_hint_for says which CPU gets which, and why), so inner loops
+// test a flag that never changes.
+inline const bool kPrefetchNonTemporal = [] {
   const char* hint = std::getenv("SPECDEC_PREFETCH");
-  return hint != nullptr && std::strcmp(hint, "l2") == 0;
+  return hint != nullptr && std::strcmp(hint, "nta") == 0;
 }();
 
 // exp for 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp on [-87, 88]).
