@@ -104,13 +104,6 @@ def prefetch_hint_here() -> str:
         return "l2"
 
 
-@functools.lru_cache(maxsize=None)
-def has_amx() -> bool:
-    """Whether this CPU has AMX int8 tiles, which the kernels use for prompt rows of Q4_K and
-    Q6_K matrices (the OS must also allow them: the kernels check that at run time)."""
-    return has_avx512_vnni() and {"amx_tile", "amx_int8"} <= _cpu_flags()
-
-
 def kernel_build_dir(*sources: Path) -> Path:
     """Where native code made of ``sources`` (default: the engine's kernels) is built: one
     folder per version of those files (a hash of them all, and of where they are) under
