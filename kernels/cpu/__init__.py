@@ -79,7 +79,7 @@ def prefetch_hint_for(cpuinfo: str) -> str:
     (1.00-1.04x). Elsewhere they cost far more than that. On a Zen 4 they came too late for the
     interleaved Q4_K and Q6_K kernels, which read a super-block's bytes out of order (into L2,
     Qwen2.5-Coder-1.5B's 6-row pass ran 1.35x faster). On a 4th-generation Intel Xeon (2026-12-07)
-    the default model's 1-row pass took 10.5 ms with them and 3.85 ms into L2, Qwen2.5-Coder's
+    the default model's 1-row pass took 10.5 ms with them and 3.85-3.99 ms into L2, Qwen2.5-Coder's
     77 against 51 ms, on every ISA path (docs/benchmarks/llamacpp.md). On AMD's Zen 2 and Zen 3
     ``"l2"`` is the nearest to what the kernels did before 2026-12-06 (the T0 hint, into L1),
     when their AVX2 figures were measured; neither hint was measured there since.
