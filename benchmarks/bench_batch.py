@@ -19,6 +19,7 @@ import json
 import time
 
 import specdec
+from specdec.bench.results import machine_description
 from specdec.metrics import SpecMetrics
 from specdec.workloads import code_edit_prompts
 
@@ -68,6 +69,7 @@ def main() -> None:
     length = "at most" if args.stop_at_eos else "exactly"
     print(f"model {args.model}, greedy, {length} {args.max_tokens} new tokens per request, code-edit prompts, "
           f"k={args.k}, {args.repeats} turn(s) per method")
+    print(machine_description())
     header = (f"{'batch':>5} {'method':<8}{'requests':>9}{'tokens':>8}{'time s':>8}{'tok/s':>8}{'vs naive':>9}"
               f"{'decode tok/s':>13}{'vs naive':>9}{'accept len':>11}{'drafts/req/step':>16}{'same ids':>9}")
     print(header)

@@ -21,6 +21,7 @@ import json
 import time
 
 import specdec
+from specdec.bench.results import machine_description
 from specdec.metrics import SpecMetrics
 from specdec.workloads import chat_prompts, code_edit_prompts
 
@@ -103,6 +104,7 @@ def main() -> None:
     stop = "EOS ignored" if args.ignore_eos else "stop at EOS"
     print(f"model {args.model}, batch 1, greedy, at most {args.max_tokens} new tokens ({stop}), {len(prompts)} "
           f"{args.workload} prompts ({min(prompt_tokens)}-{max(prompt_tokens)} prompt tokens), k={args.k}")
+    print(machine_description())
     header = (f"{'method':<10}{'tokens':>8}{'time s':>9}{'tok/s':>8}{'speedup':>9}{'decode tok/s':>14}"
               f"{'speedup':>9}{'accept len':>12}{'accept rate':>13}{'1st accepted':>14}{'same ids':>10}")
     print(header)

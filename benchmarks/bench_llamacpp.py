@@ -47,6 +47,7 @@ import time
 import numpy as np
 
 import specdec
+from specdec.bench.results import machine_description
 from specdec.metrics import SpecMetrics
 from specdec.workloads import code_edit_prompts
 
@@ -228,6 +229,7 @@ def main() -> None:
     print(f"model {model_path.rsplit('/', 1)[-1]}, specdec quantization {args.quantization}, {args.repeats} x "
           f"{len(prompts)} code-edit chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), greedy, at most "
           f"{args.max_tokens} new tokens, {args.threads} threads")
+    print(machine_description())
     print(f"weights read per step {weight_bytes / 1e6:.1f} MB, measured bandwidth {bandwidth:.1f} GB/s: "
           f"floor {weight_bytes / bandwidth / 1e6:.2f} ms per step ({bandwidth * 1e9 / weight_bytes:.0f} steps/s)")
     header = (f"{'engine':<30}{'prefill tok/s':>14}{'decode tok/s':>13}{'e2e tok/s':>11}{'e2e vs plain':>13}"

@@ -29,6 +29,7 @@ import numpy as np
 
 import specdec
 from specdec import SamplingParams
+from specdec.bench.results import machine_description
 from specdec.workloads import chat_prompts, code_edit_prompts
 
 
@@ -109,6 +110,7 @@ def main() -> None:
                     proposer.propose, proposer.catch_up = timed_propose, timed_catch_up
                 current[0] = name
                 outputs[name] += llm.generate([prompt], sampling)
+    print(machine_description())
     for name in configs:
         same = [o.token_ids for o in outputs[name]] == [o.token_ids for o in outputs["naive"]]
         line = f"{name:24s} step median {np.median(steps[name]) * 1e3:6.2f} ms"

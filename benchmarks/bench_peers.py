@@ -34,9 +34,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench_rows import cpu_name, memory_bandwidth  # benchmarks/ is the script's folder: on sys.path
+from bench_rows import memory_bandwidth  # benchmarks/ is the script's folder: on sys.path
 from bench_server import start_server, stop_server
 
+from specdec.bench.results import machine_description
 from specdec.model.resolve import resolve_model_path
 from specdec.workloads import chat_prompts, code_edit_prompts
 
@@ -144,7 +145,7 @@ def main() -> None:
             stop_server(process)
     floor = memory_bandwidth() / tensor_bytes(model)
     print(f"model {Path(model).name}, {args.workload} x{args.prompts}, at most {args.max_tokens} tokens, greedy, "
-          f"batch 1, {args.rounds} round(s); CPU {cpu_name()}, llama.cpp with {args.threads} threads")
+          f"batch 1, {args.rounds} round(s); {machine_description()}; llama.cpp with {args.threads} threads")
     base, peer = totals.get("specdec naive"), totals["llama.cpp plain"]
     header = f"{'engine':<22}{'tokens':>8}{'tok/s':>8}{'decode tok/s':>14}{'vs naive':>10}{'vs llama':>10}{'floor':>8}"
     print(header)

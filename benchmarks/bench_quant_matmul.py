@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from specdec.bench.results import machine_description
 from specdec.model.quant import (BLOCK_FORMATS, SLACK_BYTES, SPLIT_TYPE_IDS, QuantizedMatrix, Segment,
                                  interleave_k_here, layout_array, quantize, split_rows)
 
@@ -81,6 +82,7 @@ def main() -> None:
             shapes[name] = (type_name, int(rows), int(cols))
     rng = np.random.default_rng(0)
     none = paddle.empty([0], dtype="float32")
+    print(machine_description())
     print(f"{'matrix':<10}{'format':>7}{'N x K':>13}{'rows':>6}{'baseline':>9}{'ms':>8}{'kernels ms':>12}"
           f"{'speedup':>9}{'GMAC/s':>8}")
     for name, (type_name, n, k) in shapes.items():

@@ -30,24 +30,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 import numpy as np
 
 import specdec
 from specdec.attention import AttentionMetadata
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from specdec.bench.results import machine_description
 
 
 def memory_bandwidth(gib: float = 1.0) -> float:
@@ -171,7 +160,7 @@ def main() -> None:
     rate = kernel_mac_rate(model)
     weight_bytes = model.weights.weight_bytes()
     macs = macs_per_row(model.config, args.context)
-    print(f"model {args.model}, context {args.context}, median of {args.repeats} forward passes; CPU {cpu_name()}")
+    print(f"model {args.model}, context {args.context}, median of {args.repeats} forward passes; {machine_description()}")
     print(f"weights read per pass {weight_bytes / 1e6:.1f} MB, memory {bandwidth / 1e9:.1f} GB/s -> "
           f"{1e3 * weight_bytes / bandwidth:.2f} ms; {macs / 1e6:.0f} M multiply-adds a row, kernel "
           f"{rate / 1e9:.1f} GMAC/s in cache")

@@ -18,9 +18,8 @@ import argparse
 import time
 from collections import defaultdict
 
-from bench_rows import cpu_name  # benchmarks/ is the script's folder: on sys.path
-
 import specdec
+from specdec.bench.results import machine_description
 from specdec.metrics import SpecMetrics
 from specdec.workloads import code_edit_prompts
 
@@ -107,7 +106,7 @@ def main() -> None:
     sampling = specdec.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[0], specdec.SamplingParams(max_tokens=8), use_chat_template=True)  # warm-up
     print(f"model {args.model}, code-edit prompts, {args.max_tokens} tokens each (EOS ignored), greedy; "
-          f"CPU {cpu_name()}; ms per decode step")
+          f"{machine_description()}; ms per decode step")
     results = {}
     for batch in batches:
         for method in methods:

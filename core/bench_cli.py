@@ -116,6 +116,8 @@ def run_bench(args, engine_config_of) -> int:
     summaries = summarize(samples, walls)
     title = (f"{setup['target']} - {model_label(setup['model'])}, {args.workload} x{len(conversations)}, "
              f"{args.max_tokens} tokens, CPU {setup['cpu']}")
+    if "kernels" in setup:  # in process: the kernels' path here (a server's is its own)
+        title += f"; kernels {setup['kernels']}"
     print(title)
     print(format_table(summaries))
     output_dir = Path(args.output_dir)
@@ -167,7 +169,9 @@ def _bench_in_process(args, engine_config_of, conversations, batch_sizes):
         samples, walls = run_local(llm, methods, conversations, sampling, batch_sizes, progress=args.progress)
     finally:
         llm.engine.close()
-    setup = {"target": "in-process", "model": config.model,
+    from .kernels.cpu import kernel_path
+
+    setup = {"target": "in-process", "model": config.model, "kernels": kernel_path(),
              "methods": {name: spec.to_dict() for name, spec in methods.items()}}
     return samples, walls, setup
 

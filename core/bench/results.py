@@ -10,6 +10,7 @@ it is ``None`` (printed n/a) where the server does not report it (any server but
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 from pathlib import PurePosixPath
@@ -100,15 +101,31 @@ def _per_position(group: list[Sample]) -> Optional[list[float]]:
 
 
 def cpu_name() -> str:
-    """This machine's CPU model (``/proc/cpuinfo``), or what the platform says."""
+    """This machine's CPU model and its family and model numbers (``/proc/cpuinfo``: a VM may
+    name only the vendor, and AMD's Zen 4 and Zen 5 differ in their family), or what the
+    platform says."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+def machine_description() -> str:
+    """The CPU and the quantized kernels' path in this process, for a benchmark's header: one
+    model's figures differ by both (:func:`specdec.kernels.cpu.kernel_path`)."""
+    from ..kernels.cpu import kernel_path
+
+    return f"CPU {cpu_name()}, {os.cpu_count()} CPUs; kernels {kernel_path()}"
 
 
 def model_label(model: str) -> str:

@@ -33,9 +33,13 @@ def test_bench_in_process_compares_methods_and_writes_plots(tmp_path):
             if line.split()[:1] in (["naive"], ["ngram"])}
     assert set(rows) == {("naive", "1"), ("ngram", "1"), ("naive", "2"), ("ngram", "2")}, result.stdout
     assert rows[("naive", "1")][8] == "1.00"  # plain decoding: one token per step
-    assert "CPU" in result.stdout.splitlines()[0]
+    from specdec.kernels.cpu import kernel_path
+
+    # The machine and the kernels' path, which the figures depend on (kernel_path: the same here)
+    assert "CPU" in result.stdout.splitlines()[0] and f"kernels {kernel_path()}" in result.stdout.splitlines()[0]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["setup"]["target"] == "in-process" and list(results["setup"]["methods"]) == ["naive", "ngram"]
+    assert results["setup"]["kernels"] == kernel_path()
     assert len(results["samples"]) == 2 * (2 + 2)
     batch_of_two = [s for s in results["summaries"] if s["batch_size"] == 2]
     assert [s["requests"] for s in batch_of_two] == [2, 2]
