@@ -171,7 +171,8 @@ def _bench_in_process(args, engine_config_of, conversations, batch_sizes):
         llm.engine.close()
     from .kernels.cpu import kernel_path
 
-    setup = {"target": "in-process", "model": config.model, "kernels": kernel_path(),
+    kernels = kernel_path() if llm.engine.kernels == "cpu" else llm.engine.kernels  # triton, paddle
+    setup = {"target": "in-process", "model": config.model, "kernels": kernels,
              "methods": {name: spec.to_dict() for name, spec in methods.items()}}
     return samples, walls, setup
 

@@ -65,23 +65,6 @@ def has_avx512_vnni() -> bool:
     return {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
 
 
-def kernel_path() -> str:
-    """The quantized kernels' path in this process, as a benchmark reports it beside the CPU:
-    the instruction set (``SPECDEC_CPU_ISA`` where it forces one, else the CPU's best), whether
-    AMX tiles take prompt rows of Q4_K/Q6_K matrices (where the CPU has them and the OS allows),
-    and where the weights are prefetched. The same model's figures differ by these: on one
-    Intel Xeon a 1-row pass took 10.5 ms with non-temporal prefetches and 4.0 into L2."""
-    forced = os.environ.get("SPECDEC_CPU_ISA")
-    if forced == "avx2" or not has_avx512_vnni():
-        isa = "AVX2"
-    elif forced != "avx512" and {"amx_tile", "amx_int8"} <= _cpu_flags():
-        isa = "AVX-512 VNNI, AMX tiles"
-    else:
-        isa = "AVX-512 VNNI"
-    prefetch = os.environ.get(PREFETCH_ENV) or prefetch_hint_here()
-    return f"{isa}, weights prefetched {'non-temporally' if prefetch == 'nta' else 'into L2'}"
-
-
 #: The environment variable the kernels read, once, for where they prefetch weights.
 PREFETCH_ENV = "SPECDEC_PREFETCH"
 
@@ -119,6 +102,25 @@ def prefetch_hint_here() -> str:
             return prefetch_hint_for(f.read())
     except OSError:
         return "l2"
+
+
+def kernel_path() -> str:
+    """The quantized kernels' path in this process, as a benchmark reports it beside the CPU:
+    the instruction set (``SPECDEC_CPU_ISA`` where it forces one, else the CPU's best), whether
+    AMX tiles take prompt rows of Q4_K/Q6_K matrices (where the CPU has them: the kernels also
+    ask the OS for them, at run time), and where the weights are prefetched. The same model's figures differ by these: on one
+    Intel Xeon a 1-row pass took 10.5 ms with non-temporal prefetches and 4.0 into L2."""
+    if not set(REQUIRED_CPU_FLAGS) <= _cpu_flags():
+        return "none (they need " + ", ".join(f.upper() for f in REQUIRED_CPU_FLAGS) + ")"
+    forced = os.environ.get("SPECDEC_CPU_ISA")
+    if forced == "avx2" or not has_avx512_vnni():
+        isa = "AVX2"
+    elif forced != "avx512" and {"amx_tile", "amx_int8"} <= _cpu_flags():
+        isa = "AVX-512 VNNI, AMX tiles"
+    else:
+        isa = "AVX-512 VNNI"
+    prefetch = os.environ.get(PREFETCH_ENV) or prefetch_hint_here()
+    return f"{isa}, weights prefetched {'non-temporally' if prefetch == 'nta' else 'into L2'}"
 
 
 def kernel_build_dir(*sources: Path) -> Path:

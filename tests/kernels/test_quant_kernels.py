@@ -503,6 +503,19 @@ def test_weights_are_prefetched_non_temporally_on_a_zen_5_only():
     assert prefetch_hint_for("") == "l2"
 
 
+def test_the_kernel_path_a_benchmark_prints_follows_the_forced_isa_and_the_prefetch_hint(monkeypatch):
+    """kernel_path, which the benchmarks print beside the CPU, names what SPECDEC_CPU_ISA and
+    SPECDEC_PREFETCH ask for."""
+    from specdec.kernels.cpu import kernel_path
+
+    monkeypatch.setenv("SPECDEC_CPU_ISA", "avx2")
+    monkeypatch.setenv("SPECDEC_PREFETCH", "nta")
+    assert kernel_path() == "AVX2, weights prefetched non-temporally"
+    monkeypatch.setenv("SPECDEC_CPU_ISA", "avx512")
+    monkeypatch.setenv("SPECDEC_PREFETCH", "l2")
+    assert kernel_path() == ("AVX-512 VNNI" if _VNNI else "AVX2") + ", weights prefetched into L2"
+
+
 def test_the_kernels_are_told_this_cpu_s_prefetch_hint(ops):
     """load_cpu_ops sets SPECDEC_PREFETCH before the library loads, where the kernels read it
     (the tests leave it unset: set by hand, it would be kept)."""
