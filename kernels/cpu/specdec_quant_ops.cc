@@ -8,7 +8,7 @@
 // even), per 256 for Q4_K, Q5_K and Q6_K, as llama.cpp does, and each weight sub-block is
 // multiplied with integer dot products:
 // AVX2's maddubs + madd everywhere, AVX-512 VNNI's dpbusd where the CPU has it, and for Q4_K and
-// Q6_K matmuls of 48 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
+// Q6_K matmuls of 32 rows or more AMX tile multiplies where the CPU has AMX-INT8 (chosen at run
 // time; SPECDEC_CPU_ISA=avx2 or avx512 forces the lesser paths). Every path computes a row's
 // output bit for bit the same (quant_matmul.inc). reference.py holds the numpy twins.
 //
@@ -53,6 +53,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -655,9 +656,10 @@ bool amx_ready() {
 // Rows from which a Q4_K/Q6_K matmul runs on AMX tiles: below, the dot-product kernels (whose
 // tiles of up to 8 rows read each weight block once) are as fast, and packing the weights into
 // tiles would not pay for itself. On 2 cores of an Intel Xeon (2026-12-07) Qwen2.5-Coder-1.5B's
-// forward of 16 rows took 199 ms on tiles and 125 on the group kernels, 40 rows 286 and 270,
-// 48 rows 301 and 314, 64 rows 360 and 424.
-constexpr int64_t kAmxMinRows = 48;
+// forward of 16 rows took 161 ms on tiles and 133 on the group kernels, 24 rows 201 and 183,
+// 32 rows 220 and 233, 48 rows 280 and 340 (interleaved Q4_K groups taken by the tiles as they
+// stand, amx::q4k_columns_panel; gathered back row by row first, 48 rows took 301).
+constexpr int64_t kAmxMinRows = 32;
 
 bool use_amx(int64_t M) {
   if (M < kAmxMinRows || isa_is("avx512") || !use_vnni()) return false;

@@ -1,6 +1,6 @@
 """The weight-only quantized CPU kernels against their numpy twins, on random GGML blocks of
 every format they read, under every instruction-set path the CPU has (AVX2; AVX-512 VNNI; AMX
-tiles for Q4_K and Q6_K matmuls of 48 rows or more)."""
+tiles for Q4_K and Q6_K matmuls of 32 rows or more)."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def _run_on(monkeypatch, isa, op, *args):
 def test_a_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monkeypatch, type_names, rows):
     """A row's output depends on that row alone: not on the rows it shares a matmul with (a
     prompt's prefill shares a step with other requests' decode rows) nor on the path (AVX2,
-    AVX-512 VNNI, AMX tiles from 48 rows for Q4_K/Q6_K), which all do the same integer sums and
+    AVX-512 VNNI, AMX tiles from 32 rows for Q4_K/Q6_K), which all do the same integer sums and
     the same float steps. With RMSNorm, gain, column scale and bias; 35 + 21 weight rows, so that
     some fall outside whole 16-row panels (K-quants) and groups (Q4_0, Q4_1, Q8_0: split)."""
     rng = np.random.default_rng(rows + len(type_names))
