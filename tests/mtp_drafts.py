@@ -19,3 +19,17 @@ def record_mtp_drafts(monkeypatch) -> dict:
 
     monkeypatch.setattr(MtpProposer, "propose", propose)
     return drafts_at
+
+
+def count_mtp_catch_ups(monkeypatch) -> list:
+    """The batch size of every ``MtpProposer.catch_up`` (the catch-up at the end of a step) from
+    now on, in order."""
+    sizes: list = []
+    real = MtpProposer.catch_up
+
+    def catch_up(self, batch):
+        sizes.append(len(batch))
+        return real(self, batch)
+
+    monkeypatch.setattr(MtpProposer, "catch_up", catch_up)
+    return sizes

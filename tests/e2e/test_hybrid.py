@@ -9,7 +9,7 @@ import pytest
 from specdec import SamplingParams
 from specdec.workloads import code_edit_prompts
 
-from mtp_drafts import record_mtp_drafts  # tests/mtp_drafts.py
+from mtp_drafts import count_mtp_catch_ups, record_mtp_drafts  # tests/mtp_drafts.py
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,6 @@ def test_the_model_s_catch_up_at_the_end_of_a_step_drafts_what_it_drafts_in_prop
     run inside ``propose``."""
     from specdec.plugin_manager import load_plugins
     from specdec.plugins.hybrid import HybridProposer
-    from specdec.plugins.mtp import MtpProposer
 
     class InProposeHybrid(HybridProposer):
         NAME = "test_hybrid_in_propose"
@@ -97,14 +96,7 @@ def test_the_model_s_catch_up_at_the_end_of_a_step_drafts_what_it_drafts_in_prop
             super().setup(context)
             self._model_catches_up = False
 
-    calls = []
-    real_catch_up = MtpProposer.catch_up
-
-    def catch_up(self, batch):
-        calls.append(len(batch))
-        return real_catch_up(self, batch)
-
-    monkeypatch.setattr(MtpProposer, "catch_up", catch_up)
+    calls = count_mtp_catch_ups(monkeypatch)
     seen = record_mtp_drafts(monkeypatch)
     plugins = load_plugins()
     plugins.proposers.register(InProposeHybrid, "tests/e2e/test_hybrid.py")

@@ -13,6 +13,8 @@ from specdec.plugin_manager import load_plugins
 from specdec.plugins.mtp import MtpProposer
 from specdec.workloads import code_edit_prompts
 
+from mtp_drafts import count_mtp_catch_ups  # tests/mtp_drafts.py
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = tuple(code_edit_prompts(5))
@@ -222,14 +224,7 @@ def test_the_catch_up_after_each_step_drafts_what_the_catch_up_in_propose_drafts
     (``CATCHES_UP_AFTER_STEP``): its drafts, and so the tokens and every acceptance count, are
     those of the catch-up run inside ``propose`` (``num_model_steps`` 2: the second draft's
     substep starts from the background's output), batched or alone."""
-    calls = []
-    real = MtpProposer.catch_up
-
-    def counted(self, batch):
-        calls.append(len(batch))
-        return real(self, batch)
-
-    monkeypatch.setattr(MtpProposer, "catch_up", counted)
+    calls = count_mtp_catch_ups(monkeypatch)
     plugins = load_plugins()
     plugins.proposers.register(InProposeMtp, "tests/e2e/test_mtp.py")
     monkeypatch.setattr(model_session.llm.engine, "plugins", plugins)
