@@ -104,16 +104,13 @@ def cpu_name() -> str:
     """This machine's CPU model and its family and model numbers (``/proc/cpuinfo``: a VM may
     name only the vendor, and AMD's Zen 4 and Zen 5 differ in their family), or what the
     platform says."""
-    fields: dict[str, str] = {}
+    from ..kernels.cpu import cpuinfo_fields
+
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if not line.strip():
-                    break  # the first processor's block
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
+            fields = cpuinfo_fields(info.read())
     except OSError:
-        pass
+        fields = {}
     name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"

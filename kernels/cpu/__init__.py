@@ -69,6 +69,18 @@ def has_avx512_vnni() -> bool:
 PREFETCH_ENV = "SPECDEC_PREFETCH"
 
 
+def cpuinfo_fields(cpuinfo: str) -> dict[str, str]:
+    """The first processor's fields in ``cpuinfo`` (the text of ``/proc/cpuinfo``): ``{"vendor_id":
+    ..., "cpu family": ..., "model": ..., "model name": ..., "flags": ...}``."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def prefetch_hint_for(cpuinfo: str) -> str:
     """Where the quantized kernels prefetch the weights they stream, on the CPU that
     ``cpuinfo`` (the text of ``/proc/cpuinfo``) describes: ``"nta"`` (non-temporal) on AMD's
@@ -84,12 +96,7 @@ def prefetch_hint_for(cpuinfo: str) -> str:
     ``"l2"`` is the nearest to what the kernels did before 2026-12-06 (the T0 hint, into L1),
     when their AVX2 figures were measured; neither hint was measured there since.
     ``SPECDEC_PREFETCH`` set by hand wins (:func:`load_cpu_ops`)."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            break  # the first processor's block is enough
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
+    fields = cpuinfo_fields(cpuinfo)
     zen_5 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "26"
     return "nta" if zen_5 else "l2"
 
