@@ -92,10 +92,12 @@ def prefetch_hint_for(cpuinfo: str) -> str:
     interleaved Q4_K and Q6_K kernels, which read a super-block's bytes out of order (into L2,
     Qwen2.5-Coder-1.5B's 6-row pass ran 1.35x faster). On a 4th-generation Intel Xeon (2026-12-07)
     the default model's 1-row pass took 10.5 ms with them and 3.85-3.99 ms into L2, Qwen2.5-Coder's
-    77 against 51 ms, on every ISA path (docs/benchmarks/llamacpp.md). On AMD's Zen 2 and Zen 3
+    77 against 51 ms, on every ISA path (docs/benchmarks/llamacpp.md). On a Zen 3 (2026-12-07,
+    AVX2) the default model's passes were alike either way, within the VM's noise, and
+    Qwen2.5-Coder's 1.18x (1 row) and 1.25x (6 rows) faster into L2. Zen 2 is not measured:
     ``"l2"`` is the nearest to what the kernels did before 2026-12-06 (the T0 hint, into L1),
-    when their AVX2 figures were measured; neither hint was measured there since.
-    ``SPECDEC_PREFETCH`` set by hand wins (:func:`load_cpu_ops`)."""
+    when its AVX2 figures were measured. ``SPECDEC_PREFETCH`` set by hand wins
+    (:func:`load_cpu_ops`)."""
     fields = cpuinfo_fields(cpuinfo)
     zen_5 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "26"
     return "nta" if zen_5 else "l2"
