@@ -295,9 +295,9 @@ def e2e_runs(tmp_path_factory):
 
 def _ok(run):
     result, _ = run
-    if result.returncode < 0:
+    if result.returncode < 0:  # paddle's signal handler writes the native stack to stdout
         pytest.fail(f"specdec {' '.join(result.args[3:5])} ... was killed by signal {-result.returncode} "
-                    f"(stderr: {result.stderr[-2000:]!r})")
+                    f"(stderr: {result.stderr[-2000:]!r}; stdout: {result.stdout[-4000:]!r})")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not [line for line in result.stderr.splitlines() if line.startswith("error")], result.stderr
     return json.loads(result.stdout)
