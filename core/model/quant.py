@@ -134,9 +134,10 @@ def interleave_k_here(type_name: str = "Q4_K") -> bool:
     65.) Q4_K on AVX2 and AVX-512 VNNI; Q6_K on AVX-512 VNNI only: on AVX2 its interleaved kernel,
     256-bit, was not faster than the stored rows; nor was one adding two chunks' pair sums in
     16 bits, in tiles of 6 rows (a Zen 3, 2026-12-07: Qwen2.5-Coder-1.5B's 1-row pass 1.12-1.2x
-    slower, 6 rows alike, prefill 1.07x faster; docs/benchmarks/llamacpp.md). (On a Zen 4 Q6_K stayed stored from
-    2026-12-06 until the kernels prefetched into L2 there: with non-temporal prefetches its
-    interleaved kernel read memory at half the stored rows' rate, docs/benchmarks/llamacpp.md.)
+    slower, 6 rows alike, prefill 1.07x faster; docs/benchmarks/llamacpp.md). (On a Zen 4 Q6_K
+    stayed stored from 2026-12-06 until the kernels prefetched into L2 there: with non-temporal
+    prefetches its interleaved kernel read memory at half the stored rows' rate,
+    docs/benchmarks/llamacpp.md.)
     Both layouts give the same outputs bit for bit on every path."""
     from specdec.kernels.cpu import has_avx512_vnni
 

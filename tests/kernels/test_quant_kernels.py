@@ -172,10 +172,12 @@ def test_a_row_is_the_same_bit_for_bit_alone_batched_and_on_every_isa(ops, monke
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_the_largest_values_sum_exactly_on_every_isa(ops, monkeypatch, type_name, sign):
-    """Every weight at its largest value (nibbles of 15, Q5's fifth bits set: 31; Q6_K's 63, its
-    scales -1; Q8_0's bytes of 0x80, -128) against activations at +-127: the AVX2 kernels add up
-    16-bit pair sums (eight of 4-bit values, four of 5-bit ones, two of Q6_K's) before widening
-    them, and a sum that wrapped would be off by 65536 steps. 6 rows (one AVX2 tile) and one row."""
+    """Every weight at its largest value (nibbles of 15, Q5's fifth bits set: 31; Q4_K's scales
+    and mins 63; Q6_K's values 63, its scales -1; Q8_0's bytes of 0x80, -128) against
+    activations at +-127: the AVX2 kernels add up 16-bit pair sums (eight of 4-bit values, as
+    Q4_K's group kernel does a sub-block's, four of 5-bit ones) before widening them, and
+    maddubs saturates a pair of Q6_K's 6-bit values (2 * 63 * 127) at 16 bits: a sum that
+    wrapped or saturated would be off by thousands of steps. 6 rows (one AVX2 tile) and one row."""
     cols = 768 if type_name.endswith("_K") else 576
     _, elems, size = BLOCK_FORMATS[type_name]
     blocks = np.full((19, cols // elems, size), 0x80 if type_name == "Q8_0" else 0xFF, dtype=np.uint8)
