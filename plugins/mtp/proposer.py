@@ -99,6 +99,12 @@ class MtpProposer(specdec.Proposer):
 
     def on_request_finish(self, request_id: str) -> None:
         self._next_position.pop(request_id, None)
+        if self._early is not None:
+            # A catch-up still in flight may write into this request's cache blocks, which the
+            # engine is about to give back: it ends first. Its drafts for the request are
+            # dropped, so that no later request of the same id and length can take them.
+            self._early.pending.result()
+            self._early.drafting.pop(request_id, None)
 
     def catch_up(self, batch: ProposalBatch) -> None:
         """Start the head's catch-up over the states this step decided, in the background
