@@ -96,12 +96,14 @@ def small_pool_llm():
     return specdec.LLM(num_kv_blocks=40, block_size=16, enable_prefix_caching=False, progress=False)
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram"}, {"method": "suffix"}, {"method": "mtp"}],
-                         ids=["naive", "default ngram", "default suffix", "default mtp"])
+@pytest.mark.parametrize("spec", [None, {"method": "ngram"}, {"method": "suffix"}, {"method": "mtp"},
+                                  {"method": "hybrid"}],
+                         ids=["naive", "default ngram", "default suffix", "default mtp", "default hybrid"])
 def test_preemption_keeps_outputs(model_session, small_pool_llm, spec):
     """Preempted and recomputed requests, under the default speculative config of each method,
     give plain decoding's tokens from a roomy pool (``mtp``: its head's catch-up runs at the
-    end of each step, over blocks a preemption may take before the next)."""
+    end of each step, over blocks a preemption may take before the next; ``hybrid``: a step
+    its lookup leads collects no catch-up, so one may still run when the next step preempts)."""
     prompts = [CODE[i][:400] for i in range(6)]  # each ~110-150 tokens + 32 new: ~6x too many for the pool
     sampling = SamplingParams(max_tokens=32, ignore_eos=True)
     roomy = model_session.run(None, prompts, sampling, max_num_seqs=6)
