@@ -248,7 +248,13 @@ class Proposer(Plugin):
     #: every :class:`ProposalRequest`. The engine then calls :meth:`propose` for every decoding
     #: request, also when it may not draft (``max_draft_len`` 0; the method must still return
     #: no drafts longer than that), except for a request whose drafting the controller has
-    #: switched off: that one's next proposal brings every state since its previous one.
+    #: switched off: that one's next proposal brings every state since its previous one. A
+    #: request's first states (its prompt's) come at its first decode step whatever the
+    #: controller says (asked for no drafts where it would not have drafted), and its prompt
+    #: blocks join the prefix cache only once they have come: the method writes its own cache
+    #: rows for the states it is handed in the call that hands them (or, for
+    #: :meth:`catch_up`, before its next call), so a request that shares those blocks finds
+    #: them there.
     NEEDS_HIDDEN_STATES: ClassVar[bool] = False
     #: With ``NEEDS_HIDDEN_STATES``: set to True (in :meth:`setup`, say) to be handed each
     #: step's hidden states at the end of that step, in :meth:`catch_up`, instead of with the

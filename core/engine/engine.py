@@ -555,6 +555,7 @@ class Engine:
             request.proposed_last_step = False
             request.proposed_through = 0
             request.rows_caught_up = 0
+            request.states_handed_through = 0
             self.hidden_states.drop(request)
             self.captured_hidden.drop(request)
         for request in plan.admitted:
@@ -586,6 +587,8 @@ class Engine:
         (more than one step's when the controller left it out of some) and its block table."""
         if proposal.hidden_positions is None:  # not taken by an earlier try of this step
             proposal.hidden_states, proposal.hidden_positions = self.hidden_states.take(request)
+            if len(proposal.hidden_positions):
+                request.states_handed_through = int(proposal.hidden_positions[-1]) + 1
         proposal.block_table = np.asarray(request.block_table, dtype=np.int32)
         proposal.block_table.flags.writeable = False
         return proposal
@@ -625,7 +628,7 @@ class Engine:
             if state.hidden is not None:
                 self._keep_hidden(state, request, request.context_len, rows)
             request.context_len += rows
-            self.kv.register_computed(request)
+            self._register_computed(request)
         if not state.plan.decodes:
             return
         # process, verify, accept: per group of draft widths where that copies fewer logits
@@ -671,6 +674,7 @@ class Engine:
                 hidden_states=hidden, hidden_positions=positions, block_table=table, sampling=request.sampling,
                 rng=request.rng, tenant=request.tenant)
             request.proposed_through = request.num_tokens
+            request.states_handed_through = int(positions[-1]) + 1
             request.rows_caught_up += len(positions)
         if not proposals:
             return 0.0
@@ -810,6 +814,16 @@ class Engine:
             # whose first draft is not worth them this step is left out of the call.
             asked = self.controller.drafts_to_ask(request_ids, max_draft_lens, len(plan.decodes), len(batch))
             wanted &= ~((asked == 0) & (max_draft_lens > 0))
+        proposer_off = ~wanted & ~led & (max_draft_lens > 0)
+        if needs_hidden:
+            # A model proposer gets a request's prompt states at its first decode step, asked
+            # for no drafts where it would not have been called: the prompt's blocks join the
+            # prefix cache once it has them (_register_computed), not after a long wait.
+            first = np.fromiter((r.states_handed_through == 0 for r in plan.decodes), dtype=bool,
+                                count=len(plan.decodes)) & ~wanted
+            if first.any():
+                asked = np.where(first, 0, asked)
+                wanted |= first
         rows = np.flatnonzero(wanted)
         catching_up = self._catching_up(kept_up[rows])
         caught_up_tokens = int(unseen[rows][~kept_up[rows]].sum())
@@ -818,7 +832,7 @@ class Engine:
             if proposed:
                 request.proposed_through = request.num_tokens
         state.proposed = wanted & (asked > 0)
-        state.proposer_off = ~wanted & ~led & (max_draft_lens > 0)
+        state.proposer_off = proposer_off
         drafts = Drafts.empty(len(batch))
         if len(rows) and (needs_hidden or max_draft_lens[rows].any()):
             proposals = [batch.requests[b] if asked[b] == max_draft_lens[b]
@@ -977,7 +991,7 @@ class Engine:
                 if id(request) in state.logprobs:
                     request.logprobs.extend(emitted_logprobs(state.logprobs[id(request)], appended,
                                                              request.sampling.logprobs))
-                self.kv.register_computed(request)
+                self._register_computed(request)
                 request.metrics.record_step(int(drafts.lengths[b]), int(accepted[b]), count,
                                             proposer_off=bool(state.proposer_off[b]))
                 appended_by_request[id(request)] = appended
@@ -987,6 +1001,20 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a detokenizer failure, say: this request only
                 self._fail(request, "update", exc)
         return state.only(lambda r: id(r) in appended_by_request and r.error is None), appended_by_request
+
+    def _register_computed(self, request: Request) -> None:
+        """Offer the prompt blocks ``request`` has computed to the prefix cache. With a
+        proposer that reads hidden states, only those whose states it has been handed
+        (``states_handed_through``; it writes its own cache rows there as it takes them, the
+        ``Proposer.NEEDS_HIDDEN_STATES`` contract): a request that shares a block reads the
+        proposer's rows for its tokens there, never rows it has not written yet (an MTP head
+        would attend over zeros)."""
+        self.kv.register_computed(request, self.shareable_through(request))
+
+    def shareable_through(self, request: Request) -> Optional[int]:
+        """The position below which ``request``'s computed prompt blocks may be shared (see
+        :meth:`_register_computed`); None: every computed block."""
+        return request.states_handed_through if self.proposer.NEEDS_HIDDEN_STATES else None
 
     def _keep_hidden(self, state: _StepState, request: Request, first_position: int, count: int) -> None:
         """Keep ``count`` rows of the step's hidden states of ``request`` from ``first_position``:

@@ -316,7 +316,7 @@ def _seat_imported(engine, request, state: HandoffState) -> bool:
         raise
     if not state.share_prefix:
         request.prefix_keys = []  # unauthenticated blocks stay this request's own
-    engine.kv.adopt(request, n)
+    engine.kv.adopt(request, n, engine.shareable_through(request))
     request.kv_imported = True
     scheduler.running.append(request)
     if engine.needs_hidden_states:

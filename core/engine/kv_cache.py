@@ -168,9 +168,11 @@ class KVCacheManager:
             request.block_table.append(self.pool.allocate())
         return True
 
-    def register_computed(self, request) -> None:
-        """Offer the prompt blocks ``request`` has fully computed to the prefix cache."""
-        done = min(request.context_len // self.block_size, len(request.prefix_keys))
+    def register_computed(self, request, upto: Optional[int] = None) -> None:
+        """Offer the prompt blocks ``request`` has fully computed to the prefix cache; with
+        ``upto``, only those below that position (the rest wait for a later call)."""
+        computed = request.context_len if upto is None else min(request.context_len, upto)
+        done = min(computed // self.block_size, len(request.prefix_keys))
         for i in range(request.num_registered, done):
             key = request.prefix_keys[i]
             self.pool.register(request.block_table[i], key)
@@ -178,17 +180,18 @@ class KVCacheManager:
                 del self._claims[key]
         request.num_registered = max(request.num_registered, done)
 
-    def adopt(self, request, num_positions: int) -> None:
+    def adopt(self, request, num_positions: int, upto: Optional[int] = None) -> None:
         """Count positions ``0 .. num_positions - 1`` of ``request`` as computed: their keys and
         values were written into its blocks from elsewhere (a request imported from another
         engine; call once they are written). Its full prompt blocks join the prefix cache as
         if it had computed them, so later requests with the same prompt prefix share them (a
-        block already cached under the same key stays the shared one)."""
+        block already cached under the same key stays the shared one); with ``upto``, only
+        those below that position, as :meth:`register_computed`."""
         if not self.pool.enable_prefix_caching:
             request.prefix_keys = []
         self._prefix_keys(request)
         request.context_len = num_positions
-        self.register_computed(request)
+        self.register_computed(request, upto)
 
     def free(self, request) -> None:
         """Return every block of ``request`` (tail first, so that shared prefix blocks are the

@@ -107,6 +107,10 @@ class Request:
     #: How many of its tokens the proposer has been shown (``num_tokens`` at its last
     #: proposal; 0 before the first and after a preemption): what a catch-up runs over.
     proposed_through: int = 0
+    #: The positions below which a proposer that reads hidden states has been handed every
+    #: state at a proposal (0 before the first and after a preemption): its own cache rows
+    #: are there, and the prompt blocks below join the prefix cache (``Engine._register_computed``).
+    states_handed_through: int = 0
     #: Hidden-state rows handed to the proposer at the end of its last step
     #: (``Proposer.catch_up``), which its next proposal counts as handed then.
     rows_caught_up: int = 0

@@ -142,11 +142,12 @@ class HybridProposer(specdec.Proposer):
         """The model's catch-up at the end of the step (its ``catch_up``) for the requests it
         drafted for at this step where the lookup matched nothing: those it most likely drafts
         for at the next (where the lookup matched, it may well lead the next step, and the
-        catch-up would be spent for nothing). The others' states wait for the model's next
-        turn, as those of a request the lookup leads."""
-        ahead = [r for r in batch.requests if r.request_id in self._model_led]
+        catch-up would be spent for nothing), and those bringing their prompt's states (which
+        never wait: see :meth:`propose`). The others' states wait for the model's next turn,
+        as those of a request the lookup leads."""
+        ahead = [r for r in batch.requests if r.request_id in self._model_led or _hands_prompt_states(r)]
         for request in batch.requests:
-            if request.request_id not in self._model_led:
+            if request.request_id not in self._model_led and not _hands_prompt_states(request):
                 self._wait(request)
         self._model_led.clear()
         if ahead:
@@ -185,22 +186,27 @@ class HybridProposer(specdec.Proposer):
                 skipped = skipped[1:]  # one request measures the model again
         left_out = set(skipped)  # (a list's membership test would cost a batch of 256 65k comparisons a step)
         model_rows = [b for b in range(len(batch)) if b not in rest and b not in left_out]
+        # Prompt states never wait: the engine shares a prompt's blocks once they are handed
+        # over, and a request that shares them must find the model's rows there.
+        prompt_rows = [b for b in [*rest, *skipped] if _hands_prompt_states(batch.requests[b])]
         for b in [*rest, *skipped]:
-            self._wait(batch.requests[b])
-        model_batch = ProposalBatch([
-            self._with_waiting_states(attrs.evolve(batch.requests[b],
-                                                   max_draft_len=min(batch.requests[b].max_draft_len, self.model_steps)))
-            for b in model_rows])
+            if b not in prompt_rows:
+                self._wait(batch.requests[b])
+        model_requests = [attrs.evolve(batch.requests[b], max_draft_len=min(batch.requests[b].max_draft_len,
+                                                                            self.model_steps)) for b in model_rows]
+        model_requests += [attrs.evolve(batch.requests[b], max_draft_len=0) for b in prompt_rows]  # no drafts
+        model_batch = ProposalBatch([self._with_waiting_states(request) for request in model_requests])
         model_drafts = Drafts.empty(len(batch))
         self._model_led = {batch.requests[b].request_id for b in model_rows if b not in matches}
         self.CATCHES_UP_AFTER_STEP = self._model_catches_up and bool(self._model_led)
-        if model_rows:
+        if model_requests:
             started = time.perf_counter()
             model_drafts = self.model.propose(model_batch).clipped(
-                np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64)).placed(model_rows, len(batch))
+                np.array([r.max_draft_len for r in model_batch.requests], dtype=np.int64)).placed(
+                    model_rows + prompt_rows, len(batch))
             seconds = time.perf_counter() - started + self._catch_up_seconds
             self._catch_up_seconds = 0.0
-            self._model_seconds = _decayed(self._model_seconds, seconds / len(model_rows))
+            self._model_seconds = _decayed(self._model_seconds, seconds / len(model_requests))
         first = model_drafts.to_lists()
         for b in model_rows:
             if first[b]:
@@ -348,6 +354,13 @@ class HybridProposer(specdec.Proposer):
             for position in range(int(model_drafts.lengths[row]), len(draft)):
                 probs[row, position, draft[position]] = 1.0
         return probs
+
+
+def _hands_prompt_states(request: ProposalRequest) -> bool:
+    """Whether ``request`` brings hidden states of its prompt's positions (its first proposal,
+    or the first after a recomputation)."""
+    positions = request.hidden_positions
+    return positions is not None and len(positions) > 0 and int(positions[0]) < request.num_prompt_tokens - 1
 
 
 def _context_request(request: ProposalRequest) -> ProposalRequest:

@@ -122,6 +122,38 @@ def test_the_model_s_catch_up_at_the_end_of_a_step_drafts_what_it_drafts_in_prop
         assert a.metrics.num_accepted_tokens == b.metrics.num_accepted_tokens
 
 
+def test_a_request_sharing_a_prompt_prefix_finds_the_model_s_rows_there(model_session, monkeypatch):
+    """The prompts share their first blocks (the chat template's system prompt), which later
+    requests take from the prefix cache, and the lookup leads many first steps: still, when a
+    request's first states reach the model from past a shared prefix, the model's cache holds
+    its rows in every shared block (the first request's prompt states never wait for a
+    model-led step; the engine shares blocks only once their states are handed over). Before
+    that, a request admitted while the first one's states waited attended over empty rows,
+    and its drafts depended on which request the lookup led first."""
+    import numpy as np
+
+    from specdec.plugins.mtp import MtpProposer
+
+    starts = []
+    real = MtpProposer._catch_up_inputs
+
+    def catch_up_inputs(self, requests):
+        for request in requests:
+            first = int(request.hidden_positions[0])
+            if first > 0 and self._next_position.get(request.request_id) != first:  # from past a cached prefix
+                shared = [int(block) for block in request.block_table[: first // self.block_size]]
+                rows = np.asarray(self.head.cache.export_blocks(shared)[0])
+                starts.append([bool(np.any(rows[i])) for i in range(len(shared))])
+        return real(self, requests)
+
+    monkeypatch.setattr(MtpProposer, "_catch_up_inputs", catch_up_inputs)
+    spec = {**SEED_SPEC, "method": "hybrid", "draft_lookup_first": 2}
+    outputs = model_session.run(spec, PROMPTS, SAMPLING, max_num_seqs=3, cache=False)
+    assert len(starts) == len(PROMPTS) - 1, starts  # every prompt but the first shares a prefix
+    assert all(all(blocks) and blocks for blocks in starts), starts
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
+
+
 def leader_stats(accepted_by_match: dict, steps: int = 20):
     """Leader statistics after ``steps`` steps in which a draft led by each matched length
     (0: the model) had ``accepted_by_match[length]`` tokens accepted."""

@@ -36,6 +36,36 @@ def test_mtp_is_lossless_at_temperature_zero(model_session, steps, batch):
     assert 0 < accepted < sum(o.metrics.num_draft_tokens for o in outputs)
 
 
+@pytest.mark.parametrize("method, predicted", [("mtp", False), ("mtp", True), ("ngram", False)])
+def test_a_prompt_s_blocks_are_shared_once_the_head_has_its_states(model_session, method, predicted):
+    """A proposer that reads hidden states writes its own rows into a prompt's blocks when it
+    is handed their states; only then do the blocks join the prefix cache, so that a request
+    sharing them finds those rows there. The head gets them at the request's first decode step
+    even where it would not be asked to draft: here a prediction (the output itself) leads
+    every step. A lookup reads no states: the blocks are shared once computed."""
+    llm = model_session.llm
+    engine = llm.engine
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True)
+    if predicted:
+        expected = model_session.run(None, PROMPTS[:1], sampling)[0].token_ids
+        sampling = SamplingParams(max_tokens=16, ignore_eos=True, prediction=list(expected))
+    llm.set_speculative_config({"method": method})
+    try:
+        llm.reset_prefix_cache()
+        request = engine.add_request(np.asarray(model_session.prompt_ids(PROMPTS[0]), dtype=np.int64), sampling)
+        engine.step()  # the prompt
+        assert request.num_generated >= 1 and request.prefix_keys
+        shared = [engine.kv.pool.is_cached(key) for key in request.prefix_keys]
+        assert shared == [method == "ngram"] * len(shared), shared
+        engine.step()  # the first decode step
+        assert all(engine.kv.pool.is_cached(key) for key in request.prefix_keys)
+        assert not predicted or request.metrics.num_accepted_tokens > 0  # the prediction's drafts
+    finally:
+        for left in [*engine.waiting, *engine.running]:
+            engine.abort_request(left.request_id)
+        llm.set_speculative_config(None)
+
+
 @pytest.mark.parametrize("quantization", ["wint8", "wint4"])
 def test_quantized_mtp_head_is_lossless_and_still_drafts_well(model_session, quantization):
     """``quantization`` runs the head on the quantized kernels (the default, null, is ``wint4``);
