@@ -1007,8 +1007,8 @@ class Engine:
         proposer that reads hidden states, only those whose states it has been handed
         (``states_handed_through``; it writes its own cache rows there as it takes them, the
         ``Proposer.NEEDS_HIDDEN_STATES`` contract): a request that shares a block reads the
-        proposer's rows for its tokens there, never rows it has not written yet (an MTP head
-        would attend over zeros)."""
+        proposer's rows for its tokens there, never rows it has not written yet (cache layers are
+        allocated uninitialized: an MTP head attended over whatever that memory held)."""
         self.kv.register_computed(request, self.shareable_through(request))
 
     def shareable_through(self, request: Request) -> Optional[int]:

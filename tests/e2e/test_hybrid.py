@@ -128,14 +128,20 @@ def test_a_request_sharing_a_prompt_prefix_finds_the_model_s_rows_there(model_se
     request's first states reach the model from past a shared prefix, the model's cache holds
     its rows in every shared block (the first request's prompt states never wait for a
     model-led step; the engine shares blocks only once their states are handed over). Before
-    that, a request admitted while the first one's states waited attended over empty rows,
-    and its drafts depended on which request the lookup led first."""
+    that, a request admitted while the first one's states waited attended over rows never
+    written (uninitialized memory), and its drafts depended on which request the lookup led
+    first and on what that memory held."""
     import numpy as np
 
     from specdec.plugins.mtp import MtpProposer
 
     starts = []
-    real = MtpProposer._catch_up_inputs
+    real_setup, real_inputs = MtpProposer.setup, MtpProposer._catch_up_inputs
+
+    def setup(self, context):  # every row the head has not written reads NaN
+        real_setup(self, context)
+        for layer in self.head.cache._caches:
+            np.from_dlpack(layer)[...] = np.nan  # (paddle's fill_ refuses NaN)
 
     def catch_up_inputs(self, requests):
         for request in requests:
@@ -143,9 +149,10 @@ def test_a_request_sharing_a_prompt_prefix_finds_the_model_s_rows_there(model_se
             if first > 0 and self._next_position.get(request.request_id) != first:  # from past a cached prefix
                 shared = [int(block) for block in request.block_table[: first // self.block_size]]
                 rows = np.asarray(self.head.cache.export_blocks(shared)[0])
-                starts.append([bool(np.any(rows[i])) for i in range(len(shared))])
-        return real(self, requests)
+                starts.append([not np.isnan(rows[i]).any() for i in range(len(shared))])
+        return real_inputs(self, requests)
 
+    monkeypatch.setattr(MtpProposer, "setup", setup)
     monkeypatch.setattr(MtpProposer, "_catch_up_inputs", catch_up_inputs)
     spec = {**SEED_SPEC, "method": "hybrid", "draft_lookup_first": 2}
     outputs = model_session.run(spec, PROMPTS, SAMPLING, max_num_seqs=3, cache=False)
