@@ -189,8 +189,9 @@ class HybridProposer(specdec.Proposer):
         # Prompt states never wait: the engine shares a prompt's blocks once they are handed
         # over, and a request that shares them must find the model's rows there.
         prompt_rows = [b for b in [*rest, *skipped] if _hands_prompt_states(batch.requests[b])]
+        catching_up_now = set(prompt_rows)
         for b in [*rest, *skipped]:
-            if b not in prompt_rows:
+            if b not in catching_up_now:
                 self._wait(batch.requests[b])
         model_requests = [attrs.evolve(batch.requests[b], max_draft_len=min(batch.requests[b].max_draft_len,
                                                                             self.model_steps)) for b in model_rows]
